@@ -1,0 +1,1 @@
+"""memjax: memory-augmented Transformer language models in JAX/Flax."""

@@ -1,0 +1,134 @@
+"""Adaptive input embeddings (Baevski & Auli) and adaptive softmax (Grave et al.), with ties.
+
+The vocabulary is cut into clusters at `cutoffs`. Cluster i has width d_embed // div_val**i and a
+projection to / from d_model. The output head scores the first cluster's tokens plus one logit per
+tail cluster, in cluster order (the HF / TF order; kimiyoung's PyTorch code stores them reversed).
+With no cutoffs this is an ordinary (optionally projected) embedding and softmax.
+
+Parameter layout (kernels are [in, out] as everywhere in Flax):
+  emb_table_{i} [V_i, d_i]      (div_val == 1: a single emb_table_0 [V, d_embed], sliced per cluster)
+  emb_proj_{i}  [d_i, d_model]  (div_val == 1: only when d_embed != d_model)
+  out_table_{i}, out_proj_{i}   (absent when tied to the embedding's), out_bias_{i} [V_i]
+  cluster_kernel [d_embed, n_tail], cluster_bias [n_tail]
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from memjax.model.config import ModelConfig
+
+
+class AdaptiveIO(nn.Module):
+    """Owns the embedding and softmax parameters so that they can be tied to each other."""
+
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        bounds = cfg.cluster_bounds
+        n_clusters = len(bounds) - 1
+        emb_init = nn.initializers.normal(cfg.init_std)
+        proj_init = nn.initializers.normal(cfg.proj_init_std)
+        single_table = cfg.div_val == 1
+        n_tables = 1 if single_table else n_clusters
+
+        self.emb_tables = [
+            self.param(f'emb_table_{i}', emb_init, (bounds[i + 1] - bounds[i] if not single_table
+                                                     else cfg.vocab_size, cfg.cluster_dim(i)))
+            for i in range(n_tables)]
+        needs_proj = [not single_table or cfg.d_embed != cfg.d_model for _ in range(n_clusters)]
+        self.emb_projs = [
+            self.param(f'emb_proj_{i}', proj_init, (cfg.cluster_dim(i), cfg.d_model)) if needs_proj[i] else None
+            for i in range(n_tables)]
+
+        self.out_tables = self.emb_tables if cfg.tie_weight else [
+            self.param(f'out_table_{i}', emb_init, table.shape) for i, table in enumerate(self.emb_tables)]
+        out_projs = []
+        for i in range(n_clusters):
+            dim = cfg.cluster_dim(0 if single_table else i)
+            if not needs_proj[i]:
+                out_projs.append(None)
+            elif cfg.tie_projs[i]:
+                out_projs.append(self.emb_projs[0 if single_table else i])
+            else:
+                out_projs.append(self.param(f'out_proj_{i}', proj_init, (dim, cfg.d_model)))
+        self.out_projs = out_projs
+        self.out_biases = [self.param(f'out_bias_{i}', nn.initializers.zeros, (bounds[i + 1] - bounds[i],))
+                           for i in range(n_clusters)]
+        if n_clusters > 1:
+            self.cluster_kernel = self.param('cluster_kernel', emb_init, (cfg.d_embed, n_clusters - 1))
+            self.cluster_bias = self.param('cluster_bias', nn.initializers.zeros, (n_clusters - 1,))
+
+    def _cluster_table(self, tables, i: int) -> jax.Array:
+        if self.config.div_val == 1:
+            lo, hi = self.config.cluster_bounds[i], self.config.cluster_bounds[i + 1]
+            return tables[0][lo:hi]
+        return tables[i]
+
+    def embed(self, ids: jax.Array) -> jax.Array:
+        """[...] token ids -> [..., d_model], scaled by sqrt(d_model) as in Transformer-XL."""
+        cfg = self.config
+        dtype = cfg.dtype
+        if cfg.div_val == 1:
+            out = jnp.take(self.emb_tables[0], ids, axis=0).astype(dtype)
+            if self.emb_projs[0] is not None:
+                out = out @ self.emb_projs[0].astype(dtype)
+        else:
+            out = jnp.zeros(ids.shape + (cfg.d_model,), dtype)
+            bounds = cfg.cluster_bounds
+            for i, (table, proj) in enumerate(zip(self.emb_tables, self.emb_projs)):
+                lo, hi = bounds[i], bounds[i + 1]
+                inside = (ids >= lo) & (ids < hi)
+                local = jnp.clip(ids - lo, 0, hi - lo - 1)
+                vectors = jnp.take(table, local, axis=0).astype(dtype) @ proj.astype(dtype)
+                out = out + jnp.where(inside[..., None], vectors, 0)
+        return out * jnp.asarray(math.sqrt(cfg.d_model), dtype)
+
+    def _cluster_logits(self, hidden: jax.Array, i: int) -> jax.Array:
+        """Float32 logits of cluster i's own tokens (plus, for i == 0, one per tail cluster)."""
+        dtype = self.config.dtype
+        proj = self.out_projs[i]
+        x = hidden.astype(dtype)
+        if proj is not None:
+            x = x @ proj.astype(dtype).T
+        table = self._cluster_table(self.out_tables, i)
+        logits = jnp.einsum('...d,vd->...v', x, table.astype(dtype), preferred_element_type=jnp.float32)
+        logits = logits + self.out_biases[i]
+        if i == 0 and len(self.config.cutoffs):
+            cluster = jnp.einsum('...d,dc->...c', x, self.cluster_kernel.astype(dtype),
+                                 preferred_element_type=jnp.float32)
+            logits = jnp.concatenate([logits, cluster + self.cluster_bias], axis=-1)
+        return logits
+
+    def target_logprobs(self, hidden: jax.Array, targets: jax.Array) -> jax.Array:
+        """log p(target) for every position, computed cluster by cluster: the full-vocabulary logit
+        matrix is never formed."""
+        bounds = self.config.cluster_bounds
+        shortlist = bounds[1]
+        head = jax.nn.log_softmax(self._cluster_logits(hidden, 0), axis=-1)
+        picked = jnp.take_along_axis(head, jnp.clip(targets, 0, shortlist - 1)[..., None], axis=-1)[..., 0]
+        for i in range(1, len(bounds) - 1):
+            lo, hi = bounds[i], bounds[i + 1]
+            tail = self._cluster_logits(hidden, i)
+            local = jnp.clip(targets - lo, 0, hi - lo - 1)
+            tail_lp = (jnp.take_along_axis(tail, local[..., None], axis=-1)[..., 0]
+                       - jax.nn.logsumexp(tail, axis=-1))
+            inside = (targets >= lo) & (targets < hi)
+            picked = jnp.where(inside, head[..., shortlist + i - 1] + tail_lp, picked)
+        return picked
+
+    def logprobs(self, hidden: jax.Array) -> jax.Array:
+        """Full-vocabulary log-probabilities [..., vocab_size] (for sampling and tests)."""
+        bounds = self.config.cluster_bounds
+        shortlist = bounds[1]
+        head = jax.nn.log_softmax(self._cluster_logits(hidden, 0), axis=-1)
+        parts = [head[..., :shortlist]]
+        for i in range(1, len(bounds) - 1):
+            tail = jax.nn.log_softmax(self._cluster_logits(hidden, i), axis=-1)
+            parts.append(head[..., shortlist + i - 1:shortlist + i] + tail)
+        return jnp.concatenate(parts, axis=-1)

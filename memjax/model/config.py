@@ -1,0 +1,115 @@
+"""The model's hyper-parameters, validated before anything is traced or compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+_COMPUTE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+_MEMORY_STARTS = ('empty', 'zeros')
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of the memory-transformer language model.
+
+    Fields that only change how the model is *run* (`mem_len`, `clamp_len`, `same_length`,
+    `memory_start`) do not change its parameters, so evaluation can override them with `replace`.
+    """
+
+    vocab_size: int
+    d_model: int = 512
+    n_layer: int = 12
+    n_head: int = 8
+    d_head: int = 64
+    d_inner: int = 2048
+    d_embed: int = -1  # -1: same as d_model.
+    dropout: float = 0.1
+    dropatt: float = 0.0
+    mem_len: int = 0
+    clamp_len: int = -1  # <= 0: relative distances are not clamped.
+    same_length: bool = False
+    pre_lnorm: bool = False
+    untie_r: bool = False  # True: every layer has its own u, v biases.
+    tie_weight: bool = True
+    cutoffs: tuple[int, ...] = ()  # () : plain softmax over the whole vocabulary.
+    div_val: int = 1
+    tie_projs: tuple[bool, ...] = ()  # () : no projection is tied.
+    init_std: float = 0.02
+    proj_init_std: float = 0.01
+    # 'empty': the first segment sees no memory (masked). 'zeros': it sees mem_len zero vectors,
+    # as HF / TF Transformer-XL do (needed for numerical parity with them).
+    memory_start: str = 'empty'
+    layer_norm_epsilon: float = 1e-5
+    compute_dtype: str = 'float32'
+
+    def __post_init__(self):
+        if self.d_embed == -1:
+            object.__setattr__(self, 'd_embed', self.d_model)
+        object.__setattr__(self, 'cutoffs', tuple(int(c) for c in self.cutoffs))
+        tie_projs = tuple(bool(t) for t in self.tie_projs) or (False,) * (len(self.cutoffs) + 1)
+        object.__setattr__(self, 'tie_projs', tie_projs)
+        self.validate()
+
+    @classmethod
+    def from_config_dict(cls, cfg: Mapping[str, Any], vocab_size: int | None = None) -> ModelConfig:
+        """Builds from an ml_collections ConfigDict (or dict); `vocab_size=-1` there takes `vocab_size`."""
+        fields = dict(cfg.to_dict() if hasattr(cfg, 'to_dict') else cfg)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f'config.model has unknown fields {unknown}; known fields: {sorted(known)}.')
+        if fields.get('vocab_size', -1) in (-1, None):
+            if vocab_size is None:
+                raise ValueError('config.model.vocab_size is -1 (take it from the tokenizer) but no '
+                                 'tokenizer vocabulary size was given.')
+            fields['vocab_size'] = vocab_size
+        elif vocab_size is not None and fields['vocab_size'] != vocab_size:
+            raise ValueError(f'config.model.vocab_size={fields["vocab_size"]} but the tokenizer has '
+                             f'{vocab_size} tokens; set config.model.vocab_size=-1 to take it from the tokenizer.')
+        return cls(**fields)
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def dtype(self):
+        return _COMPUTE_DTYPES[self.compute_dtype]
+
+    @property
+    def cluster_bounds(self) -> tuple[int, ...]:
+        """(0, cutoff_1, ..., vocab_size): cluster i holds token ids [bounds[i], bounds[i+1])."""
+        return (0,) + self.cutoffs + (self.vocab_size,)
+
+    def cluster_dim(self, i: int) -> int:
+        return self.d_embed // (self.div_val ** i)
+
+    def validate(self) -> None:
+        def need(ok: bool, message: str):
+            if not ok:
+                raise ValueError(f'Invalid model config: {message}')
+
+        for name in ('vocab_size', 'd_model', 'n_layer', 'n_head', 'd_head', 'd_inner', 'd_embed', 'div_val'):
+            need(int(getattr(self, name)) >= 1, f'{name}={getattr(self, name)} must be a positive integer.')
+        need(self.d_model % 2 == 0, f'd_model={self.d_model} must be even (sin and cos halves of the '
+             'positional encoding).')
+        for name in ('dropout', 'dropatt'):
+            need(0.0 <= getattr(self, name) < 1.0, f'{name}={getattr(self, name)} must be in [0, 1).')
+        need(self.mem_len >= 0, f'mem_len={self.mem_len} must be >= 0 (0 disables memory).')
+        need(not (self.same_length and self.mem_len == 0),
+             'same_length=True needs mem_len > 0: every query sees exactly mem_len keys.')
+        need(self.memory_start in _MEMORY_STARTS,
+             f'memory_start={self.memory_start!r} must be one of {_MEMORY_STARTS}.')
+        need(self.compute_dtype in _COMPUTE_DTYPES,
+             f'compute_dtype={self.compute_dtype!r} must be one of {tuple(_COMPUTE_DTYPES)}.')
+        bounds = self.cluster_bounds
+        need(all(a < b for a, b in zip(bounds, bounds[1:])),
+             f'cutoffs={self.cutoffs} must be strictly increasing and below vocab_size={self.vocab_size}.')
+        need(len(self.tie_projs) == len(self.cutoffs) + 1,
+             f'tie_projs has {len(self.tie_projs)} entries; it needs one per cluster '
+             f'(len(cutoffs) + 1 = {len(self.cutoffs) + 1}) or none.')
+        need(self.cluster_dim(len(self.cutoffs)) >= 1,
+             f'd_embed={self.d_embed} with div_val={self.div_val} leaves the last of '
+             f'{len(self.cutoffs) + 1} clusters with no dimension; lower div_val or raise d_embed.')
