@@ -1,0 +1,414 @@
+"""Tokenizers: byte (enwik8), char (text8), word (WikiText) and sentencepiece.
+
+All map text to np.int32 ids in [0, vocab_size). Vocabularies are saved as
+JSON (sentencepiece: its own .model protobuf) next to the run, never pickled,
+so evaluation and generation reuse exactly the training vocabulary.
+"""
+
+import abc
+import collections
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+TOKENIZER_FILE = 'tokenizer.json'
+SENTENCEPIECE_FILE = 'tokenizer.model'
+EOS = '<eos>'
+UNK = '<unk>'
+# Written for characters outside the char vocabulary.
+UNK_CHAR = '\ufffd'
+KINDS = ('byte', 'char', 'word', 'sentencepiece')
+# Bounds sentencepiece's training input; lines beyond it are subsampled.
+SP_MAX_TRAIN_LINES = 2_000_000
+
+
+def cfg_get(cfg: Any, name: str, default: Any) -> Any:
+    """Reads an optional config field (ConfigDict, dict or object)."""
+    if isinstance(cfg, dict) or hasattr(cfg, 'get'):
+        value = cfg.get(name, default)
+    else:
+        value = getattr(cfg, name, default)
+    return default if value is None else value
+
+
+def split_lines(text: str) -> List[str]:
+    """Lines of `text`; a final newline does not start another line."""
+    lines = text.split('\n')
+    if lines[-1] == '':
+        lines.pop()
+    return lines
+
+
+def _sha256_json(obj: Any) -> str:
+    data = json.dumps(obj, sort_keys=True, ensure_ascii=True).encode('ascii')
+    return hashlib.sha256(data).hexdigest()
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> np.int32 ids. `unit` says how to report the loss."""
+
+    kind: str
+    unit: str
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids; every id is in [0, vocab_size)."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of `text` as an np.int32 vector."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`."""
+
+    @abc.abstractmethod
+    def to_json(self) -> dict:
+        """The JSON-serialisable description saved in tokenizer.json."""
+
+    @property
+    def fingerprint(self) -> str:
+        """Changes whenever the id assignment changes (keys token caches)."""
+        return _sha256_json(self.to_json())
+
+    def save(self, directory: os.PathLike) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / TOKENIZER_FILE
+        path.write_text(json.dumps(self.to_json(), ensure_ascii=True))
+        return path
+
+    def _check_ids(self, ids: Iterable[int]) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            raise ValueError(
+                f'{self.kind} tokenizer got ids in [{ids.min()}, {ids.max()}] '
+                f'but its vocabulary has {self.vocab_size} entries.')
+        return ids
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes, vocabulary 256 (enwik8 style).
+
+    Invalid UTF-8 (e.g. a character cut by enwik8's byte split) is carried in
+    the text as surrogate escapes, so the original bytes round-trip exactly.
+    """
+
+    kind = 'byte'
+    unit = 'byte'
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    def encode(self, text: str) -> np.ndarray:
+        data = text.encode('utf-8', 'surrogateescape')
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        data = self._check_ids(ids).astype(np.uint8).tobytes()
+        return data.decode('utf-8', 'surrogateescape')
+
+    def to_json(self) -> dict:
+        return {'kind': self.kind}
+
+
+def _code_points(text: str) -> np.ndarray:
+    # surrogatepass keeps surrogate-escaped bytes as their own characters.
+    data = text.encode('utf-32-le', 'surrogatepass')
+    return np.frombuffer(data, dtype='<u4')
+
+
+class CharTokenizer(Tokenizer):
+    """Characters seen in the train split (text8 style), plus one unknown id.
+
+    Ids follow code point order; the last id stands for any character missing
+    from the train split (decoded as U+FFFD).
+    """
+
+    kind = 'char'
+    unit = 'char'
+
+    def __init__(self, chars: Sequence[str]):
+        if not chars:
+            raise ValueError('Char vocabulary is empty (no text in the train '
+                             'split?).')
+        if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
+            raise ValueError('Char vocabulary must hold distinct single '
+                             'characters.')
+        self.chars = sorted(chars)
+        self._points = _code_points(''.join(self.chars)).astype(np.int64)
+        self.unk_id = len(self.chars)
+
+    @classmethod
+    def from_documents(cls, documents: Iterable[str]) -> 'CharTokenizer':
+        chars = set()
+        for doc in documents:
+            chars.update(np.unique(_code_points(doc)).tolist())
+        return cls([chr(c) for c in chars])
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars) + 1
+
+    def encode(self, text: str) -> np.ndarray:
+        points = _code_points(text).astype(np.int64)
+        pos = np.minimum(np.searchsorted(self._points, points),
+                         len(self._points) - 1)
+        known = self._points[pos] == points
+        return np.where(known, pos, self.unk_id).astype(np.int32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        table = np.append(self._points, ord(UNK_CHAR)).astype('<u4')
+        points = table[self._check_ids(ids)]
+        return points.tobytes().decode('utf-32-le', 'surrogatepass')
+
+    def to_json(self) -> dict:
+        return {'kind': self.kind, 'chars': self.chars}
+
+
+class WordTokenizer(Tokenizer):
+    """Whitespace-split words with `<eos>` after every line (WikiText style).
+
+    Ids: `<eos>` = 0, `<unk>` = 1, then words by decreasing train frequency
+    (ties by string) so adaptive-softmax cutoffs see frequent words first.
+    """
+
+    kind = 'word'
+    unit = 'word'
+
+    def __init__(self, tokens: Sequence[str]):
+        if list(tokens[:2]) != [EOS, UNK]:
+            raise ValueError(f'Word vocabulary must start with {EOS!r}, '
+                             f'{UNK!r}; got {list(tokens[:2])}.')
+        self.tokens = list(tokens)
+        self._index = {tok: i for i, tok in enumerate(self.tokens)}
+        if len(self._index) != len(self.tokens):
+            raise ValueError('Word vocabulary has duplicate tokens.')
+        self.eos_id = 0
+        self.unk_id = 1
+
+    @classmethod
+    def from_documents(cls, documents: Iterable[str], min_freq: int = 1,
+                       max_size: Optional[int] = None) -> 'WordTokenizer':
+        """Builds the vocabulary from (train) documents.
+
+        Args:
+          documents: texts to count words in.
+          min_freq: words seen fewer times become `<unk>`.
+          max_size: cap on the vocabulary size, specials included.
+        """
+        counts = collections.Counter()
+        for doc in documents:
+            for line in split_lines(doc):
+                counts.update(line.split())
+        for special in (EOS, UNK):
+            counts.pop(special, None)
+        words = sorted((w for w, c in counts.items() if c >= min_freq),
+                       key=lambda w: (-counts[w], w))
+        tokens = [EOS, UNK] + words
+        if max_size is not None:
+            if max_size < 2:
+                raise ValueError(f'word max_size must be >= 2, got {max_size}.')
+            tokens = tokens[:max_size]
+        return cls(tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    def encode(self, text: str) -> np.ndarray:
+        get, unk = self._index.get, self.unk_id
+        ids = []
+        for line in split_lines(text):
+            ids.extend(get(w, unk) for w in line.split())
+            ids.append(self.eos_id)
+        return np.asarray(ids, dtype=np.int32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        pieces, line = [], []
+        for i in self._check_ids(ids).tolist():
+            if i == self.eos_id:
+                pieces.append(' '.join(line) + '\n')
+                line = []
+            else:
+                line.append(self.tokens[i])
+        pieces.append(' '.join(line))
+        return ''.join(pieces)
+
+    def to_json(self) -> dict:
+        return {'kind': self.kind, 'tokens': self.tokens}
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece model applied line by line; its eos id marks newlines.
+
+    Sentencepiece works on sentences without newlines, so each line is encoded
+    separately and followed by eos; decoding turns eos back into '\\n'.
+    """
+
+    kind = 'sentencepiece'
+    unit = 'subword'
+
+    def __init__(self, model_proto: bytes, source: str = '<memory>'):
+        import sentencepiece as spm  # Only needed for this tokenizer.
+        self.model_proto = bytes(model_proto)
+        self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        self.eos_id = self._sp.eos_id()
+        if self.eos_id < 0:
+            raise ValueError(
+                f'Sentencepiece model {source} has no eos piece, which memjax '
+                'uses to mark line ends; train it with eos_id >= 0 (the '
+                'default) or let memjax train one (leave data.vocab_path empty).')
+
+    @classmethod
+    def load(cls, path: os.PathLike) -> 'SentencePieceTokenizer':
+        return cls(Path(path).read_bytes(), source=str(path))
+
+    @classmethod
+    def train(cls, documents: Iterable[str],
+              vocab_size: int) -> 'SentencePieceTokenizer':
+        """Trains a unigram model with byte fallback (lossless round trip)."""
+        import io
+        import sentencepiece as spm
+        lines = [line for doc in documents for line in split_lines(doc)
+                 if line.strip()]
+        if not lines:
+            raise ValueError('Cannot train sentencepiece: the train split has '
+                             'no non-empty lines.')
+        # Deterministic subsampling instead of sentencepiece's random one.
+        stride = -(-len(lines) // SP_MAX_TRAIN_LINES)
+        model = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(lines[::stride]), model_writer=model,
+                vocab_size=vocab_size, model_type='unigram',
+                byte_fallback=True, character_coverage=1.0,
+                normalization_rule_name='identity',
+                remove_extra_whitespaces=False, add_dummy_prefix=False,
+                hard_vocab_limit=False, shuffle_input_sentence=False,
+                num_threads=min(os.cpu_count() or 1, 16), minloglevel=2)
+        except RuntimeError as e:
+            raise ValueError(
+                f'Sentencepiece training failed for data.sp_vocab_size='
+                f'{vocab_size} (byte fallback needs more than 256 + the '
+                f'number of distinct characters): {e}') from e
+        return cls(model.getvalue())
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    def encode(self, text: str) -> np.ndarray:
+        lines = split_lines(text)
+        if not lines:
+            return np.zeros([0], np.int32)
+        encoded = self._sp.encode(lines, add_eos=True)
+        return np.concatenate([np.asarray(x, np.int32) for x in encoded])
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = self._check_ids(ids)
+        ends = np.flatnonzero(ids == self.eos_id)
+        starts = np.concatenate([[0], ends + 1])
+        pieces = [self._sp.decode(ids[s:e].tolist()) + '\n'
+                  for s, e in zip(starts, ends)]
+        pieces.append(self._sp.decode(ids[starts[-1]:].tolist()))
+        return ''.join(pieces)
+
+    def to_json(self) -> dict:
+        return {'kind': self.kind, 'model_file': SENTENCEPIECE_FILE,
+                'model_sha256': hashlib.sha256(self.model_proto).hexdigest()}
+
+    def save(self, directory: os.PathLike) -> Path:
+        path = super().save(directory)
+        (Path(directory) / SENTENCEPIECE_FILE).write_bytes(self.model_proto)
+        return path
+
+
+def load_tokenizer(path: os.PathLike) -> Tokenizer:
+    """Loads a tokenizer.json (or its folder) or a sentencepiece .model file."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.exists():
+        raise FileNotFoundError(
+            f'Tokenizer file {path} does not exist; point data.vocab_path at a '
+            f'{TOKENIZER_FILE} written by memjax or at a sentencepiece .model.')
+    if path.suffix == '.model':
+        return SentencePieceTokenizer.load(path)
+    try:
+        spec = json.loads(path.read_text())
+        kind = spec['kind']
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f'{path} is not a memjax tokenizer file '
+                         f'(JSON with a "kind" field): {e}') from e
+    if kind == 'byte':
+        return ByteTokenizer()
+    if kind == 'char':
+        return CharTokenizer(spec['chars'])
+    if kind == 'word':
+        return WordTokenizer(spec['tokens'])
+    if kind == 'sentencepiece':
+        model_path = path.parent / spec['model_file']
+        model = SentencePieceTokenizer.load(model_path)
+        if model.to_json()['model_sha256'] != spec.get('model_sha256'):
+            raise ValueError(f'{model_path} does not match the model hash '
+                             f'recorded in {path}; the pair was mixed up.')
+        return model
+    raise ValueError(f'{path}: unknown tokenizer kind {kind!r}; expected one '
+                     f'of {KINDS}.')
+
+
+def train_tokenizer(kind: str, train_documents: Sequence[str],
+                    data_cfg: Any = None) -> Tokenizer:
+    """Builds a new tokenizer of `kind` from the train split's documents."""
+    if kind == 'byte':
+        return ByteTokenizer()
+    if kind == 'char':
+        return CharTokenizer.from_documents(train_documents)
+    if kind == 'word':
+        max_size = cfg_get(data_cfg, 'word_max_size', 0)
+        return WordTokenizer.from_documents(
+            train_documents, min_freq=cfg_get(data_cfg, 'word_min_freq', 1),
+            max_size=max_size if max_size > 0 else None)
+    if kind == 'sentencepiece':
+        return SentencePieceTokenizer.train(
+            train_documents, cfg_get(data_cfg, 'sp_vocab_size', 8000))
+    raise ValueError(f'Unknown data.tokenizer {kind!r}; expected one of '
+                     f'{KINDS}.')
+
+
+def build_tokenizer(data_cfg: Any,
+                    workdir: Optional[os.PathLike] = None) -> Tokenizer:
+    """Loads the run's tokenizer, or builds it from the train split once.
+
+    Order: `workdir`/tokenizer.json if present (resumed run, evaluation),
+    else data.vocab_path, else trained on the train split of data.name. The
+    result is saved into `workdir` so later commands reuse the same ids.
+    """
+    kind = cfg_get(data_cfg, 'tokenizer', 'byte')
+    if kind not in KINDS:
+        raise ValueError(f'Unknown data.tokenizer {kind!r}; expected one of '
+                         f'{KINDS}.')
+    saved = Path(workdir).expanduser() / TOKENIZER_FILE if workdir else None
+    vocab_path = cfg_get(data_cfg, 'vocab_path', '')
+    if saved is not None and saved.exists():
+        tok, origin = load_tokenizer(saved), str(saved)
+    elif vocab_path:
+        tok, origin = load_tokenizer(vocab_path), f'data.vocab_path={vocab_path}'
+    else:
+        from memjax.data import builders  # Deferred: pulls in TFDS.
+        docs = builders.load_split_documents(data_cfg, 'train')
+        tok, origin = train_tokenizer(kind, docs, data_cfg), 'train split'
+    if tok.kind != kind:
+        raise ValueError(
+            f'data.tokenizer is {kind!r} but {origin} holds a {tok.kind!r} '
+            'tokenizer; use a fresh workdir or the matching data.tokenizer.')
+    if saved is not None and not saved.exists():
+        tok.save(saved.parent)
+    return tok

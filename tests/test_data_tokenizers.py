@@ -1,0 +1,141 @@
+"""Tokenizer round trips, vocabulary rules and persistence."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from memjax.data import tokenizers
+
+
+def _random_corpus(seed, num_lines, words):
+    rng = random.Random(seed)
+    return ''.join(' '.join(rng.choice(words) for _ in range(rng.randint(0, 9)))
+                   + '\n' for _ in range(num_lines))
+
+
+def test_byte_round_trip_including_invalid_utf8():
+    tok = tokenizers.ByteTokenizer()
+    raw = 'héllo ☃\n'.encode('utf-8') + b'\xe2\x98'  # A cut-off character.
+    text = raw.decode('utf-8', 'surrogateescape')
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32
+    assert ids.tolist() == list(raw)
+    assert tok.decode(ids) == text
+    assert tok.vocab_size == 256 and tok.unit == 'byte'
+
+
+def test_char_vocab_from_train_only_and_unknown_chars():
+    tok = tokenizers.CharTokenizer.from_documents(['abca', 'b c'])
+    assert tok.vocab_size == 5  # ' ', a, b, c + unknown.
+    assert tok.encode('cab ').tolist() == [3, 1, 2, 0]
+    ids = tok.encode('ab?z')
+    assert ids.tolist() == [1, 2, 4, 4]
+    assert tok.decode(ids) == 'ab\ufffd\ufffd'
+    assert tok.decode(tok.encode('a c b')) == 'a c b'
+    assert tok.unit == 'char'
+
+
+def test_word_vocab_is_train_only_frequency_ordered_with_ties_by_string():
+    train = ['b a c\na b\n', 'b d']
+    tok = tokenizers.WordTokenizer.from_documents(train)
+    # Counts: b=3, a=2, c=1, d=1 (tie broken alphabetically).
+    assert tok.tokens == ['<eos>', '<unk>', 'b', 'a', 'c', 'd']
+    ids = tok.encode('a  zz b\n\nc')
+    assert ids.tolist() == [3, 1, 2, 0, 0, 4, 0]
+    assert tok.decode(ids) == 'a <unk> b\n\nc\n'
+
+
+def test_word_min_freq_max_size_and_literal_unk():
+    train = ['x x x y y z <unk> <unk>\n']
+    tok = tokenizers.WordTokenizer.from_documents(train, min_freq=2)
+    assert tok.tokens == ['<eos>', '<unk>', 'x', 'y']
+    assert tok.encode('<unk> z').tolist() == [1, 1, 0]
+    capped = tokenizers.WordTokenizer.from_documents(train, max_size=3)
+    assert capped.tokens == ['<eos>', '<unk>', 'x']
+
+
+def test_word_round_trip_on_normalised_text():
+    words = ['the', 'cat', 'sat', 'on', 'a', 'mat', ',', '.']
+    text = _random_corpus(0, 200, words)
+    tok = tokenizers.WordTokenizer.from_documents([text])
+    ids = tok.encode(text)
+    assert int((ids == tok.eos_id).sum()) == text.count('\n')
+    assert tok.decode(ids) == text
+
+
+@pytest.fixture(scope='module')
+def sp_tokenizer():
+    words = ['alpha', 'beta', 'gamma', 'delta', 'epsilon', 'zeta']
+    return tokenizers.SentencePieceTokenizer.train(
+        [_random_corpus(1, 1500, words)], vocab_size=300)
+
+
+def test_sentencepiece_round_trip_is_lossless(sp_tokenizer):
+    tok = sp_tokenizer
+    assert tok.unit == 'subword' and 256 < tok.vocab_size <= 300
+    text = 'alpha  beta\n\n\t gamma ünseen ☃\nlast line without newline'
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32
+    assert ids.min() >= 0 and ids.max() < tok.vocab_size
+    assert int((ids == tok.eos_id).sum()) == 4  # Every line ends in eos.
+    assert tok.decode(ids) == text + '\n'
+    # Frequent training words become single pieces.
+    assert len(tok.encode('alpha')) == 2
+
+
+def test_sentencepiece_save_and_load(tmp_path, sp_tokenizer):
+    sp_tokenizer.save(tmp_path)
+    loaded = tokenizers.load_tokenizer(tmp_path)
+    text = 'beta gamma\nzeta\n'
+    assert loaded.encode(text).tolist() == sp_tokenizer.encode(text).tolist()
+    direct = tokenizers.load_tokenizer(tmp_path / tokenizers.SENTENCEPIECE_FILE)
+    assert direct.fingerprint == sp_tokenizer.fingerprint
+
+
+def test_sentencepiece_too_small_vocab_names_the_field():
+    with pytest.raises(ValueError, match='data.sp_vocab_size'):
+        tokenizers.SentencePieceTokenizer.train(['abc def\n'], vocab_size=20)
+
+
+@pytest.mark.parametrize('tok', [
+    tokenizers.ByteTokenizer(),
+    tokenizers.CharTokenizer(list('abc ')),
+    tokenizers.WordTokenizer(['<eos>', '<unk>', 'b', 'a']),
+])
+def test_save_load_preserves_ids(tmp_path, tok):
+    path = tok.save(tmp_path)
+    json.loads(path.read_text())  # Plain JSON, no pickles.
+    loaded = tokenizers.load_tokenizer(path)
+    assert loaded.fingerprint == tok.fingerprint
+    text = 'a b\nc a\n'
+    assert loaded.encode(text).tolist() == tok.encode(text).tolist()
+
+
+def test_decode_rejects_out_of_range_ids():
+    tok = tokenizers.CharTokenizer(list('ab'))
+    with pytest.raises(ValueError, match='vocabulary has 3 entries'):
+        tok.decode([0, 3])
+
+
+def test_build_tokenizer_reuses_workdir_and_checks_kind(tmp_path):
+    vocab = tokenizers.WordTokenizer(['<eos>', '<unk>', 'hello'])
+    vocab.save(tmp_path / 'given')
+    cfg = {'name': 'embedded', 'tokenizer': 'word',
+           'vocab_path': str(tmp_path / 'given' / 'tokenizer.json')}
+    tok = tokenizers.build_tokenizer(cfg, tmp_path / 'run')
+    assert tok.tokens == vocab.tokens
+    assert (tmp_path / 'run' / 'tokenizer.json').exists()
+    # The run's saved vocabulary wins over data.vocab_path from now on.
+    again = tokenizers.build_tokenizer(dict(cfg, vocab_path='/nonexistent'),
+                                       tmp_path / 'run')
+    assert again.fingerprint == vocab.fingerprint
+    with pytest.raises(ValueError, match='fresh workdir'):
+        tokenizers.build_tokenizer(dict(cfg, tokenizer='char'),
+                                   tmp_path / 'run')
+
+
+def test_unknown_tokenizer_kind():
+    with pytest.raises(ValueError, match='data.tokenizer'):
+        tokenizers.build_tokenizer({'tokenizer': 'bpe'}, None)
