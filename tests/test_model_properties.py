@@ -1,0 +1,176 @@
+"""Properties of the whole model: causality, memory carry, normalisation, resets, config checks."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memjax.model import ModelConfig, TransformerXL, init_memory, lm_loss
+
+VOCAB = 50
+BASE = dict(vocab_size=VOCAB, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, dropout=0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def setup(**overrides):
+    """Random model with its zero-initialised parameters perturbed so that every term matters."""
+    cfg = ModelConfig(**{**BASE, **overrides})
+    model = TransformerXL(cfg)
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    params = model.init(jax.random.key(0), tokens, init_memory(cfg, 2))['params']
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    params = tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    return cfg, model, params
+
+
+def run_segments(cfg, model, params, tokens, seg_len, targets=None):
+    """Scores `tokens` [B, L] segment by segment, carrying the memory; returns hidden, log-probs."""
+    memory = init_memory(cfg, tokens.shape[0])
+    apply = jax.jit(model.apply)
+    hiddens, logprobs = [], []
+    for start in range(0, tokens.shape[1], seg_len):
+        seg_targets = None if targets is None else targets[:, start:start + seg_len]
+        out, memory = apply({'params': params}, tokens[:, start:start + seg_len], memory, targets=seg_targets)
+        hiddens.append(out.hidden)
+        logprobs.append(out.target_logprobs)
+    return jnp.concatenate(hiddens, 1), (None if targets is None else jnp.concatenate(logprobs, 1))
+
+
+def random_tokens(seed, shape):
+    return jax.random.randint(jax.random.key(seed), shape, 0, VOCAB)
+
+
+@pytest.mark.parametrize('overrides', [dict(mem_len=8), dict(mem_len=8, pre_lnorm=True, untie_r=True),
+                                       dict(mem_len=4, same_length=True, clamp_len=3)])
+def test_causality_within_and_across_segments(overrides):
+    cfg, model, params = setup(**overrides)
+    tokens = random_tokens(0, (2, 12))
+    changed = tokens.at[:, 6:].set((tokens[:, 6:] + 1) % VOCAB)  # change everything after t = 5
+    h_orig, _ = run_segments(cfg, model, params, tokens, seg_len=4)
+    h_changed, _ = run_segments(cfg, model, params, changed, seg_len=4)
+    np.testing.assert_array_equal(h_orig[:, :6], h_changed[:, :6])
+    assert not np.allclose(h_orig[:, 6:], h_changed[:, 6:])  # the change is visible downstream
+
+
+@pytest.mark.parametrize('overrides', [dict(), dict(pre_lnorm=True), dict(cutoffs=(20, 35), div_val=2)])
+def test_memory_carry_equals_one_long_pass(overrides):
+    """A memory that holds everything seen makes segment-wise scoring equal to one long pass."""
+    length, seg_len = 12, 4
+    cfg, model, params = setup(mem_len=length - seg_len, **overrides)
+    tokens, targets = random_tokens(2, (2, length)), random_tokens(3, (2, length))
+    _, segmented = run_segments(cfg, model, params, tokens, seg_len, targets)
+    _, whole = run_segments(cfg, model, params, tokens, length, targets)  # memory stays empty
+    np.testing.assert_allclose(segmented, whole, atol=2e-5)
+
+
+def test_same_length_segments_equal_one_pass_with_the_same_window():
+    """With same_length every query sees the last mem_len keys, whether they sit in memory or not."""
+    cfg, model, params = setup(mem_len=5, same_length=True, clamp_len=4)
+    tokens, targets = random_tokens(4, (2, 12)), random_tokens(5, (2, 12))
+    _, segmented = run_segments(cfg, model, params, tokens, 3, targets)
+    _, whole = run_segments(cfg, model, params, tokens, 12, targets)
+    np.testing.assert_allclose(segmented, whole, atol=2e-5)
+
+
+def test_short_memory_forgets():
+    """Without enough memory the distant past is out of reach: a negative control for the above."""
+    cfg, model, params = setup(mem_len=2)
+    tokens = random_tokens(6, (2, 12))
+    changed = tokens.at[:, 0].set((tokens[:, 0] + 1) % VOCAB)
+    h_orig, _ = run_segments(cfg, model, params, tokens, 4)
+    h_changed, _ = run_segments(cfg, model, params, changed, 4)
+    # Layer-wise receptive field grows by mem_len per layer: position 0 cannot reach the last segment.
+    np.testing.assert_array_equal(h_orig[:, 8:], h_changed[:, 8:])
+    assert not np.allclose(h_orig[:, 1:4], h_changed[:, 1:4])
+
+
+@pytest.mark.parametrize('overrides', [
+    dict(), dict(tie_weight=False), dict(cutoffs=(10, 30), div_val=1, d_embed=12, tie_projs=(False, True, False)),
+    dict(cutoffs=(10, 30), div_val=2), dict(cutoffs=(25,), div_val=4, tie_weight=False)])
+def test_adaptive_softmax_normalises_and_matches_targets(overrides):
+    cfg, model, params = setup(mem_len=4, **overrides)
+    tokens = random_tokens(7, (2, 6))
+    targets = jnp.concatenate([tokens[:, 1:], jnp.array([[0], [VOCAB - 1]])], axis=1)
+    out, _ = model.apply({'params': params}, tokens, init_memory(cfg, 2), targets=targets)
+    full = model.apply({'params': params}, out.hidden, method=TransformerXL.logprobs)
+    assert full.shape[-1] == VOCAB
+    np.testing.assert_allclose(jax.nn.logsumexp(full, axis=-1), 0.0, atol=1e-5)
+    np.testing.assert_allclose(out.target_logprobs, jnp.take_along_axis(full, targets[..., None], -1)[..., 0],
+                               atol=1e-5)
+
+
+def test_plain_softmax_equals_tied_embedding_logits():
+    cfg, model, params = setup(mem_len=0)
+    tokens = random_tokens(8, (2, 5))
+    out, _ = model.apply({'params': params}, tokens, init_memory(cfg, 2))
+    logits = out.hidden @ params['io']['emb_table_0'].T + params['io']['out_bias_0']
+    full = model.apply({'params': params}, out.hidden, method=TransformerXL.logprobs)
+    np.testing.assert_allclose(full, jax.nn.log_softmax(logits), atol=1e-5)
+
+
+def test_empty_memory_start_equals_no_memory_and_zeros_start_differs():
+    cfg, model, params = setup(mem_len=6)
+    tokens = random_tokens(9, (2, 5))
+    with_memory, _ = model.apply({'params': params}, tokens, init_memory(cfg, 2))
+    no_memory_cfg = cfg.replace(mem_len=0)
+    without, _ = TransformerXL(no_memory_cfg).apply({'params': params}, tokens, init_memory(no_memory_cfg, 2))
+    np.testing.assert_allclose(with_memory.hidden, without.hidden, atol=1e-6)
+    zeros_cfg = cfg.replace(memory_start='zeros')
+    zeros, _ = TransformerXL(zeros_cfg).apply({'params': params}, tokens, init_memory(zeros_cfg, 2))
+    assert not np.allclose(zeros.hidden, without.hidden, atol=1e-3)
+
+
+def test_reset_clears_only_the_flagged_rows():
+    cfg, model, params = setup(mem_len=6)
+    first, second = random_tokens(10, (2, 4)), random_tokens(11, (2, 4))
+    _, memory = model.apply({'params': params}, first, init_memory(cfg, 2))
+    reset_out, _ = model.apply({'params': params}, second, memory, reset=jnp.array([True, False]))
+    fresh_out, _ = model.apply({'params': params}, second, init_memory(cfg, 2))
+    carried_out, _ = model.apply({'params': params}, second, memory)
+    np.testing.assert_allclose(reset_out.hidden[0], fresh_out.hidden[0], atol=1e-6)
+    np.testing.assert_allclose(reset_out.hidden[1], carried_out.hidden[1], atol=1e-6)
+    assert not np.allclose(carried_out.hidden[0], fresh_out.hidden[0], atol=1e-4)
+
+
+def test_memory_gets_no_gradient_from_the_next_segment():
+    cfg, model, params = setup(mem_len=4)
+    first, second = random_tokens(12, (2, 4)), random_tokens(13, (2, 4))
+
+    def second_segment_loss(p_first):
+        _, memory = model.apply({'params': p_first}, first, init_memory(cfg, 2))
+        out, _ = model.apply({'params': params}, second, memory, targets=second)
+        return lm_loss(out.target_logprobs)
+
+    grads = jax.grad(second_segment_loss)(params)
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads))
+
+
+def test_lm_loss_ignores_masked_positions():
+    logprobs = jnp.array([[-1.0, -2.0, -30.0]])
+    assert float(lm_loss(logprobs, jnp.array([[1.0, 1.0, 0.0]]))) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (dict(d_model=15), 'd_model=15 must be even'),
+    (dict(cutoffs=(30, 20)), 'strictly increasing'),
+    (dict(cutoffs=(20, 60)), 'below vocab_size'),
+    (dict(mem_len=0, same_length=True), 'same_length=True needs mem_len > 0'),
+    (dict(tie_projs=(True,), cutoffs=(20,)), 'one per cluster'),
+    (dict(div_val=64, d_embed=16, cutoffs=(10, 20)), 'no dimension'),
+    (dict(memory_start='random'), 'memory_start'),
+    (dict(dropout=1.0), 'dropout=1.0'),
+])
+def test_invalid_config_is_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(**{**BASE, **overrides})
+
+
+def test_config_dict_vocab_from_tokenizer_and_unknown_fields():
+    assert ModelConfig.from_config_dict({**BASE, 'vocab_size': -1}, vocab_size=77).vocab_size == 77
+    with pytest.raises(ValueError, match='unknown fields'):
+        ModelConfig.from_config_dict({**BASE, 'n_layers': 3})
+    with pytest.raises(ValueError, match='tokenizer has 77'):
+        ModelConfig.from_config_dict(BASE, vocab_size=77)
