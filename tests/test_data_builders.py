@@ -1,0 +1,215 @@
+"""TFDS builders on tiny generated raw files, read back with tfds.data_source."""
+
+import zipfile
+
+import pytest
+import tensorflow_datasets as tfds
+
+from memjax.data import builders
+
+
+def _records(name, data_dir, split):
+    source = tfds.data_source(name, split=split, data_dir=str(data_dir))
+    return [source[i] for i in range(len(source))]
+
+
+def _docs_from_records(records):
+    docs = []
+    for r in records:
+        if r['doc_start']:
+            docs.append(b'')
+        docs[-1] += r['text']
+    return [d.decode() for d in docs]
+
+
+def test_chunk_document_bounded_prefers_line_ends():
+    data = b'aaaa\nbbbb\ncc cc dd\n' + b'x' * 12
+    chunks = builders.chunk_document(data, max_bytes=8)
+    assert b''.join(chunks) == data
+    assert all(len(c) <= 8 for c in chunks)
+    assert chunks[:3] == [b'aaaa\n', b'bbbb\n', b'cc cc ']
+
+
+def _write_wikitext(folder):
+    texts = {
+        'train': ' \n = Alpha = \n \n alpha text \n = = Section = = \n more \n'
+                 ' = Beta = \n beta text \n',
+        'valid': ' = Gamma = \n gamma \n',
+        'test': ' = Delta = \n delta \n = Eps = \n eps \n',
+    }
+    folder.mkdir()
+    for split, text in texts.items():
+        (folder / f'wiki.{split}.tokens').write_text(text)
+    return texts
+
+
+def test_wikitext103_one_document_per_article(tmp_path):
+    texts = _write_wikitext(tmp_path / 'raw')
+    cfg = {'name': 'wikitext103', 'data_dir': str(tmp_path / 'tfds'),
+           'manual_dir': str(tmp_path / 'raw')}
+    builders.prepare(cfg)
+    train = _docs_from_records(
+        _records('memjax_wikitext103', tmp_path / 'tfds', 'train'))
+    assert train == [' \n = Alpha = \n \n alpha text \n = = Section = = \n'
+                     ' more \n', ' = Beta = \n beta text \n']
+    assert ''.join(train) == texts['train']
+    test = builders.load_split_documents(cfg, 'test')
+    assert test == [' = Delta = \n delta \n', ' = Eps = \n eps \n']
+    assert builders.load_split_documents(cfg, 'valid') == [texts['valid']]
+
+
+def test_wikitext103_missing_file_names_it_and_the_fix(tmp_path):
+    _write_wikitext(tmp_path / 'raw')
+    (tmp_path / 'raw' / 'wiki.valid.tokens').unlink()
+    cfg = {'name': 'wikitext103', 'data_dir': str(tmp_path / 'tfds'),
+           'manual_dir': str(tmp_path / 'raw')}
+    with pytest.raises(FileNotFoundError, match='wiki.valid.tokens.*manual_dir'):
+        builders.prepare(cfg)
+
+
+def test_missing_manual_dir(tmp_path):
+    cfg = {'name': 'pg19', 'data_dir': str(tmp_path / 'tfds')}
+    with pytest.raises(FileNotFoundError, match='downloads/manual.*train/'):
+        builders.prepare(cfg)
+
+
+def test_enwik8_byte_split_and_bounded_records(tmp_path, monkeypatch):
+    monkeypatch.setattr(builders, 'RECORD_BYTES', 64)
+    raw = ('<page>\n' + 'ab☃cd\n' * 60).encode()
+    (tmp_path / 'raw').mkdir()
+    with zipfile.ZipFile(tmp_path / 'raw' / 'enwik8.zip', 'w') as z:
+        z.writestr('enwik8', raw)
+    held = 50  # Cuts through a 3-byte character on purpose.
+    cfg = {'name': 'enwik8', 'data_dir': str(tmp_path / 'tfds'),
+           'manual_dir': str(tmp_path / 'raw'), 'heldout_size': held}
+    builders.prepare(cfg)
+    n = len(raw)
+    expected = {'train': raw[:n - 2 * held],
+                'validation': raw[n - 2 * held:n - held], 'test': raw[n - held:]}
+    for split, want in expected.items():
+        docs = builders.load_split_documents(cfg, split)
+        assert len(docs) == 1
+        assert docs[0].encode('utf-8', 'surrogateescape') == want
+    records = _records('memjax_enwik8/heldout50', tmp_path / 'tfds', 'train')
+    assert len(records) > 1 and all(len(r['text']) <= 64 for r in records)
+    assert [r['doc_start'] for r in records] == [True] + [False] * (
+        len(records) - 1)
+
+
+def test_enwik8_wrong_size_is_rejected(tmp_path):
+    (tmp_path / 'raw').mkdir()
+    (tmp_path / 'raw' / 'enwik8').write_bytes(b'x' * 1000)
+    cfg = {'name': 'enwik8', 'data_dir': str(tmp_path / 'tfds'),
+           'manual_dir': str(tmp_path / 'raw')}
+    with pytest.raises(ValueError, match='standard enwik8 has 100,000,000'):
+        builders.prepare(cfg)
+
+
+def test_text8_rejects_non_utf8(tmp_path):
+    (tmp_path / 'raw').mkdir()
+    (tmp_path / 'raw' / 'text8').write_bytes(b'abc def \xff' * 30)
+    cfg = {'name': 'text8', 'data_dir': str(tmp_path / 'tfds'),
+           'manual_dir': str(tmp_path / 'raw'), 'heldout_size': 20}
+    with pytest.raises(ValueError, match='text8 is not valid UTF-8'):
+        builders.prepare(cfg)
+
+
+def _write_pg19(root):
+    books = {'train': {'10': 'ten\n', '9': 'nine\n', '100': 'hundred\n'},
+             'validation': {'5': 'five\n'}, 'test': {'7': 'seven\n'}}
+    for split, items in books.items():
+        (root / split).mkdir(parents=True)
+        for book_id, text in items.items():
+            (root / split / f'{book_id}.txt').write_text(text)
+
+
+def test_pg19_books_in_numeric_order(tmp_path):
+    _write_pg19(tmp_path / 'raw')
+    cfg = {'name': 'pg19', 'data_dir': str(tmp_path / 'tfds'),
+           'manual_dir': str(tmp_path / 'raw')}
+    builders.prepare(cfg)
+    records = _records('memjax_pg19', tmp_path / 'tfds', 'train')
+    assert _docs_from_records(records) == ['nine\n', 'ten\n', 'hundred\n']
+    assert builders.load_split_documents(cfg, 'test') == ['seven\n']
+
+
+def test_pg19_undecodable_book_names_the_file(tmp_path):
+    _write_pg19(tmp_path / 'raw')
+    (tmp_path / 'raw' / 'test' / '7.txt').write_bytes(b'caf\xe9\n')
+    cfg = {'name': 'pg19', 'data_dir': str(tmp_path / 'tfds'),
+           'manual_dir': str(tmp_path / 'raw')}
+    with pytest.raises(ValueError, match=r'7\.txt is not valid UTF-8.*iconv'):
+        builders.prepare(cfg)
+
+
+def test_pg19_empty_split_folder(tmp_path):
+    _write_pg19(tmp_path / 'raw')
+    (tmp_path / 'raw' / 'validation' / '5.txt').unlink()
+    cfg = {'name': 'pg19', 'data_dir': str(tmp_path / 'tfds'),
+           'manual_dir': str(tmp_path / 'raw')}
+    with pytest.raises(ValueError, match='validation has no .txt books'):
+        builders.prepare(cfg)
+
+
+def test_text_folder_hash_splits_one_document_per_file(tmp_path):
+    folder = tmp_path / 'texts'
+    (folder / 'sub').mkdir(parents=True)
+    contents = {f'sub/f{i:02d}.txt' if i % 2 else f'f{i:02d}.txt':
+                f'file {i}\n' * (i + 1) for i in range(30)}
+    for name, text in contents.items():
+        (folder / name).write_text(text)
+    (folder / '.hidden').write_text('ignored\n')
+    cfg = {'name': 'text', 'text_path': str(folder),
+           'data_dir': str(tmp_path / 'tfds')}
+    splits = {s: builders.load_split_documents(cfg, s) for s in builders.SPLITS}
+    all_docs = [d for docs in splits.values() for d in docs]
+    assert sorted(all_docs) == sorted(contents.values())
+    assert all(splits.values())
+    # Within a split, documents keep sorted path order.
+    order = {text: name for name, text in contents.items()}
+    for docs in splits.values():
+        names = [order[d] for d in docs]
+        assert names == sorted(names)
+    builder = builders.make_builder(cfg)
+    records = _records(f'memjax_text/{builder.builder_config.name}',
+                       tmp_path / 'tfds', 'test')
+    assert _docs_from_records(records) == splits['test']
+
+
+def test_text_folder_explicit_splits_and_single_file(tmp_path):
+    folder = tmp_path / 'given'
+    folder.mkdir()
+    for name in ('train.txt', 'valid.txt', 'test.txt'):
+        (folder / name).write_text(f'{name} body\n')
+    cfg = {'name': 'text', 'text_path': str(folder),
+           'data_dir': str(tmp_path / 'tfds')}
+    assert builders.load_split_documents(cfg, 'validation') == [
+        'valid.txt body\n']
+    single = tmp_path / 'one.txt'
+    single.write_text(''.join(f'line {i}\n' for i in range(100)))
+    cfg1 = dict(cfg, text_path=str(single))
+    parts = [builders.load_split_documents(cfg1, s) for s in builders.SPLITS]
+    assert ''.join(p[0] for p in parts) == single.read_text()
+    text = single.read_text()
+    starts = [i + 1 for i, c in enumerate(text) if c == '\n']
+    # Validation begins at the first line start after 90 % of the bytes.
+    cut = min(x for x in starts if x > int(0.9 * len(text)))
+    assert parts[0][0] == text[:cut]
+
+
+def test_text_incomplete_explicit_splits(tmp_path):
+    folder = tmp_path / 'given'
+    folder.mkdir()
+    (folder / 'train.txt').write_text('a\n')
+    (folder / 'test.txt').write_text('b\n')
+    cfg = {'name': 'text', 'text_path': str(folder),
+           'data_dir': str(tmp_path / 'tfds')}
+    with pytest.raises(FileNotFoundError, match=r"not \['validation'\]"):
+        builders.prepare(cfg)
+
+
+def test_unknown_dataset_and_split():
+    with pytest.raises(ValueError, match='data.name'):
+        builders.make_builder({'name': 'wikitext2'})
+    with pytest.raises(ValueError, match='Unknown split'):
+        builders.canonical_split('training')
