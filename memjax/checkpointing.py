@@ -1,0 +1,105 @@
+"""Orbax checkpoints of the whole training state, with fallback past damaged ones.
+
+A checkpoint holds the train state (params, optimizer state, step, PRNG key), the
+recurrent memory and the data iterator's JSON state, so a resumed run continues the
+exact same token streams with the exact same memory. A fingerprint of the arrays is
+stored with the JSON item: orbax notices truncated files but not flipped bytes, and a
+silently wrong restore is worse than falling back one checkpoint.
+"""
+
+import hashlib
+import os
+import shutil
+from typing import Any, NamedTuple, Optional
+
+from absl import logging
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+class Restored(NamedTuple):
+    step: int
+    state: Any
+    memory: Any
+    data_state: Any
+
+
+def fingerprint(tree: Any) -> str:
+    """SHA-256 over the bytes, dtypes and shapes of every leaf, in tree order."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(tree):
+        array = np.asarray(jax.device_get(leaf))
+        digest.update(f'{array.dtype}{array.shape}'.encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
+class Checkpointer:
+    """Saves asynchronously, keeps the newest `keep` checkpoints, restores the newest intact one."""
+
+    def __init__(self, directory: str, keep: int, read_only: bool = False):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=not read_only, read_only=read_only,
+            enable_async_checkpointing=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def save(self, step: int, state: Any, memory: Any, data_state: Any) -> None:
+        arrays = {'state': state, 'memory': memory}
+        meta = {'step': int(step), 'data_state': data_state, 'fingerprint': fingerprint(arrays)}
+        self._manager.save(step, args=ocp.args.Composite(
+            arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)))
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _restore_step(self, step: int, abstract: Any) -> Restored:
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            arrays=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        arrays, meta = restored['arrays'], restored['meta']
+        if meta.get('fingerprint') != fingerprint(arrays):
+            raise ValueError('array fingerprint differs from the one saved with the checkpoint')
+        return Restored(int(meta['step']), arrays['state'], arrays['memory'], meta['data_state'])
+
+    def restore_latest(self, abstract_state: Any, abstract_memory: Any,
+                       quarantine: bool = False) -> Optional[Restored]:
+        """The newest checkpoint that reads back intact, or None when there is none.
+
+        Damaged checkpoints are reported; with `quarantine` they are moved to
+        `<directory>_damaged/` so that the resumed run can save those steps again.
+        """
+        abstract = {'state': abstract_state, 'memory': abstract_memory}
+        damaged = []
+        result = None
+        for step in reversed(self.all_steps()):
+            try:
+                result = self._restore_step(step, abstract)
+                break
+            except Exception as error:  # Orbax raises many types for damaged files.
+                logging.warning('Checkpoint %s is damaged or incomplete (%s: %s); falling back to '
+                                'the previous one.', self.step_dir(step), type(error).__name__,
+                                str(error)[:300])
+                damaged.append(step)
+        if quarantine and damaged:
+            self._quarantine(damaged)
+        return result
+
+    def _quarantine(self, steps: list[int]) -> None:
+        target_root = self.directory + '_damaged'
+        os.makedirs(target_root, exist_ok=True)
+        for step in steps:
+            target = os.path.join(target_root, str(step))
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.move(self.step_dir(step), target)
+            logging.warning('Moved damaged checkpoint %s to %s.', self.step_dir(step), target)
+        self._manager.reload()
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()

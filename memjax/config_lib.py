@@ -1,0 +1,185 @@
+"""Shared config defaults and up-front validation of a whole experiment config.
+
+Every `configs/*.py` starts from `base_config()` and only states what differs, so a
+field added here reaches all experiments. `validate_config` runs before anything is
+built or compiled: a typo in a length or a batch size should cost a second, not a
+compilation and a crash deep inside XLA.
+"""
+
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text')
+TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece')
+SPLITS = ('train', 'validation', 'test')
+
+
+class ConfigError(ValueError):
+    """A config field has an unusable value; the message names the field and the fix."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Defaults shared by all experiments (a small byte-level Transformer-XL)."""
+    config = ml_collections.ConfigDict()
+    config.seed = 0
+
+    config.model = ml_collections.ConfigDict(dict(
+        vocab_size=-1,  # -1: take it from the tokenizer.
+        d_model=128,
+        n_layer=4,
+        n_head=4,
+        d_head=32,
+        d_inner=512,
+        d_embed=-1,  # -1: d_model.
+        dropout=0.1,
+        dropatt=0.0,
+        mem_len=64,
+        clamp_len=-1,  # -1: no clamping.
+        same_length=False,
+        pre_lnorm=False,
+        untie_r=False,
+        tie_weight=True,
+        cutoffs=(),  # (): plain softmax.
+        div_val=1,
+        tie_projs=(),
+        init_std=0.02,
+        proj_init_std=0.01,
+        memory_start='empty',
+        layer_norm_epsilon=1e-5,
+        compute_dtype='float32',
+    ))
+
+    config.data = ml_collections.ConfigDict(dict(
+        name='embedded',
+        data_dir='~/tensorflow_datasets',
+        manual_dir='',
+        text_path='',
+        tokenizer='byte',
+        vocab_path='',
+        sp_vocab_size=8000,
+        reset_at_doc_boundary=False,
+    ))
+
+    # Reference optimisation: Adam, lr 2.5e-4, linear warmup, cosine decay, clip 0.25.
+    config.train = ml_collections.ConfigDict(dict(
+        batch_size=16,
+        tgt_len=64,
+        segments_per_step=1,
+        grad_accum_steps=1,
+        num_steps=1000,
+        learning_rate=2.5e-4,
+        warmup_steps=0,
+        min_lr_ratio=0.0,
+        clip_norm=0.25,  # <= 0: no clipping.
+        b1=0.9,
+        b2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        log_every=100,
+        eval_every=1000,  # 0: only the final validation.
+        eval_batches=-1,  # -1: the whole validation split.
+        checkpoint_every=1000,  # 0: only the final checkpoint.
+        keep_checkpoints=3,
+    ))
+
+    # -1 / None: as in training. clamp_len 0 at evaluation means "no clamping".
+    config.eval = ml_collections.ConfigDict(dict(
+        split='validation',
+        batch_size=-1,
+        tgt_len=-1,
+        mem_len=-1,
+        clamp_len=-1,
+        same_length=config_dict.placeholder(bool),
+    ))
+    return config
+
+
+def _check(errors: list[str], ok: bool, message: str) -> None:
+    if not ok:
+        errors.append(message)
+
+
+def _validate_train(t: Any, process_count: int, errors: list[str]) -> None:
+    for name in ('batch_size', 'tgt_len', 'segments_per_step', 'grad_accum_steps', 'num_steps',
+                 'keep_checkpoints'):
+        _check(errors, getattr(t, name) >= 1,
+               f'config.train.{name}={getattr(t, name)} must be >= 1.')
+    for name in ('log_every', 'eval_every', 'checkpoint_every'):
+        value = getattr(t, name)
+        _check(errors, value >= 0, f'config.train.{name}={value} must be >= 0.')
+        # The host only sees the state between dispatches of segments_per_step updates.
+        if value > 0 and t.segments_per_step >= 1:
+            _check(errors, value % t.segments_per_step == 0,
+                   f'config.train.{name}={value} must be a multiple of config.train.segments_per_step='
+                   f'{t.segments_per_step} (or 0).')
+    if t.segments_per_step >= 1:
+        _check(errors, t.num_steps % t.segments_per_step == 0,
+               f'config.train.num_steps={t.num_steps} must be a multiple of '
+               f'config.train.segments_per_step={t.segments_per_step}.')
+    if t.grad_accum_steps >= 1 and t.batch_size >= 1:
+        per_process = t.grad_accum_steps * process_count
+        _check(errors, t.batch_size % per_process == 0,
+               f'config.train.batch_size={t.batch_size} must be divisible by '
+               f'config.train.grad_accum_steps ({t.grad_accum_steps}) x process count '
+               f'({process_count}) = {per_process}: use a multiple of {per_process}.')
+    _check(errors, t.learning_rate > 0, f'config.train.learning_rate={t.learning_rate} must be > 0.')
+    _check(errors, 0 <= t.warmup_steps <= t.num_steps,
+           f'config.train.warmup_steps={t.warmup_steps} must lie in [0, num_steps={t.num_steps}].')
+    _check(errors, 0.0 <= t.min_lr_ratio <= 1.0,
+           f'config.train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1].')
+    for name in ('b1', 'b2'):
+        _check(errors, 0.0 <= getattr(t, name) < 1.0,
+               f'config.train.{name}={getattr(t, name)} must lie in [0, 1).')
+    _check(errors, t.eps > 0, f'config.train.eps={t.eps} must be > 0.')
+    _check(errors, t.weight_decay >= 0, f'config.train.weight_decay={t.weight_decay} must be >= 0.')
+    _check(errors, t.eval_batches == -1 or t.eval_batches >= 1,
+           f'config.train.eval_batches={t.eval_batches} must be -1 (whole split) or >= 1.')
+
+
+def _validate_eval(e: Any, process_count: int, errors: list[str]) -> None:
+    _check(errors, e.split in SPLITS, f'config.eval.split={e.split!r} must be one of {SPLITS}.')
+    _check(errors, e.batch_size == -1 or (e.batch_size >= 1 and e.batch_size % process_count == 0),
+           f'config.eval.batch_size={e.batch_size} must be -1 (as in training) or a positive '
+           f'multiple of the process count ({process_count}).')
+    _check(errors, e.tgt_len == -1 or e.tgt_len >= 1,
+           f'config.eval.tgt_len={e.tgt_len} must be -1 (as in training) or >= 1.')
+    _check(errors, e.mem_len >= -1,
+           f'config.eval.mem_len={e.mem_len} must be -1 (as in training) or >= 0.')
+    _check(errors, e.clamp_len >= -1,
+           f'config.eval.clamp_len={e.clamp_len} must be -1 (as in training), 0 (no clamping) '
+           'or > 0.')
+
+
+def validate_config(config: ml_collections.ConfigDict, process_count: int = 1) -> None:
+    """Raises ConfigError listing every problem found in the non-model fields.
+
+    Model fields are checked by `ModelConfig.from_config_dict`, which needs the vocabulary
+    size; `trainer.resolve_model_configs` calls it before compiling anything.
+    """
+    missing = [s for s in ('model', 'data', 'train', 'eval') if s not in config]
+    if missing:
+        raise ConfigError(f'config lacks section(s) {missing}: start from memjax.config_lib.base_config().')
+    errors: list[str] = []
+    _check(errors, isinstance(config.seed, int), f'config.seed={config.seed!r} must be an int.')
+    _check(errors, config.data.name in DATA_NAMES,
+           f'config.data.name={config.data.name!r} must be one of {DATA_NAMES}.')
+    _check(errors, config.data.tokenizer in TOKENIZERS,
+           f'config.data.tokenizer={config.data.tokenizer!r} must be one of {TOKENIZERS}.')
+    _validate_train(config.train, process_count, errors)
+    _validate_eval(config.eval, process_count, errors)
+    if errors:
+        raise ConfigError('invalid config:\n  ' + '\n  '.join(errors))
+
+
+def eval_setting(config: ml_collections.ConfigDict, name: str) -> Any:
+    """The evaluation value of `name`: config.eval's override, else the training value."""
+    override = config.eval[name]
+    if name in ('batch_size', 'tgt_len'):
+        return config.train[name] if override == -1 else override
+    if name == 'same_length':
+        return config.model.same_length if override is None else override
+    if name in ('mem_len', 'clamp_len'):
+        return config.model[name] if override == -1 else override
+    raise KeyError(f'no evaluation override named {name!r}')

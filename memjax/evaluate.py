@@ -1,0 +1,78 @@
+"""Command line: evaluate the newest checkpoint of a workdir on a split.
+
+`python -m memjax.evaluate --config=configs/X.py --workdir=DIR [--config.eval.split=test]`
+scores every target token of the split once, in order, carrying the memory, with the
+evaluation overrides of config.eval (tgt_len, mem_len, clamp_len, same_length).
+"""
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import ml_collections
+from ml_collections import config_flags
+
+from memjax import checkpointing
+from memjax import config_lib
+from memjax import evaluation
+from memjax import metrics as metrics_lib
+from memjax import train_step as train_step_lib
+from memjax import trainer
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file.',
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir holding checkpoints/.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Restores the newest intact checkpoint's params and scores config.eval.split.
+
+    The result is also written to `<workdir>/eval_<split>.json`.
+    """
+    exp = trainer.setup(config, workdir)
+    directory = trainer.checkpoint_dir(workdir)
+    restored = checkpointing.Checkpointer(directory, keep=1, read_only=True).restore_latest(
+        *trainer.abstract_state(exp))
+    if restored is None:
+        raise FileNotFoundError(f'no readable checkpoint in {directory}: train first with '
+                                f'python -m memjax.train --workdir={workdir} ...')
+    split = exp.config.eval.split
+    streams = evaluation.eval_streams(exp.config, exp.tokenizer, split)
+    result = evaluation.evaluate_streams(
+        train_step_lib.make_eval_step(exp.model), restored.state.params, exp.eval_mcfg, streams,
+        evaluation.local_eval_batch(exp.config))
+    name = metrics_lib.metric_name(exp.unit)
+    summary = {
+        'split': split,
+        'step': restored.step,
+        'loss': result.mean_nll,
+        name: metrics_lib.metric_value(result.mean_nll, exp.unit),
+        'num_tokens': result.num_tokens,
+        'num_target_tokens_of_split': int(streams.num_target_tokens),
+        'settings': {k: config_lib.eval_setting(exp.config, k)
+                     for k in ('batch_size', 'tgt_len', 'mem_len', 'clamp_len', 'same_length')},
+    }
+    metrics_lib.log_eval(restored.step, split, result.mean_nll, result.num_tokens, exp.unit)
+    trainer.write_json(os.path.join(workdir, f'eval_{split}.json'), summary)
+    return summary
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    logging.set_verbosity(logging.INFO)
+    metrics_lib.quiet_library_logs()
+    try:
+        summary = evaluate_checkpoint(_CONFIG.value, _WORKDIR.value)
+    except (config_lib.ConfigError, FileNotFoundError) as error:
+        sys.exit(str(error))
+    if jax.process_index() == 0:
+        print(summary)
+
+
+if __name__ == '__main__':
+    app.run(main)

@@ -1,0 +1,75 @@
+"""Reported quantities (bits per character or perplexity), TensorBoard and console output."""
+
+import logging as logging_std
+import math
+import os
+from typing import Mapping, Optional
+
+from absl import logging
+import tensorboardX
+
+# Character-level benchmarks report bits per character; word/subword ones perplexity.
+_BITS_UNITS = ('byte', 'char')
+
+
+def metric_name(unit: str) -> str:
+    return 'bpc' if unit in _BITS_UNITS else 'ppl'
+
+
+def metric_value(mean_nll: float, unit: str) -> float:
+    """Mean NLL in nats -> bits per byte/character, or perplexity."""
+    if unit in _BITS_UNITS:
+        return mean_nll / math.log(2.0)
+    return math.exp(min(mean_nll, 700.0))  # exp overflows a float beyond ~709.
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0.0, seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f'{hours}h{minutes:02d}m{secs:02d}s' if hours else f'{minutes}m{secs:02d}s'
+
+
+def progress_line(step: int, num_steps: int, scalars: Mapping[str, float], unit: str,
+                  eta_seconds: Optional[float]) -> str:
+    name = metric_name(unit)
+    eta = format_duration(eta_seconds) if eta_seconds is not None else '?'
+    return (f'step {step}/{num_steps} | loss {scalars["loss"]:.4f} | {name} {scalars[name]:.4f} | '
+            f'{scalars["tokens_per_s"]:,.0f} tok/s | lr {scalars["learning_rate"]:.3e} | '
+            f'gnorm {scalars["grad_norm"]:.3f} | eta {eta}')
+
+
+class MetricWriter:
+    """TensorBoard event files under `<workdir>/tensorboard`, scalars grouped by prefix."""
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self._writer = (tensorboardX.SummaryWriter(os.path.join(workdir, 'tensorboard'))
+                        if enabled else None)
+
+    def write_scalars(self, step: int, prefix: str, scalars: Mapping[str, float]) -> None:
+        if self._writer is None:
+            return
+        for key, value in scalars.items():
+            self._writer.add_scalar(f'{prefix}/{key}', float(value), step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def log_eval(step: int, split: str, mean_nll: float, num_tokens: int, unit: str) -> None:
+    name = metric_name(unit)
+    logging.info('eval %s at step %d | loss %.4f | %s %.4f | %d tokens scored', split, step,
+                 mean_nll, name, metric_value(mean_nll, unit), num_tokens)
+
+
+class _QuietLibraries(logging_std.Filter):
+    """Drops INFO chatter of orbax (several lines per save) so the progress lines stay readable."""
+
+    def filter(self, record: logging_std.LogRecord) -> bool:
+        return record.levelno >= logging_std.WARNING or '/orbax/' not in record.pathname
+
+
+def quiet_library_logs() -> None:
+    logging.get_absl_handler().addFilter(_QuietLibraries())
