@@ -213,3 +213,15 @@ def test_unknown_dataset_and_split():
         builders.make_builder({'name': 'wikitext2'})
     with pytest.raises(ValueError, match='Unknown split'):
         builders.canonical_split('training')
+
+
+def test_empty_split_file_is_rejected(tmp_path):
+    folder = tmp_path / 'given'
+    folder.mkdir()
+    for name, text in (('train.txt', 'a b\n'), ('valid.txt', ''),
+                       ('test.txt', 'c\n')):
+        (folder / name).write_text(text)
+    cfg = {'name': 'text', 'text_path': str(folder),
+           'data_dir': str(tmp_path / 'tfds')}
+    with pytest.raises(ValueError, match="'validation' of memjax_text is empty"):
+        builders.prepare(cfg)

@@ -483,25 +483,31 @@ def dataset_fingerprint(builder: _MemjaxTextBuilder, split: str) -> str:
     return digest.hexdigest()
 
 
-def read_documents(builder: _MemjaxTextBuilder, split: str) -> List[str]:
-    """The documents of a prepared split, records joined back together."""
+def iter_documents(builder: _MemjaxTextBuilder, split: str) -> Iterator[str]:
+    """Yields the documents of a prepared split, records joined back together.
+
+    A generator, so a split larger than memory (PG-19) can be tokenised
+    document by document.
+    """
     split = canonical_split(split)
     source = builder.as_data_source(split=split)
-    docs, parts = [], []
-    for i in range(len(source)):
-        record = source[i]
-        if record['doc_start'] and parts:
-            docs.append(b''.join(parts))
-            parts = []
-        parts.append(record['text'])
-    if parts:
-        docs.append(b''.join(parts))
-    if not docs:
+    if not len(source):
         raise ValueError(f'Split {split!r} of {builder.info.full_name} in '
                          f'{builder.data_dir} is empty; delete that folder and '
                          'prepare again from complete raw files.')
-    # surrogateescape: enwik8's byte split may cut a character.
-    return [doc.decode('utf-8', 'surrogateescape') for doc in docs]
+    parts = []
+    for i in range(len(source)):
+        record = source[i]
+        if record['doc_start'] and parts:
+            # surrogateescape: enwik8's byte split may cut a character.
+            yield b''.join(parts).decode('utf-8', 'surrogateescape')
+            parts = []
+        parts.append(record['text'])
+    yield b''.join(parts).decode('utf-8', 'surrogateescape')
+
+
+def read_documents(builder: _MemjaxTextBuilder, split: str) -> List[str]:
+    return list(iter_documents(builder, split))
 
 
 def load_split_documents(data_cfg: Any, split: str) -> List[str]:

@@ -141,7 +141,7 @@ def load_token_ids(data_cfg: Any, split: str, tokenizer: Tokenizer,
                                           cache_dir)
     if not (tokens_path.exists() and docs_path.exists()):
         encoded = [tokenizer.encode(doc) for doc in
-                   builders.read_documents(builder, split)]
+                   builders.iter_documents(builder, split)]
         offsets = np.cumsum([0] + [len(x) for x in encoded], dtype=np.int64)
         tokens_path.parent.mkdir(parents=True, exist_ok=True)
         _save_npy(docs_path, offsets)

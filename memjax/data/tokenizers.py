@@ -364,7 +364,7 @@ def load_tokenizer(path: os.PathLike) -> Tokenizer:
                      f'of {KINDS}.')
 
 
-def train_tokenizer(kind: str, train_documents: Sequence[str],
+def train_tokenizer(kind: str, train_documents: Iterable[str],
                     data_cfg: Any = None) -> Tokenizer:
     """Builds a new tokenizer of `kind` from the train split's documents."""
     if kind == 'byte':
@@ -403,7 +403,7 @@ def build_tokenizer(data_cfg: Any,
         tok, origin = load_tokenizer(vocab_path), f'data.vocab_path={vocab_path}'
     else:
         from memjax.data import builders  # Deferred: pulls in TFDS.
-        docs = builders.load_split_documents(data_cfg, 'train')
+        docs = builders.iter_documents(builders.prepare(data_cfg), 'train')
         tok, origin = train_tokenizer(kind, docs, data_cfg), 'train split'
     if tok.kind != kind:
         raise ValueError(
