@@ -174,3 +174,20 @@ def test_config_dict_vocab_from_tokenizer_and_unknown_fields():
         ModelConfig.from_config_dict({**BASE, 'n_layers': 3})
     with pytest.raises(ValueError, match='tokenizer has 77'):
         ModelConfig.from_config_dict(BASE, vocab_size=77)
+
+
+def test_bfloat16_compute_tracks_float32_and_keeps_float32_gradients():
+    cfg, model, params = setup(mem_len=4, cutoffs=(20, 35), div_val=2)
+    bf16 = cfg.replace(compute_dtype='bfloat16')
+    tokens, targets = random_tokens(14, (2, 6)), random_tokens(15, (2, 6))
+    out32, _ = model.apply({'params': params}, tokens, init_memory(cfg, 2), targets=targets)
+
+    def loss(p):
+        out, memory = TransformerXL(bf16).apply({'params': p}, tokens, init_memory(bf16, 2), targets=targets)
+        return lm_loss(out.target_logprobs), (out, memory)
+
+    grads, (out16, memory) = jax.grad(loss, has_aux=True)(params)
+    assert memory.hidden.dtype == jnp.bfloat16 and out16.target_logprobs.dtype == jnp.float32
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype('float32')}
+    np.testing.assert_allclose(out16.target_logprobs, out32.target_logprobs, atol=0.05)
+    assert not np.array_equal(out16.target_logprobs, out32.target_logprobs)
