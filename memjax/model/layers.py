@@ -27,6 +27,12 @@ def _projection(cfg: ModelConfig, features, name: str, axis=-1) -> nn.DenseGener
                            kernel_init=nn.initializers.normal(cfg.init_std), name=name)
 
 
+def _dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
+    """Closes a sub-block: dropout on the branch, residual add, LayerNorm when post-LN."""
+    out = h + nn.Dropout(cfg.dropout)(branch, deterministic=deterministic)
+    return out if cfg.pre_lnorm else layer_norm(cfg, 'layer_norm')(out)
+
+
 class RelativeAttention(nn.Module):
     """Transformer-XL attention: scores (a)+(c) = (q + u).k and (b)+(d) = rel_shift((q + v).W_r R).
 
@@ -57,10 +63,7 @@ class RelativeAttention(nn.Module):
         probs = nn.Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
         attended = jnp.einsum('bhtk,bkhd->bthd', probs, value)
         out = _projection(cfg, cfg.d_model, 'out', axis=(-2, -1))(attended)
-        out = nn.Dropout(cfg.dropout)(out, deterministic=deterministic)
-        if cfg.pre_lnorm:
-            return h + out
-        return layer_norm(cfg, 'layer_norm')(h + out)
+        return _dropout_residual_norm(cfg, h, out, deterministic)
 
 
 class FeedForward(nn.Module):
@@ -76,11 +79,7 @@ class FeedForward(nn.Module):
         x = layer_norm(cfg, 'layer_norm')(h) if cfg.pre_lnorm else h
         x = nn.relu(dense(cfg.d_inner, 'inner')(x))
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
-        x = dense(cfg.d_model, 'outer')(x)
-        x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
-        if cfg.pre_lnorm:
-            return h + x
-        return layer_norm(cfg, 'layer_norm')(h + x)
+        return _dropout_residual_norm(cfg, h, dense(cfg.d_model, 'outer')(x), deterministic)
 
 
 class DecoderLayer(nn.Module):
