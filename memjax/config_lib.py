@@ -6,6 +6,8 @@ built or compiled: a typo in a length or a batch size should cost a second, not 
 compilation and a crash deep inside XLA.
 """
 
+import importlib.util
+import os
 from typing import Any
 
 import ml_collections
@@ -13,7 +15,7 @@ from ml_collections import config_dict
 
 DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text')
 TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece')
-SPLITS = ('train', 'validation', 'test')
+SPLITS = ('train', 'validation', 'valid', 'test')
 
 
 class ConfigError(ValueError):
@@ -94,6 +96,19 @@ def base_config() -> ml_collections.ConfigDict:
         same_length=config_dict.placeholder(bool),
     ))
     return config
+
+
+def sibling_config(this_file: str, name: str) -> ml_collections.ConfigDict:
+    """`get_config()` of configs file `name` next to `this_file`.
+
+    Config files are loaded by path, not as a package, so a derived config imports its
+    parent this way and works from any working directory.
+    """
+    path = os.path.join(os.path.dirname(os.path.abspath(this_file)), name)
+    spec = importlib.util.spec_from_file_location(f'memjax_config_{name[:-3]}', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def _check(errors: list[str], ok: bool, message: str) -> None:

@@ -1,0 +1,19 @@
+"""24-layer Transformer-XL on enwik8 (277M parameters; paper: 0.99 test bpc).
+
+24 layers, d_model 1024, 8 heads x 128, d_inner 3072, dropout = dropatt = 0.15,
+tgt = mem = 768, batch 64, Adam 2.5e-4 with 4k warmup steps, 400k steps, clip 0.25,
+init std 0.005 as in the reference large configs. Evaluation: tgt 128, mem 3800,
+clamp 1000, same_length (attention length 3800 in the paper).
+"""
+
+from memjax import config_lib
+
+
+def get_config():
+    config = config_lib.sibling_config(__file__, 'transformer_xl_enwik8_base.py')
+    config.model.update(
+        d_model=1024, n_layer=24, n_head=8, d_head=128, d_inner=3072, dropout=0.15,
+        dropatt=0.15, mem_len=768, init_std=0.005)
+    config.train.update(batch_size=64, tgt_len=768, warmup_steps=4000)
+    config.eval.update(tgt_len=128, mem_len=3800, clamp_len=1000, same_length=True)
+    return config

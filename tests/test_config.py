@@ -1,0 +1,137 @@
+"""Config files, command-line overrides and up-front validation."""
+
+import glob
+import os
+import subprocess
+import sys
+
+from absl import flags
+from ml_collections import config_flags
+import pytest
+
+from memjax import config_lib
+from memjax import model as model_lib
+from memjax import trainer
+from memjax import train_step as train_step_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py')))
+TINY = os.path.join(REPO, 'configs', 'tiny.py')
+# Vocabulary sizes the tokenizers give (the word vocabulary of WikiText-103 train).
+VOCAB = {'byte': 256, 'char': 256, 'word': 267735, 'sentencepiece': 8000}
+
+
+def parse(argv):
+    """Parses config flags like the train/evaluate commands do, in a private FlagValues."""
+    values = flags.FlagValues()
+    argv = ['prog'] + argv
+    # sys_argv: the overrides are read from this list, not from the test runner's sys.argv.
+    holder = config_flags.DEFINE_config_file('config', None, 'config', flag_values=values,
+                                             lock_config=True, sys_argv=argv)
+    values(argv)
+    return holder.value
+
+
+@pytest.mark.parametrize('path', CONFIG_FILES, ids=os.path.basename)
+def test_every_config_is_valid(path):
+    config = parse([f'--config={path}'])
+    config_lib.validate_config(config)
+    mcfg, eval_mcfg = trainer.resolve_model_configs(config, VOCAB[config.data.tokenizer])
+    assert eval_mcfg.mem_len == config_lib.eval_setting(config, 'mem_len')
+    # Evaluation overrides must not change the parameter shapes of the trained model.
+    assert dataclasses_without(mcfg) == dataclasses_without(eval_mcfg)
+
+
+def dataclasses_without(mcfg):
+    fields = dict(vars(mcfg))
+    for name in ('mem_len', 'clamp_len', 'same_length'):
+        fields.pop(name)
+    return fields
+
+
+def test_paper_evaluation_settings():
+    """Attention lengths at evaluation as published (Dai et al. 2019 and reference scripts)."""
+    expected = {
+        'transformer_xl_wt103_base.py': (64, 640, 400),
+        'transformer_xl_wt103_large.py': (128, 1600, 1000),
+        'transformer_xl_enwik8_large.py': (128, 3800, 1000),
+    }
+    for name, (tgt_len, mem_len, clamp_len) in expected.items():
+        config = parse([f'--config={os.path.join(REPO, "configs", name)}'])
+        assert (config.eval.tgt_len, config.eval.mem_len, config.eval.clamp_len) == (
+            tgt_len, mem_len, clamp_len), name
+        assert config.eval.same_length is True, name
+    rpe = parse([f'--config={os.path.join(REPO, "configs", "transformer_rpe_wt103.py")}'])
+    assert rpe.model.mem_len == 0 and rpe.eval.mem_len == 0
+
+
+def test_override_is_applied_and_typed():
+    config = parse([f'--config={TINY}', '--config.train.num_steps=6',
+                    '--config.eval.same_length=True', '--config.model.cutoffs=(10,20)'])
+    assert config.train.num_steps == 6
+    assert config.eval.same_length is True
+    assert tuple(config.model.cutoffs) == (10, 20)
+
+
+def test_unknown_override_is_rejected():
+    with pytest.raises(Exception, match='not_a_field'):
+        parse([f'--config={TINY}', '--config.train.not_a_field=3'])
+
+
+def test_cli_rejects_unknown_override(tmp_path):
+    result = subprocess.run(
+        [sys.executable, '-m', 'memjax.train', f'--config={TINY}', f'--workdir={tmp_path}',
+         '--config.train.lerning_rate=0.1'],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert 'lerning_rate' in result.stderr
+    assert not os.path.exists(os.path.join(tmp_path, 'checkpoints'))
+
+
+@pytest.fixture
+def no_compilation(monkeypatch):
+    """Fails the test if the trainer gets as far as building or compiling a step."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError('the trainer compiled before rejecting the config')
+    monkeypatch.setattr(train_step_lib, 'make_train_step', forbidden)
+    monkeypatch.setattr(trainer, 'init_state', forbidden)
+
+
+@pytest.mark.parametrize('overrides, field', [
+    ({'train.batch_size': 6, 'train.grad_accum_steps': 4}, 'config.train.batch_size=6'),
+    ({'train.warmup_steps': 9}, 'config.train.warmup_steps=9'),
+    ({'train.tgt_len': 0}, 'config.train.tgt_len=0'),
+    ({'train.num_steps': 7}, 'config.train.num_steps=7'),  # Not a multiple of S=2.
+    ({'train.log_every': 3}, 'config.train.log_every=3'),
+    ({'eval.tgt_len': -5}, 'config.eval.tgt_len=-5'),
+    ({'eval.split': 'dev'}, 'config.eval.split'),
+    ({'model.n_head': 0}, 'n_head=0'),
+    ({'model.mem_len': 0, 'eval.same_length': True}, 'same_length'),
+])
+def test_invalid_config_names_the_field_before_compiling(tmp_path, no_compilation, overrides,
+                                                         field):
+    config = parse([f'--config={TINY}'] + [f'--config.{k}={v}' for k, v in overrides.items()])
+    with pytest.raises(config_lib.ConfigError) as error:
+        trainer.train_and_evaluate(config, str(tmp_path))
+    assert field in str(error.value)
+
+
+def test_all_problems_are_reported_at_once():
+    config = parse([f'--config={TINY}', '--config.train.b1=1.5', '--config.train.eps=0'])
+    with pytest.raises(config_lib.ConfigError) as error:
+        config_lib.validate_config(config)
+    assert 'config.train.b1=1.5' in str(error.value)
+    assert 'config.train.eps=0' in str(error.value)
+
+
+def test_batch_must_split_over_processes():
+    config = parse([f'--config={TINY}'])
+    config_lib.validate_config(config, process_count=2)
+    with pytest.raises(config_lib.ConfigError, match='process count'):
+        config_lib.validate_config(config, process_count=3)
+
+
+def test_model_config_field_layout_matches_model():
+    """Every config.model field is a ModelConfig field, so from_config_dict accepts them all."""
+    names = set(model_lib.ModelConfig.__dataclass_fields__)
+    assert set(config_lib.base_config().model.keys()) == names
