@@ -112,12 +112,17 @@ def test_target_logprobs_match_hf_over_three_segments(case):
     print(f'{case}: max |log p diff| per segment {["%.2e" % d for d in diffs]}')
 
 
-@pytest.mark.parametrize('safe_serialization', [True, False], ids=['safetensors', 'pytorch_bin'])
-def test_save_pretrained_directory_round_trip(tmp_path, safe_serialization):
+@pytest.mark.parametrize('safe_serialization, shard_size, weights_file', [
+    (True, '5GB', 'model.safetensors'),
+    (False, '5GB', 'pytorch_model.bin'),
+    (True, '40KB', 'model.safetensors.index.json'),
+], ids=['safetensors', 'pytorch_bin', 'sharded_safetensors'])
+def test_save_pretrained_directory_round_trip(tmp_path, safe_serialization, shard_size, weights_file):
     hf_model = make_hf_model('adaptive_div1_same_length_clamped', seed=3)
     hf_dir, out_dir = str(tmp_path / 'hf'), str(tmp_path / 'memjax')
-    hf_model.save_pretrained(hf_dir, safe_serialization=safe_serialization)
-    if safe_serialization:  # The case this test is for: tied duplicates are not in the file.
+    hf_model.save_pretrained(hf_dir, safe_serialization=safe_serialization, max_shard_size=shard_size)
+    assert (tmp_path / 'hf' / weights_file).exists()
+    if weights_file == 'model.safetensors':  # The case this test is for: tied duplicates are dropped.
         saved = safetensors.numpy.load_file(f'{hf_dir}/model.safetensors')
         assert 'crit.out_layers.0.weight' not in saved and 'crit.out_projs.1' not in saved
 

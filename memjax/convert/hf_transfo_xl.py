@@ -305,9 +305,9 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: ModelConfig
                               f'{_config_summary(config)}: ' + '; '.join(problems)
                               + '. Check that the config.json belongs to these weights.')
 
-    if _INV_FREQ in arrays:  # HF recomputes it at load time, but a mismatch means other positions.
+    if _INV_FREQ in arrays:  # Not imported (memjax recomputes it); a mismatch means other positions.
         inv_freq = 1.0 / (10000.0 ** (np.arange(0, config.d_model, 2, dtype=np.float32) / config.d_model))
-        if not np.allclose(arrays[_INV_FREQ], inv_freq, rtol=1e-5):
+        if not np.allclose(arrays[_INV_FREQ], inv_freq, rtol=1e-2):  # Loose: bf16 checkpoints round it.
             raise CheckpointError(f'{source}: {_INV_FREQ!r} differs from the Transformer-XL sinusoid '
                                   'frequencies 1 / 10000**(2i / d_model); memjax cannot reproduce it.')
     flat = {}
