@@ -98,17 +98,22 @@ def base_config() -> ml_collections.ConfigDict:
     return config
 
 
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """`get_config()` of the configs file at `path` (without command-line overrides)."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(f'memjax_config_{name}', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
 def sibling_config(this_file: str, name: str) -> ml_collections.ConfigDict:
     """`get_config()` of configs file `name` next to `this_file`.
 
     Config files are loaded by path, not as a package, so a derived config imports its
     parent this way and works from any working directory.
     """
-    path = os.path.join(os.path.dirname(os.path.abspath(this_file)), name)
-    spec = importlib.util.spec_from_file_location(f'memjax_config_{name[:-3]}', path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_config_file(os.path.join(os.path.dirname(os.path.abspath(this_file)), name))
 
 
 def _check(errors: list[str], ok: bool, message: str) -> None:

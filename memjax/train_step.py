@@ -113,7 +113,7 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
         metrics = {
             'nll_sum': jnp.sum(nlls),
             'num_tokens': jnp.sum(segment['mask']),
-            'grad_norm': optax.global_norm(grads),
+            'grad_norm': optax.tree.norm(grads),
             'learning_rate': schedule(state.step),
         }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)

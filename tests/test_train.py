@@ -1,0 +1,165 @@
+"""Training: schedule, gradient accumulation, NaN detection, and learning on real text."""
+
+import math
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memjax import checkpointing
+from memjax import model as model_lib
+from memjax import optim
+from memjax import train_step as train_step_lib
+from memjax import trainer
+from memjax.data import embedded_corpus
+import training_fixtures
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
+
+
+def test_schedule_matches_hand_formula():
+    config = training_fixtures.tiny_config('unused', train__num_steps=20, train__warmup_steps=5,
+                                           train__learning_rate=1e-3, train__min_lr_ratio=0.1)
+    schedule = optim.learning_rate_schedule(config.train)
+    for step in range(0, 21):
+        if step < 5:
+            expected = 1e-3 * (step + 1) / 5
+        else:
+            progress = (step - 5) / 15
+            expected = 1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        assert float(schedule(step)) == pytest.approx(expected, rel=1e-6), step
+    assert float(schedule(20)) == pytest.approx(1e-4, rel=1e-6)  # Ends at min_lr_ratio * lr.
+
+
+def test_first_adam_update_moves_each_weight_by_the_learning_rate():
+    """Adam's first step is lr * g / (|g| + eps): the schedule and the chain are wired in."""
+    config = training_fixtures.tiny_config('unused', train__warmup_steps=4,
+                                           train__learning_rate=1e-2, train__clip_norm=0.0)
+    tx = optim.make_optimizer(config.train)
+    params = {'w': jnp.array([1.0, -2.0, 3.0])}
+    grads = {'w': jnp.array([0.5, -4.0, 1e-3])}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    lr0 = 1e-2 / 4
+    expected = -lr0 * np.asarray(grads['w']) / (np.abs(np.asarray(grads['w'])) + 1e-8)
+    np.testing.assert_allclose(np.asarray(updates['w']), expected, rtol=1e-5)
+
+
+@pytest.fixture(scope='module')
+def tiny_experiment(corpus, tmp_path_factory):
+    config = training_fixtures.tiny_config(corpus, model__dropout=0.0)
+    exp = trainer.setup(config, str(tmp_path_factory.mktemp('workdir')))
+    state, memory = trainer.init_state(exp)
+    return exp, state, memory
+
+
+def random_segment(exp, seed):
+    rng = np.random.RandomState(seed)
+    shape = (1, exp.local_batch, exp.config.train.tgt_len)
+    mask = (rng.rand(*shape) > 0.2).astype(np.float32)  # Some padding, unevenly per stream.
+    return {
+        'inputs': rng.randint(0, exp.mcfg.vocab_size, shape).astype(np.int32),
+        'targets': rng.randint(0, exp.mcfg.vocab_size, shape).astype(np.int32),
+        'mask': mask,
+        'reset': np.array([[True, False, True, False]]),
+    }
+
+
+@pytest.fixture(scope='module')
+def naive_update(tiny_experiment):
+    """One full-batch update computed directly from the model, without the train step."""
+    exp, state, memory = tiny_experiment
+    # A memory that already holds something, so every chunk must get its own rows of it.
+    warm = random_segment(exp, seed=1)
+    apply = jax.jit(exp.model.apply, static_argnames='deterministic')
+    _, memory = apply({'params': state.params}, warm['inputs'][0], memory,
+                      targets=warm['targets'][0], reset=warm['reset'][0])
+    batch = random_segment(exp, seed=2)
+
+    def loss_fn(params):
+        out, new_memory = exp.model.apply(
+            {'params': params}, batch['inputs'][0], memory, targets=batch['targets'][0],
+            reset=batch['reset'][0], deterministic=False, rngs={'dropout': jax.random.PRNGKey(0)})
+        return model_lib.lm_loss(out.target_logprobs, batch['mask'][0]), new_memory
+
+    (loss, new_memory), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params)
+    updates, _ = exp.tx.update(grads, state.opt_state, state.params)
+    params = jax.tree_util.tree_map(jnp.add, state.params, updates)
+    grad_norm = float(jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree_util.tree_leaves(grads))))
+    return memory, batch, float(loss), grad_norm, params, new_memory
+
+
+@pytest.mark.parametrize('chunks', [1, 2, 4])
+def test_gradient_accumulation_equals_one_full_batch_update(tiny_experiment, naive_update,
+                                                            chunks):
+    exp, state, _ = tiny_experiment
+    memory, batch, loss, grad_norm, naive_params, naive_memory = naive_update
+    step = train_step_lib.make_train_step(exp.model, exp.tx, exp.schedule,
+                                          train_step_lib.memory_batch_axes(exp.mcfg), chunks)
+    new_state, new_memory, metrics = step(state, memory, batch)
+    assert int(new_state.step) == 1
+    mean_nll = float(metrics['nll_sum'][0] / metrics['num_tokens'][0])
+    assert mean_nll == pytest.approx(loss, rel=1e-5)
+    assert float(metrics['grad_norm'][0]) == pytest.approx(grad_norm, rel=1e-4)
+    for got, want in zip(jax.tree_util.tree_leaves(new_state.params),
+                         jax.tree_util.tree_leaves(naive_params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree_util.tree_leaves(new_memory),
+                         jax.tree_util.tree_leaves(naive_memory)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_parameters_and_optimizer_state_stay_float32_under_bf16(corpus, tmp_path):
+    config = training_fixtures.tiny_config(corpus, model__compute_dtype='bfloat16')
+    exp = trainer.setup(config, str(tmp_path))
+    state, memory = trainer.init_state(exp)
+    step = train_step_lib.make_train_step(exp.model, exp.tx, exp.schedule,
+                                          train_step_lib.memory_batch_axes(exp.mcfg), 2)
+    state, _, metrics = step(state, memory, random_segment(exp, seed=3))
+    assert np.isfinite(np.asarray(metrics['nll_sum'])).all()
+    floats = [leaf.dtype for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state))
+              if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    assert floats and all(dtype == jnp.float32 for dtype in floats)
+
+
+def test_non_finite_loss_stops_with_step_and_keeps_last_good_checkpoint(corpus, tmp_path):
+    workdir = str(tmp_path)
+    good = training_fixtures.tiny_config(corpus, train__num_steps=4, train__eval_every=0)
+    trainer.train_and_evaluate(good, workdir)
+    # Resume with an absurd learning rate: the parameters blow up within a few updates.
+    bad = training_fixtures.tiny_config(corpus, train__learning_rate=1e30, train__eval_every=0)
+    with pytest.raises(trainer.NonFiniteLossError) as error:
+        trainer.train_and_evaluate(bad, workdir)
+    message = str(error.value)
+    step = int(re.search(r'at step (\d+)', message).group(1))
+    assert 5 <= step <= 8
+    assert os.path.join(trainer.checkpoint_dir(workdir), '4') in message
+    ckpt = checkpointing.Checkpointer(trainer.checkpoint_dir(workdir), keep=3, read_only=True)
+    assert ckpt.all_steps() == [4]
+
+
+def unigram_entropy_bits(data: bytes) -> float:
+    counts = np.bincount(np.frombuffer(data, np.uint8), minlength=256).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
+def test_short_training_beats_unigram_entropy_of_embedded_corpus(tmp_path):
+    """A few hundred updates of a small byte model learn more than byte frequencies."""
+    config = training_fixtures.tiny_config('unused')
+    config.data.update(name='embedded', text_path='', data_dir=str(tmp_path / 'tfds'))
+    config.model.update(d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=256, mem_len=32,
+                        dropout=0.0)
+    config.train.update(batch_size=8, tgt_len=32, segments_per_step=20, num_steps=300,
+                        learning_rate=2e-3, warmup_steps=20, clip_norm=1.0, log_every=100,
+                        eval_every=0, checkpoint_every=0)
+    config.eval.update(batch_size=64, tgt_len=128)
+    summary = trainer.train_and_evaluate(config, str(tmp_path / 'run'))
+    entropy = unigram_entropy_bits(embedded_corpus.read_split_text('validation').encode('utf-8'))
+    assert 4.0 < entropy < 6.5  # Sanity: source code bytes.
+    assert summary['valid_bpc'] < entropy - 1.0, (summary, entropy)
