@@ -209,17 +209,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     metric = metrics_lib.metric_name(exp.unit)
     interval = _Interval(step)
     # Throughput counts neither the compiling first dispatch nor periodic validation.
-    steady_tokens, steady_start, eval_seconds = 0.0, None, 0.0
+    logged_tokens, compile_tokens, steady_start, eval_seconds = 0.0, 0.0, None, 0.0
     try:
         while step < tcfg.num_steps:
             state, memory, step_metrics = train_step(state, memory, next(iterator))
             step += tcfg.segments_per_step
             interval.add(step_metrics)
             if steady_start is None:
-                # The first dispatch compiles: check it, then time throughput from here.
-                interval.check_finite(interval.collect(), last_checkpoint)
+                # The first dispatch compiles: throughput is timed from its end.
+                jax.block_until_ready(step_metrics)
                 steady_start = time.time()
-                interval = _Interval(step)
+                compile_tokens = float(np.sum(step_metrics['num_tokens'])) * jax.process_count()
+                logging.info('First %d updates, with compilation, took %.1fs.',
+                             tcfg.segments_per_step, steady_start - interval.start_time)
 
             is_last = step == tcfg.num_steps
             due = lambda every: every > 0 and step % every == 0
@@ -231,7 +233,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 values = interval.collect()
                 # Before any save: a NaN state must never become a checkpoint.
                 interval.check_finite(values, last_checkpoint)
-                steady_tokens += _log_interval(exp, interval, values, step, writer)
+                logged_tokens += _log_interval(exp, interval, values, step, writer)
             if save:
                 ckpt.save(step, state, memory, iterator.get_state())
                 last_checkpoint = ckpt.step_dir(step)
@@ -253,7 +255,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         'valid_loss': final['loss'],
         f'valid_{metric}': final[metric],
         'valid_tokens': final['num_tokens'],
-        'train_tokens_per_s': steady_tokens / train_seconds if train_seconds > 0 else None,
+        'train_tokens_per_s': ((logged_tokens - compile_tokens) / train_seconds
+                               if train_seconds > 0 else None),
         'wall_seconds': time.time() - wall_start,
     }
     write_json(os.path.join(workdir, 'train_summary.json'), summary)
