@@ -42,9 +42,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
                                 f'python -m memjax.train --workdir={workdir} ...')
     split = exp.config.eval.split
     streams = evaluation.eval_streams(exp.config, exp.tokenizer, split)
-    result = evaluation.evaluate_streams(
-        train_step_lib.make_eval_step(exp.model), restored.state.params, exp.eval_mcfg, streams,
-        evaluation.local_eval_batch(exp.config))
+    eval_step = train_step_lib.make_eval_step(exp.eval_model)
+    result = evaluation.evaluate_streams(eval_step, restored.state.params, exp.eval_mcfg, streams,
+                                         evaluation.local_eval_batch(exp.config))
     name = metrics_lib.metric_name(exp.unit)
     summary = {
         'split': split,

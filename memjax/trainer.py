@@ -36,6 +36,7 @@ class Experiment:
     mcfg: Any
     eval_mcfg: Any
     model: Any
+    eval_model: Any  # Same parameters; evaluation's mem_len, clamp_len, same_length.
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     local_batch: int
@@ -68,7 +69,8 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
     config.model.vocab_size = mcfg.vocab_size
     return Experiment(
         config=config, tokenizer=tokenizer, mcfg=mcfg, eval_mcfg=eval_mcfg,
-        model=model_lib.TransformerXL(mcfg), tx=optim.make_optimizer(config.train),
+        model=model_lib.TransformerXL(mcfg), eval_model=model_lib.TransformerXL(eval_mcfg),
+        tx=optim.make_optimizer(config.train),
         schedule=optim.learning_rate_schedule(config.train),
         local_batch=config.train.batch_size // jax.process_count())
 
@@ -204,7 +206,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     train_step = train_step_lib.make_train_step(
         exp.model, exp.tx, exp.schedule, train_step_lib.memory_batch_axes(exp.mcfg),
         tcfg.grad_accum_steps)
-    eval_step = train_step_lib.make_eval_step(exp.model)
+    eval_step = train_step_lib.make_eval_step(exp.eval_model)
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     metric = metrics_lib.metric_name(exp.unit)
     interval = _Interval(step)

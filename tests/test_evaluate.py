@@ -1,0 +1,105 @@
+"""Evaluation: every target of a split scored once, equal to a naive segment loop."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from memjax import evaluate
+from memjax import evaluation
+from memjax import model as model_lib
+from memjax import train_step as train_step_lib
+from memjax import trainer
+import training_fixtures
+
+EVAL_TGT_LEN, EVAL_MEM_LEN, EVAL_CLAMP_LEN = 5, 6, 4
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
+
+
+def split_bytes(corpus, split):
+    with open(os.path.join(corpus, {'validation': 'valid.txt', 'test': 'test.txt'}[split]),
+              'rb') as f:
+        return f.read()
+
+
+@pytest.fixture(scope='module')
+def experiment(corpus, tmp_path_factory):
+    """Eval overrides differ from training (tgt 8, mem 8, no clamp, no same_length)."""
+    config = training_fixtures.tiny_config(
+        corpus, eval__tgt_len=EVAL_TGT_LEN, eval__mem_len=EVAL_MEM_LEN,
+        eval__clamp_len=EVAL_CLAMP_LEN, eval__same_length=True)
+    exp = trainer.setup(config, str(tmp_path_factory.mktemp('workdir')))
+    state, _ = trainer.init_state(exp)
+    return exp, state.params, train_step_lib.make_eval_step(exp.eval_model)
+
+
+def naive_nll(exp, params, tokens):
+    """One stream, one segment at a time, unpadded last segment, memory carried by hand."""
+    mcfg = exp.mcfg.replace(mem_len=EVAL_MEM_LEN, clamp_len=EVAL_CLAMP_LEN, same_length=True)
+    model = model_lib.TransformerXL(mcfg)
+    apply = jax.jit(lambda p, x, m, y, r: model.apply({'params': p}, x, m, targets=y, reset=r))
+    memory = model_lib.init_memory(mcfg, 1)
+    total, count = 0.0, 0
+    for start in range(0, len(tokens) - 1, EVAL_TGT_LEN):
+        targets = tokens[start + 1:start + 1 + EVAL_TGT_LEN]
+        inputs = tokens[start:start + len(targets)]
+        out, memory = apply(params, inputs[None], memory, targets[None], np.array([start == 0]))
+        total -= float(np.sum(np.asarray(out.target_logprobs, np.float64)))
+        count += len(targets)
+    return total, count
+
+
+@pytest.mark.parametrize('batch_size', [1, 3])
+def test_every_target_of_the_split_is_scored_once(corpus, experiment, batch_size):
+    exp, params, eval_step = experiment
+    config = exp.config.copy_and_resolve_references()
+    config.eval.batch_size = batch_size
+    streams = evaluation.eval_streams(config, exp.tokenizer, 'validation')
+    result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams, batch_size)
+    expected = len(split_bytes(corpus, 'validation')) - 1  # Byte tokens; the first is no target.
+    assert result.num_tokens == expected == streams.num_target_tokens
+
+
+def test_single_stream_equals_naive_segment_loop(corpus, experiment):
+    exp, params, eval_step = experiment
+    config = exp.config.copy_and_resolve_references()
+    config.eval.batch_size = 1
+    streams = evaluation.eval_streams(config, exp.tokenizer, 'validation')
+    result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams, 1)
+    tokens = np.frombuffer(split_bytes(corpus, 'validation'), np.uint8).astype(np.int32)
+    total, count = naive_nll(exp, params, tokens)
+    assert result.num_tokens == count
+    assert result.nll_sum == pytest.approx(total, rel=1e-5)
+
+
+def test_max_batches_limits_the_pass(experiment):
+    exp, params, eval_step = experiment
+    streams = evaluation.eval_streams(exp.config, exp.tokenizer, 'validation')
+    local_batch = evaluation.local_eval_batch(exp.config)
+    first = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams, local_batch,
+                                        max_batches=1)
+    batch = next(iter(streams.iterator()))
+    assert first.num_tokens == int(batch['mask'].sum())
+    full = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams, local_batch)
+    assert full.num_tokens > first.num_tokens
+
+
+def test_evaluate_command_scores_test_split_from_checkpoint(corpus, tmp_path):
+    workdir = str(tmp_path)
+    config = training_fixtures.tiny_config(corpus, train__num_steps=2, train__eval_every=0,
+                                           eval__split='test')
+    with pytest.raises(FileNotFoundError, match='no readable checkpoint'):
+        evaluate.evaluate_checkpoint(config, workdir)
+    trainer.train_and_evaluate(config, workdir)
+    summary = evaluate.evaluate_checkpoint(config, workdir)
+    assert summary['step'] == 2
+    assert summary['num_tokens'] == len(split_bytes(corpus, 'test')) - 1
+    assert summary['bpc'] == pytest.approx(summary['loss'] / np.log(2))
+    with open(os.path.join(workdir, 'eval_test.json')) as f:
+        assert json.load(f)['num_tokens'] == summary['num_tokens']
