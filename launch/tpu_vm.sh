@@ -1,0 +1,208 @@
+#!/usr/bin/env bash
+# Cloud TPU VM launcher for memjax: create a TPU (on-demand, spot or queued),
+# copy the code to every worker, install it, start the same training command on
+# every worker, follow logs, stop, delete. Single-host slices (v5litepod-8) and
+# pod slices (v4-32, v5p-64) are handled alike: every command addresses all
+# workers with --worker=all, and on TPU memjax.train finds its peers itself.
+set -euo pipefail
+
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$SCRIPT_DIR/common.sh"
+
+usage() {
+  cat <<EOF
+Usage: launch/tpu_vm.sh [settings] SUBCOMMAND... [-- memjax.train flags]
+
+Subcommands (several run in order, e.g. "sync setup run"):
+  create   Create the TPU VM (on-demand; --spot for Spot; --queued for a queued
+           resource request, which is granted later: watch it with "status").
+  status   Describe the TPU VM (or the queued resource with --queued).
+  sync     Copy the code (git archive of --git-ref, by default the current
+           tracked files including uncommitted changes) to --remote-dir on all
+           workers.
+  setup    pip install memjax and jax[tpu] on all workers (after sync).
+  run      Start python -m memjax.train on all workers in the background;
+           worker N logs to --remote-dir/--log-dir/worker-N.log.
+  logs     Print the last --lines lines of worker --worker's log.
+  tail     Follow worker --worker's log.
+  stop     Send --signal to the training process on all workers (SIGTERM: the
+           run saves a checkpoint at the next step and exits; "run" resumes).
+  delete   Delete the TPU VM (with --queued: the queued resource and its VM).
+
+Example:
+  launch/tpu_vm.sh --tpu-name=memjax-v4 --zone=us-central2-b \\
+      --accelerator-type=v4-32 create sync setup
+  launch/tpu_vm.sh --tpu-name=memjax-v4 --zone=us-central2-b \\
+      --config=configs/transformer_xl_wt103_base.py \\
+      --workdir=gs://my-bucket/memjax/wt103 run -- --config.train.num_steps=200000
+EOF
+  print_settings
+}
+
+define_common_flags
+define_flag tpu-name '' 'TPU VM name (also the queued resource name with --queued). Required.'
+define_flag zone '' 'Zone of the TPU, e.g. us-central2-b (v4), us-west4-a (v5e), us-east5-a (v5p). Required.'
+define_flag project '' 'Google Cloud project; empty uses the gcloud default project.'
+define_flag accelerator-type v5litepod-8 \
+  'TPU type and size: v5litepod-8 (one host), v4-32, v5p-64, v6e-16 (pod slices).'
+define_flag runtime-version '' \
+  'TPU software version; empty picks it from --accelerator-type: v6e -> v2-alpha-tpuv6e, v5p -> v2-alpha-tpuv5, v5e/v5litepod -> v2-alpha-tpuv5-lite, others -> tpu-ubuntu2204-base.'
+define_switch spot 'Create a Spot TPU (cheaper, can be preempted at any time).'
+define_switch queued 'Use a queued resource (gcloud compute tpus queued-resources) for create, status and delete.'
+define_flag create-flags '' 'Space-separated extra flags for the create command (e.g. "--reserved" or "--network=my-net").'
+define_flag remote-dir memjax 'Code directory on the workers, relative to the remote home directory.'
+define_flag log-dir logs 'Log and pid directory on the workers, relative to --remote-dir.'
+define_flag git-ref '' 'Git revision to sync; empty syncs the tracked files of the local working tree.'
+define_flag pip-find-links https://storage.googleapis.com/jax-releases/libtpu_releases.html \
+  'Extra package index page for libtpu (pip -f); empty for none.'
+define_flag worker 0 'Worker whose log "logs" and "tail" show.'
+define_flag lines 100 'Number of log lines "logs" and "tail" print first.'
+define_flag signal TERM 'Signal "stop" sends (TERM: checkpoint and exit; KILL: immediately).'
+define_train_flags
+
+parse_flags "$@"
+
+# Prints the worker index of the TPU VM it runs on (the metadata attribute that
+# JAX itself reads), falling back to the "-w-N" suffix of the host name.
+# shellcheck disable=SC2016  # expanded on the worker, not here
+readonly WORKER_ID_SNIPPET='id=$(curl -sf -m 10 -H Metadata-Flavor:Google http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number || hostname | sed -n "s/.*-w-\([0-9]*\)$/\1/p"); id=${id:-0}'
+
+gcloud_location_flags() {
+  GCLOUD_FLAGS=("--zone=$MEMJAX_ZONE")
+  if [[ -n $MEMJAX_PROJECT ]]; then
+    GCLOUD_FLAGS+=("--project=$MEMJAX_PROJECT")
+  fi
+}
+
+ssh_worker() {  # WORKER COMMAND
+  run gcloud compute tpus tpu-vm ssh "$MEMJAX_TPU_NAME" "${GCLOUD_FLAGS[@]}" "--worker=$1" "--command=$2"
+}
+
+ssh_worker_in_dir() {  # WORKER COMMAND, run in --remote-dir
+  ssh_worker "$1" "$(in_dir_snippet "$MEMJAX_REMOTE_DIR" "$2")"
+}
+
+runtime_version() {
+  if [[ -n $MEMJAX_RUNTIME_VERSION ]]; then
+    printf '%s' "$MEMJAX_RUNTIME_VERSION"
+    return
+  fi
+  case "$MEMJAX_ACCELERATOR_TYPE" in
+    v6e-*) printf v2-alpha-tpuv6e ;;
+    v5p-*) printf v2-alpha-tpuv5 ;;
+    v5litepod-* | v5e-*) printf v2-alpha-tpuv5-lite ;;
+    *) printf tpu-ubuntu2204-base ;;
+  esac
+}
+
+cmd_create() {
+  local extra=() cmd
+  [[ $MEMJAX_ACCELERATOR_TYPE =~ ^v[0-9]+[a-z]*-[0-9]+$ ]] ||
+    die "--accelerator-type='$MEMJAX_ACCELERATOR_TYPE' is not a TPU type like v5litepod-8, v4-32 or v5p-64"
+  if [[ -n $MEMJAX_CREATE_FLAGS ]]; then
+    read -r -a extra <<<"$MEMJAX_CREATE_FLAGS"
+  fi
+  if ((MEMJAX_SPOT)); then
+    extra+=(--spot)
+  fi
+  if ((MEMJAX_QUEUED)); then
+    cmd=(gcloud compute tpus queued-resources create "$MEMJAX_TPU_NAME" "--node-id=$MEMJAX_TPU_NAME"
+      "${GCLOUD_FLAGS[@]}" "--accelerator-type=$MEMJAX_ACCELERATOR_TYPE" "--runtime-version=$(runtime_version)")
+  else
+    cmd=(gcloud compute tpus tpu-vm create "$MEMJAX_TPU_NAME"
+      "${GCLOUD_FLAGS[@]}" "--accelerator-type=$MEMJAX_ACCELERATOR_TYPE" "--version=$(runtime_version)")
+  fi
+  run "${cmd[@]}" ${extra[@]+"${extra[@]}"}
+}
+
+cmd_status() {
+  if ((MEMJAX_QUEUED)); then
+    run gcloud compute tpus queued-resources describe "$MEMJAX_TPU_NAME" "${GCLOUD_FLAGS[@]}"
+  else
+    run gcloud compute tpus tpu-vm describe "$MEMJAX_TPU_NAME" "${GCLOUD_FLAGS[@]}"
+  fi
+}
+
+cmd_sync() {
+  local repo ref archive remote_archive=memjax-src.tar.gz
+  repo=$(cd "$SCRIPT_DIR/.." && pwd)
+  git -C "$repo" rev-parse --git-dir >/dev/null 2>&1 ||
+    die "sync needs the memjax git checkout, but $repo is not one"
+  ref=$MEMJAX_GIT_REF
+  if [[ -z $ref ]]; then
+    # A commit object of the working tree that touches no branch or stash.
+    ref=$(git -C "$repo" stash create)
+    ref=${ref:-HEAD}
+  fi
+  archive="${TMPDIR:-/tmp}/memjax-src-$MEMJAX_TPU_NAME.tar.gz"
+  run git -C "$repo" archive --format=tar.gz -o "$archive" "$ref"
+  run gcloud compute tpus tpu-vm scp "$archive" "$MEMJAX_TPU_NAME:$remote_archive" "${GCLOUD_FLAGS[@]}" --worker=all
+  ssh_worker all "mkdir -p $(shell_quote "$MEMJAX_REMOTE_DIR") && tar -xzf $remote_archive -C $(shell_quote "$MEMJAX_REMOTE_DIR") && rm -f $remote_archive"
+  run rm -f "$archive"
+}
+
+cmd_setup() {
+  local pip_cmd
+  pip_cmd=("$MEMJAX_PYTHON" -m pip install -e . 'jax[tpu]')
+  if [[ -n $MEMJAX_PIP_FIND_LINKS ]]; then
+    pip_cmd+=(-f "$MEMJAX_PIP_FIND_LINKS")
+  fi
+  ssh_worker_in_dir all "$(shell_quote "$MEMJAX_PYTHON" -m pip install --upgrade pip) && $(shell_quote "${pip_cmd[@]}")"
+}
+
+cmd_run() {
+  local log pidfile
+  log="$(shell_quote "$MEMJAX_LOG_DIR")/worker-\$id.log"
+  pidfile="$(shell_quote "$MEMJAX_LOG_DIR")/worker-\$id.pid"
+  ssh_worker_in_dir all "mkdir -p $(shell_quote "$MEMJAX_LOG_DIR"); $WORKER_ID_SNIPPET; $(detached_start_snippet "$log" "$pidfile" "$(shell_quote "${TRAIN_CMD[@]}")")"
+}
+
+cmd_logs() {  # TAIL_FLAGS...
+  require_int lines
+  [[ $MEMJAX_WORKER =~ ^[0-9]+$ ]] || die "--worker must be a worker index (0, 1, ...), got '$MEMJAX_WORKER'"
+  ssh_worker_in_dir "$MEMJAX_WORKER" "$(shell_quote tail -n "$MEMJAX_LINES" "$@" "$MEMJAX_LOG_DIR/worker-$MEMJAX_WORKER.log")"
+}
+
+cmd_stop() {
+  ssh_worker_in_dir all "$WORKER_ID_SNIPPET; $(detached_stop_snippet "$(shell_quote "$MEMJAX_LOG_DIR")/worker-\$id.pid" "$MEMJAX_SIGNAL")"
+}
+
+cmd_delete() {
+  if ((MEMJAX_QUEUED)); then
+    run gcloud compute tpus queued-resources delete "$MEMJAX_TPU_NAME" "${GCLOUD_FLAGS[@]}" --force --quiet
+  else
+    run gcloud compute tpus tpu-vm delete "$MEMJAX_TPU_NAME" "${GCLOUD_FLAGS[@]}" --quiet
+  fi
+}
+
+main() {
+  local sub
+  ((${#POSITIONAL[@]})) || die "no subcommand given (create, status, sync, setup, run, logs, tail, stop, delete); see --help"
+  # Validate every subcommand before running any, so a typo in "sync stup run"
+  # does not leave a half-done sequence behind.
+  for sub in "${POSITIONAL[@]}"; do
+    case "$sub" in
+      create | status | sync | setup | run | logs | tail | stop | delete) ;;
+      *) die "unknown subcommand '$sub' (create, status, sync, setup, run, logs, tail, stop, delete); see --help" ;;
+    esac
+    if [[ $sub == run ]]; then
+      # shellcheck disable=SC2119  # on TPU, memjax.train needs no coordinator flags
+      build_train_command
+    fi
+  done
+  require tpu-name zone
+  if [[ ! $MEMJAX_SIGNAL =~ ^[A-Z]+[0-9]*$ ]]; then
+    die "--signal must be a signal name such as TERM, INT or KILL, got '$MEMJAX_SIGNAL'"
+  fi
+  gcloud_location_flags
+  for sub in "${POSITIONAL[@]}"; do
+    case "$sub" in
+      logs) cmd_logs ;;
+      tail) cmd_logs -F ;;
+      *) "cmd_$sub" ;;
+    esac
+  done
+}
+
+main
