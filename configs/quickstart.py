@@ -12,8 +12,8 @@ def get_config():
     config.data.update(name='embedded', tokenizer='byte')
     config.model.update(d_model=128, n_layer=4, n_head=4, d_head=32, d_inner=512, mem_len=64,
                         dropout=0.0, dropatt=0.0)
-    config.train.update(batch_size=16, tgt_len=64, segments_per_step=10, num_steps=2000,
+    config.train.update(batch_size=16, tgt_len=64, segments_per_step=10, num_steps=4000,
                         learning_rate=1e-3, warmup_steps=100, min_lr_ratio=0.1, clip_norm=1.0,
-                        log_every=100, eval_every=1000, eval_batches=20,
-                        checkpoint_every=1000, keep_checkpoints=2)
+                        log_every=200, eval_every=2000, eval_batches=20,
+                        checkpoint_every=2000, keep_checkpoints=2)
     return config

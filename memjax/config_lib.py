@@ -132,8 +132,8 @@ def _validate_train(t: Any, process_count: int, errors: list[str]) -> None:
         # The host only sees the state between dispatches of segments_per_step updates.
         if value > 0 and t.segments_per_step >= 1:
             _check(errors, value % t.segments_per_step == 0,
-                   f'config.train.{name}={value} must be a multiple of config.train.segments_per_step='
-                   f'{t.segments_per_step} (or 0).')
+                   f'config.train.{name}={value} must be a multiple of '
+                   f'config.train.segments_per_step={t.segments_per_step} (or 0).')
     if t.segments_per_step >= 1:
         _check(errors, t.num_steps % t.segments_per_step == 0,
                f'config.train.num_steps={t.num_steps} must be a multiple of '
@@ -144,7 +144,8 @@ def _validate_train(t: Any, process_count: int, errors: list[str]) -> None:
                f'config.train.batch_size={t.batch_size} must be divisible by '
                f'config.train.grad_accum_steps ({t.grad_accum_steps}) x process count '
                f'({process_count}) = {per_process}: use a multiple of {per_process}.')
-    _check(errors, t.learning_rate > 0, f'config.train.learning_rate={t.learning_rate} must be > 0.')
+    _check(errors, t.learning_rate > 0,
+           f'config.train.learning_rate={t.learning_rate} must be > 0.')
     _check(errors, 0 <= t.warmup_steps <= t.num_steps,
            f'config.train.warmup_steps={t.warmup_steps} must lie in [0, num_steps={t.num_steps}].')
     _check(errors, 0.0 <= t.min_lr_ratio <= 1.0,
@@ -180,7 +181,8 @@ def validate_config(config: ml_collections.ConfigDict, process_count: int = 1) -
     """
     missing = [s for s in ('model', 'data', 'train', 'eval') if s not in config]
     if missing:
-        raise ConfigError(f'config lacks section(s) {missing}: start from memjax.config_lib.base_config().')
+        raise ConfigError(f'config lacks section(s) {missing}: start from '
+                          'memjax.config_lib.base_config().')
     errors: list[str] = []
     _check(errors, isinstance(config.seed, int), f'config.seed={config.seed!r} must be an int.')
     _check(errors, config.data.name in DATA_NAMES,

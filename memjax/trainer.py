@@ -4,7 +4,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from absl import logging
 import jax
@@ -160,15 +160,28 @@ def _log_interval(exp: Experiment, interval: _Interval, values: dict, step: int,
     return tokens
 
 
-def _validate(exp, eval_step, params, streams, max_batches, step, writer, prefix='valid'):
+def _validate(exp: Experiment, eval_step: Callable, params: Any, streams: pipeline.LMStreams,
+              max_batches: int, step: int, writer: metrics_lib.MetricWriter) -> dict:
+    """Scores the validation streams and reports them under the 'valid' prefix."""
     result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams,
                                          evaluation.local_eval_batch(exp.config), max_batches)
     name = metrics_lib.metric_name(exp.unit)
     scalars = {'loss': result.mean_nll, name: metrics_lib.metric_value(result.mean_nll, exp.unit),
                'num_tokens': result.num_tokens}
-    writer.write_scalars(step, prefix, scalars)
+    writer.write_scalars(step, 'valid', scalars)
     metrics_lib.log_eval(step, 'validation', result.mean_nll, result.num_tokens, exp.unit)
     return scalars
+
+
+def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer,
+                     iterator: Any) -> tuple[train_step_lib.TrainState, Any, Optional[str]]:
+    """State, memory and data position of the newest intact checkpoint, else fresh ones."""
+    restored = ckpt.restore_latest(*abstract_state(exp), quarantine=True)
+    if restored is None:
+        return *init_state(exp), None
+    iterator.set_state(restored.data_state)
+    logging.info('Resumed from %s (step %d).', ckpt.step_dir(restored.step), restored.step)
+    return restored.state, restored.memory, ckpt.step_dir(restored.step)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -177,9 +190,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     Returns the final summary (also written to `<workdir>/train_summary.json`).
     """
     wall_start = time.time()
-    exp = setup(config, workdir)
     if jax.process_count() > 1:
-        raise config_lib.ConfigError('multi-process training is not supported yet: run one process.')
+        raise config_lib.ConfigError(
+            'multi-process training is not supported yet: run a single process.')
+    exp = setup(config, workdir)
     tcfg = exp.config.train
     write_json(os.path.join(workdir, 'config.json'), exp.config.to_dict())
 
@@ -191,16 +205,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     iterator = train_streams.iterator()
 
     ckpt = checkpointing.Checkpointer(checkpoint_dir(workdir), tcfg.keep_checkpoints)
-    abstract = abstract_state(exp)
-    restored = ckpt.restore_latest(*abstract, quarantine=True)
-    if restored is None:
-        state, memory = init_state(exp)
-        last_checkpoint = None
-    else:
-        state, memory = restored.state, restored.memory
-        iterator.set_state(restored.data_state)
-        last_checkpoint = ckpt.step_dir(restored.step)
-        logging.info('Resumed from %s (step %d).', last_checkpoint, restored.step)
+    state, memory, last_checkpoint = _restore_or_init(exp, ckpt, iterator)
     step = int(state.step)
 
     train_step = train_step_lib.make_train_step(

@@ -97,8 +97,8 @@ def truncate_array_files(step_dir):
 
 
 def flip_byte_in_largest_array_file(step_dir):
-    paths = [os.path.join(root, name) for root, _, files in os.walk(os.path.join(step_dir, 'arrays'))
-             for name in files]
+    paths = [os.path.join(root, name)
+             for root, _, files in os.walk(os.path.join(step_dir, 'arrays')) for name in files]
     path = max(paths, key=os.path.getsize)
     data = bytearray(open(path, 'rb').read())
     data[len(data) // 2] ^= 0x5A
