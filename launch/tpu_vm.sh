@@ -42,7 +42,7 @@ EOF
 
 define_common_flags
 define_flag tpu-name '' 'TPU VM name (also the queued resource name with --queued). Required.'
-define_flag zone '' 'Zone of the TPU, e.g. us-central2-b (v4), us-west4-a (v5e), us-east5-a (v5p). Required.'
+define_flag zone '' 'Zone of the TPU (e.g. us-central2-b); it must offer --accelerator-type. Required.'
 define_flag project '' 'Google Cloud project; empty uses the gcloud default project.'
 define_flag accelerator-type v5litepod-8 \
   'TPU type and size: v5litepod-8 (one host), v4-32, v5p-64, v6e-16 (pod slices).'
@@ -54,8 +54,8 @@ define_flag create-flags '' 'Space-separated extra flags for the create command 
 define_flag remote-dir memjax 'Code directory on the workers, relative to the remote home directory.'
 define_flag log-dir logs 'Log and pid directory on the workers, relative to --remote-dir.'
 define_flag git-ref '' 'Git revision to sync; empty syncs the tracked files of the local working tree.'
-define_flag pip-find-links https://storage.googleapis.com/jax-releases/libtpu_releases.html \
-  'Extra package index page for libtpu (pip -f); empty for none.'
+define_flag pip-find-links '' \
+  'Extra pip -f page for "setup". jax[tpu] takes libtpu from PyPI; set https://storage.googleapis.com/jax-releases/libtpu_releases.html for libtpu builds that are only there.'
 define_flag worker 0 'Worker whose log "logs" and "tail" show.'
 define_flag lines 100 'Number of log lines "logs" and "tail" print first.'
 define_flag signal TERM 'Signal "stop" sends (TERM: checkpoint and exit; KILL: immediately).'
@@ -98,8 +98,6 @@ runtime_version() {
 
 cmd_create() {
   local extra=() cmd
-  [[ $MEMJAX_ACCELERATOR_TYPE =~ ^v[0-9]+[a-z]*-[0-9]+$ ]] ||
-    die "--accelerator-type='$MEMJAX_ACCELERATOR_TYPE' is not a TPU type like v5litepod-8, v4-32 or v5p-64"
   if [[ -n $MEMJAX_CREATE_FLAGS ]]; then
     read -r -a extra <<<"$MEMJAX_CREATE_FLAGS"
   fi
@@ -186,6 +184,9 @@ main() {
       create | status | sync | setup | run | logs | tail | stop | delete) ;;
       *) die "unknown subcommand '$sub' (create, status, sync, setup, run, logs, tail, stop, delete); see --help" ;;
     esac
+    if [[ $sub == create && ! $MEMJAX_ACCELERATOR_TYPE =~ ^v[0-9]+[a-z]*-[0-9]+$ ]]; then
+      die "--accelerator-type='$MEMJAX_ACCELERATOR_TYPE' is not a TPU type like v5litepod-8, v4-32 or v5p-64"
+    fi
     if [[ $sub == run ]]; then
       # shellcheck disable=SC2119  # on TPU, memjax.train needs no coordinator flags
       build_train_command

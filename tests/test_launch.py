@@ -282,9 +282,18 @@ def test_tpu_every_worker_command_addresses_all_workers_in_the_zone(fake):
         assert flag_value(argv, 'zone') == 'us-central2-b'
         assert flag_value(argv, 'project') == 'proj'
     setup, run = flag_value(gcloud[2], 'command'), flag_value(gcloud[3], 'command')
-    assert "pip install -e . 'jax[tpu]' -f https://storage.googleapis.com/jax-releases/libtpu_releases.html" in setup
+    assert setup.endswith("python3 -m pip install -e . 'jax[tpu]'; }")
     assert 'nohup python3 -m memjax.train --config=configs/tiny.py --workdir=gs://bucket/run' in run
     assert 'logs/worker-$id.log' in run
+
+
+def test_tpu_setup_uses_the_given_python_and_package_page(fake):
+    [argv] = commands(fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, '--python=/opt/venv/bin/python',
+                               '--pip-find-links=https://example.org/libtpu.html', '--remote-dir=code dir',
+                               'setup').stdout)
+    assert flag_value(argv, 'command') == (
+        "cd 'code dir' && { /opt/venv/bin/python -m pip install --upgrade pip && "
+        "/opt/venv/bin/python -m pip install -e . 'jax[tpu]' -f https://example.org/libtpu.html; }")
 
 
 def test_tpu_logs_and_tail_read_one_workers_log(fake):
