@@ -28,6 +28,7 @@ define_flag gpus-per-node 8 'GPUs per node; one training process runs per GPU.'
 define_flag partition '' 'SLURM partition; empty uses the cluster default.'
 define_flag account '' 'SLURM account; empty uses your default account.'
 define_flag time '' 'Time limit (e.g. 24:00:00); empty uses the partition default.'
+define_flag cpus-per-task '' 'CPU cores per process (data loading); empty uses the cluster default.'
 define_flag job-name memjax 'SLURM job name.'
 define_flag output 'logs/slurm-%x-%j.out' 'Job log, relative to the checkout (%x: job name, %j: job id).'
 define_flag sbatch-flags '' 'Space-separated extra flags for sbatch (e.g. "--exclusive --qos=high").'
@@ -51,7 +52,7 @@ main() {
   cmd=(sbatch "--job-name=$MEMJAX_JOB_NAME" "--nodes=$MEMJAX_NODES"
     "--ntasks-per-node=$MEMJAX_GPUS_PER_NODE" "--gpus-per-node=$MEMJAX_GPUS_PER_NODE"
     "--chdir=$repo" "--output=$MEMJAX_OUTPUT")
-  for name in partition account time; do
+  for name in partition account time cpus-per-task; do
     var=$(flag_var "$name")
     if [[ -n ${!var} ]]; then
       cmd+=("--$name=${!var}")

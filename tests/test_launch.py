@@ -370,13 +370,14 @@ def test_slurm_batch_explicit_port_and_srun_flags(fake):
 def test_slurm_submit_shapes_the_job_and_forwards_settings_to_the_batch_script(fake):
     output = fake.root / 'slurm-logs' / '%x-%j.out'
     out = fake.run('slurm_submit.sh', '--dry-run', '--nodes=2', '--gpus-per-node=4', '--partition=gpu',
-                   '--time=1:00:00', '--config=configs/tiny.py', '--workdir=/shared/run', '--port=23456',
+                   '--time=1:00:00', '--cpus-per-task=12', '--config=configs/tiny.py', '--workdir=/shared/run', '--port=23456',
                    f'--output={output}', '--', '--config.seed=9').stdout
     mkdir, sbatch = commands(out)
     assert mkdir == ['mkdir', '-p', str(output.parent)]
     assert sbatch[0] == 'sbatch'
     for name, value in [('nodes', '2'), ('ntasks-per-node', '4'), ('gpus-per-node', '4'), ('partition', 'gpu'),
-                        ('time', '1:00:00'), ('chdir', str(REPO)), ('output', str(output))]:
+                        ('time', '1:00:00'), ('cpus-per-task', '12'), ('chdir', str(REPO)),
+                        ('output', str(output))]:
         assert flag_value(sbatch, name) == value
     script_at = sbatch.index(str(LAUNCH / 'slurm_gpu.sbatch'))
     # The batch script accepts what submit hands it and derives the same job.
