@@ -61,6 +61,10 @@ def base_config() -> ml_collections.ConfigDict:
         tokenizer='byte',
         vocab_path='',
         sp_vocab_size=8000,
+        word_min_freq=1,  # words seen fewer times in train become <unk>.
+        word_max_size=0,  # 0: no cap on the word vocabulary (specials included).
+        heldout_size=5_000_000,  # enwik8 / text8: bytes or characters of validation and of test.
+        cache_dir='',  # '': <data_dir>/memjax_token_cache.
         reset_at_doc_boundary=False,
     ))
 
