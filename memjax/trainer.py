@@ -19,6 +19,7 @@ from memjax import evaluation
 from memjax import metrics as metrics_lib
 from memjax import model as model_lib
 from memjax import optim
+from memjax import sharding
 from memjax import train_step as train_step_lib
 from memjax.data import pipeline
 from memjax.data import tokenizers
@@ -40,6 +41,9 @@ class Experiment:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     local_batch: int
+    partitioner: sharding.Partitioner
+    state_sharding: Any  # TrainState of NamedShardings.
+    memory_sharding: Any  # Of the global training memory.
 
     @property
     def unit(self) -> str:
@@ -61,34 +65,38 @@ def resolve_model_configs(config: ml_collections.ConfigDict, vocab_size: int) ->
 
 def setup(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
     """Validates the config, builds (or loads) the tokenizer and the model; compiles nothing."""
-    config_lib.validate_config(config, jax.process_count())
+    config_lib.validate_config(config, jax.process_count(), jax.device_count())
     os.makedirs(workdir, exist_ok=True)
     tokenizer = tokenizers.build_tokenizer(config.data, workdir)
     mcfg, eval_mcfg = resolve_model_configs(config, tokenizer.vocab_size)
     config = ml_collections.ConfigDict(config.to_dict())
     config.model.vocab_size = mcfg.vocab_size
+    tx = optim.make_optimizer(config.train)
+    # Built once; deriving the shardings here rejects splits that do not divide before compiling.
+    partitioner = sharding.Partitioner.from_config(config)
     return Experiment(
         config=config, tokenizer=tokenizer, mcfg=mcfg, eval_mcfg=eval_mcfg,
         model=model_lib.TransformerXL(mcfg), eval_model=model_lib.TransformerXL(eval_mcfg),
-        tx=optim.make_optimizer(config.train),
-        schedule=optim.learning_rate_schedule(config.train),
-        local_batch=config.train.batch_size // jax.process_count())
+        tx=tx, schedule=optim.learning_rate_schedule(config.train),
+        local_batch=config.train.batch_size // jax.process_count(), partitioner=partitioner,
+        state_sharding=partitioner.train_state(mcfg, tx),
+        memory_sharding=partitioner.memory(mcfg, config.train.batch_size))
 
 
 def init_state(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
-    """Fresh float32 parameters, optimizer state and an empty memory."""
-    init_key, dropout_key = jax.random.split(jax.random.PRNGKey(exp.config.seed))
-    memory = model_lib.init_memory(exp.mcfg, exp.local_batch)
-    tokens = jnp.zeros((exp.local_batch, exp.config.train.tgt_len), jnp.int32)
+    """Fresh float32 parameters, optimizer state and an empty memory, created in their shards."""
 
-    @jax.jit
-    def create(key):
-        params = exp.model.init({'params': key}, tokens, memory)['params']
+    def create():
+        init_key, dropout_key = jax.random.split(jax.random.PRNGKey(exp.config.seed))
+        params = model_lib.init_params(exp.mcfg, init_key)
         return train_step_lib.TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=exp.tx.init(params),
             rng=dropout_key)
 
-    state = create(init_key)
+    # Outside the rules context: flax's DenseGeneral initialises a flattened kernel, which
+    # the logical constraint of the unflattened kernel cannot annotate.
+    state = jax.jit(create, out_shardings=exp.state_sharding)()
+    memory = exp.partitioner.init_memory(exp.mcfg, exp.config.train.batch_size)
     # bf16 compute must not leak into the master weights or Adam's moments.
     wrong = [leaf.dtype for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state))
              if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != jnp.float32]
@@ -98,8 +106,36 @@ def init_state(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
 
 
 def abstract_state(exp: Experiment) -> tuple[Any, Any]:
-    """Shapes and dtypes of the train state and memory, for restoring without allocating."""
-    return jax.eval_shape(lambda: init_state(exp))
+    """Shapes, dtypes and current-mesh shardings of the train state and memory.
+
+    Restoring into these re-shards a checkpoint saved on any other mesh onto this one.
+    """
+    shapes = jax.eval_shape(lambda: init_state(exp))
+    shardings = (exp.state_sharding, exp.memory_sharding)
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def make_steps(exp: Experiment) -> tuple[Callable, Callable]:
+    """Train and eval steps jitted over the mesh, with explicit shardings.
+
+    The train step donates the state and the memory: orbax's save copies every array to the
+    host before it returns, so the asynchronous write never reads a donated buffer.
+    """
+    p = exp.partitioner
+    train_step = p.jit(
+        train_step_lib.train_step_fn(exp.model, exp.tx, exp.schedule,
+                                     train_step_lib.memory_batch_axes(exp.mcfg),
+                                     exp.config.train.grad_accum_steps),
+        in_shardings=(exp.state_sharding, exp.memory_sharding, p.batch),
+        out_shardings=(exp.state_sharding, exp.memory_sharding, p.replicated),
+        donate_argnums=(0, 1))
+    eval_memory = p.memory(exp.eval_mcfg, config_lib.eval_setting(exp.config, 'batch_size'))
+    eval_step = p.jit(
+        train_step_lib.eval_step_fn(exp.eval_model),
+        in_shardings=(exp.state_sharding.params, eval_memory, p.batch),
+        out_shardings=(eval_memory, p.replicated), donate_argnums=(1,))
+    return train_step, eval_step
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -145,7 +181,7 @@ def _log_interval(exp: Experiment, interval: _Interval, values: dict, step: int,
     """Writes the interval's train scalars and the progress line; returns its token count."""
     tcfg = exp.config.train
     seconds = max(time.time() - interval.start_time, 1e-9)
-    tokens = float(values['num_tokens'].sum()) * jax.process_count()
+    tokens = float(values['num_tokens'].sum())  # Global: summed over the sharded batch.
     mean_nll = float(values['nll_sum'].sum() / max(values['num_tokens'].sum(), 1.0))
     scalars = {
         'loss': mean_nll,
@@ -164,7 +200,8 @@ def _validate(exp: Experiment, eval_step: Callable, params: Any, streams: pipeli
               max_batches: int, step: int, writer: metrics_lib.MetricWriter) -> dict:
     """Scores the validation streams and reports them under the 'valid' prefix."""
     result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams,
-                                         evaluation.local_eval_batch(exp.config), max_batches)
+                                         evaluation.local_eval_batch(exp.config), max_batches,
+                                         exp.partitioner)
     name = metrics_lib.metric_name(exp.unit)
     scalars = {'loss': result.mean_nll, name: metrics_lib.metric_value(result.mean_nll, exp.unit),
                'num_tokens': result.num_tokens}
@@ -190,9 +227,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     Returns the final summary (also written to `<workdir>/train_summary.json`).
     """
     wall_start = time.time()
-    if jax.process_count() > 1:
-        raise config_lib.ConfigError(
-            'multi-process training is not supported yet: run a single process.')
     exp = setup(config, workdir)
     tcfg = exp.config.train
     write_json(os.path.join(workdir, 'config.json'), exp.config.to_dict())
@@ -208,10 +242,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     state, memory, last_checkpoint = _restore_or_init(exp, ckpt, iterator)
     step = int(state.step)
 
-    train_step = train_step_lib.make_train_step(
-        exp.model, exp.tx, exp.schedule, train_step_lib.memory_batch_axes(exp.mcfg),
-        tcfg.grad_accum_steps)
-    eval_step = train_step_lib.make_eval_step(exp.eval_model)
+    train_step, eval_step = make_steps(exp)
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     metric = metrics_lib.metric_name(exp.unit)
     interval = _Interval(step)
@@ -219,14 +250,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     logged_tokens, compile_tokens, steady_start, eval_seconds = 0.0, 0.0, None, 0.0
     try:
         while step < tcfg.num_steps:
-            state, memory, step_metrics = train_step(state, memory, next(iterator))
+            state, memory, step_metrics = train_step(
+                state, memory, exp.partitioner.global_batch(next(iterator)))
             step += tcfg.segments_per_step
             interval.add(step_metrics)
             if steady_start is None:
                 # The first dispatch compiles: throughput is timed from its end.
                 jax.block_until_ready(step_metrics)
                 steady_start = time.time()
-                compile_tokens = float(np.sum(step_metrics['num_tokens'])) * jax.process_count()
+                compile_tokens = float(np.sum(step_metrics['num_tokens']))
                 logging.info('First %d updates, with compilation, took %.1fs.',
                              tcfg.segments_per_step, steady_start - interval.start_time)
 

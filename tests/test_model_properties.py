@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from memjax.model import ModelConfig, TransformerXL, init_memory, lm_loss
+from memjax.model import ModelConfig, TransformerXL, init_memory, init_params, lm_loss
 
 VOCAB = 50
 BASE = dict(vocab_size=VOCAB, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, dropout=0.0)
@@ -18,8 +18,7 @@ def setup(**overrides):
     """Random model with its zero-initialised parameters perturbed so that every term matters."""
     cfg = ModelConfig(**{**BASE, **overrides})
     model = TransformerXL(cfg)
-    tokens = jnp.zeros((2, 4), jnp.int32)
-    params = model.init(jax.random.key(0), tokens, init_memory(cfg, 2))['params']
+    params = init_params(cfg, jax.random.key(0))
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
     params = tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])

@@ -2,6 +2,7 @@
 
 import itertools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,7 +101,7 @@ def test_relative_attention_equals_naive_per_pair(mlen, clamp_len):
     pos_enc = sinusoid_encoding(key_distances(mlen + qlen, clamp_len), 8)
     mask = attention_mask(jnp.asarray(valid), qlen, False, mlen)
     module = RelativeAttention(cfg)
-    params = module.init(jax.random.key(0), h, mem, mask, pos_enc, u, v, True)['params']
+    params = nn.meta.unbox(module.init(jax.random.key(0), h, mem, mask, pos_enc, u, v, True)['params'])
     params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), params)
     got = module.apply({'params': params}, h, mem, mask, pos_enc, u, v, True)
     want = naive_attention(params, cfg, h, mem, valid, np.asarray(u), np.asarray(v))

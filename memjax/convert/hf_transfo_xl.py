@@ -41,11 +41,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import flax.serialization
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from memjax.model import ModelConfig, TransformerXL, init_memory
+from memjax.model import ModelConfig, init_params
 
 CONFIG_FILE = 'config.json'
 PARAMS_FILE = 'params.msgpack'
@@ -252,11 +251,8 @@ def _config_summary(cfg: ModelConfig) -> str:
 
 
 def expected_params(config: ModelConfig) -> Any:
-    """Shapes and dtypes of `TransformerXL(config).init(...)['params']`, computed without running it."""
-    model = TransformerXL(config)
-    init = lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32),
-                              init_memory(config, 1))['params']
-    return jax.eval_shape(init)
+    """Shapes and dtypes of `init_params(config, key)`, computed without running it."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
 
 
 def check_params(config: ModelConfig, params: Mapping[str, Any], source: str) -> None:

@@ -2,6 +2,8 @@
 
 from memjax.model.config import ModelConfig
 from memjax.model.memory import Memory, init_memory
-from memjax.model.transformer import ModelOutput, TransformerXL, lm_loss
+from memjax.model.transformer import (ModelOutput, TransformerXL, convert_layer_layout, init_params, lm_loss,
+                                      memory_logical_axes, param_logical_axes)
 
-__all__ = ['Memory', 'ModelConfig', 'ModelOutput', 'TransformerXL', 'init_memory', 'lm_loss']
+__all__ = ['Memory', 'ModelConfig', 'ModelOutput', 'TransformerXL', 'convert_layer_layout', 'init_memory',
+           'init_params', 'lm_loss', 'memory_logical_axes', 'param_logical_axes']

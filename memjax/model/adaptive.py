@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from memjax.model.config import ModelConfig
+from memjax.model.layers import normal
 
 
 class AdaptiveIO(nn.Module):
@@ -32,13 +33,14 @@ class AdaptiveIO(nn.Module):
         cfg = self.config
         bounds = cfg.cluster_bounds
         n_clusters = len(bounds) - 1
-        emb_init = nn.initializers.normal(cfg.init_std)
-        proj_init = nn.initializers.normal(cfg.proj_init_std)
+        table_init = normal(cfg.init_std, ('vocab', 'embed'))
+        proj_init = normal(cfg.proj_init_std, (None, 'embed'))
+        zeros = nn.with_logical_partitioning(nn.initializers.zeros, ('vocab',))
         single_table = cfg.div_val == 1
         n_tables = 1 if single_table else n_clusters
 
         self.emb_tables = [
-            self.param(f'emb_table_{i}', emb_init, (bounds[i + 1] - bounds[i] if not single_table
+            self.param(f'emb_table_{i}', table_init, (bounds[i + 1] - bounds[i] if not single_table
                                                      else cfg.vocab_size, cfg.cluster_dim(i)))
             for i in range(n_tables)]
         needs_proj = [not single_table or cfg.d_embed != cfg.d_model for _ in range(n_clusters)]
@@ -47,7 +49,7 @@ class AdaptiveIO(nn.Module):
             for i in range(n_tables)]
 
         self.out_tables = self.emb_tables if cfg.tie_weight else [
-            self.param(f'out_table_{i}', emb_init, table.shape) for i, table in enumerate(self.emb_tables)]
+            self.param(f'out_table_{i}', table_init, table.shape) for i, table in enumerate(self.emb_tables)]
         out_projs = []
         for i in range(n_clusters):
             dim = cfg.cluster_dim(0 if single_table else i)
@@ -58,11 +60,13 @@ class AdaptiveIO(nn.Module):
             else:
                 out_projs.append(self.param(f'out_proj_{i}', proj_init, (dim, cfg.d_model)))
         self.out_projs = out_projs
-        self.out_biases = [self.param(f'out_bias_{i}', nn.initializers.zeros, (bounds[i + 1] - bounds[i],))
+        self.out_biases = [self.param(f'out_bias_{i}', zeros, (bounds[i + 1] - bounds[i],))
                            for i in range(n_clusters)]
         if n_clusters > 1:
-            self.cluster_kernel = self.param('cluster_kernel', emb_init, (cfg.d_embed, n_clusters - 1))
-            self.cluster_bias = self.param('cluster_bias', nn.initializers.zeros, (n_clusters - 1,))
+            self.cluster_kernel = self.param('cluster_kernel', normal(cfg.init_std, ('embed', None)),
+                                             (cfg.d_embed, n_clusters - 1))
+            self.cluster_bias = self.param('cluster_bias', nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
+                                           (n_clusters - 1,))
 
     def _cluster_table(self, tables, i: int) -> jax.Array:
         if self.config.div_val == 1:
@@ -98,7 +102,8 @@ class AdaptiveIO(nn.Module):
             x = x @ proj.astype(dtype).T
         table = self._cluster_table(self.out_tables, i)
         logits = jnp.einsum('...d,vd->...v', x, table.astype(dtype), preferred_element_type=jnp.float32)
-        logits = logits + self.out_biases[i]
+        logits = nn.with_logical_constraint(logits + self.out_biases[i],
+                                            ('activation_batch', 'activation_length', 'activation_vocab'))
         if i == 0 and len(self.config.cutoffs):
             cluster = jnp.einsum('...d,dc->...c', x, self.cluster_kernel.astype(dtype),
                                  preferred_element_type=jnp.float32)

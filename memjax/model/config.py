@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 _COMPUTE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _MEMORY_STARTS = ('empty', 'zeros')
+REMAT_POLICIES = ('none', 'full', 'dots_saveable')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,12 @@ class ModelConfig:
     memory_start: str = 'empty'
     layer_norm_epsilon: float = 1e-5
     compute_dtype: str = 'float32'
+    # Stack the layers with nn.scan: compile time stops growing with depth; params get a
+    # leading [n_layer] axis under params['layers'] instead of params['layer_{i}'].
+    scan_layers: bool = False
+    # Rematerialise each layer in the backward pass: 'none', 'full' (keep only the layer
+    # inputs) or 'dots_saveable' (keep matmul outputs, recompute the cheap element-wise ops).
+    remat: str = 'none'
 
     def __post_init__(self):
         if self.d_embed == -1:
@@ -104,6 +111,7 @@ class ModelConfig:
              f'memory_start={self.memory_start!r} must be one of {_MEMORY_STARTS}.')
         need(self.compute_dtype in _COMPUTE_DTYPES,
              f'compute_dtype={self.compute_dtype!r} must be one of {tuple(_COMPUTE_DTYPES)}.')
+        need(self.remat in REMAT_POLICIES, f'remat={self.remat!r} must be one of {REMAT_POLICIES}.')
         bounds = self.cluster_bounds
         need(all(a < b for a, b in zip(bounds, bounds[1:])),
              f'cutoffs={self.cutoffs} must be strictly increasing and below vocab_size={self.vocab_size}.')

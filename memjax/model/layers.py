@@ -14,17 +14,28 @@ from memjax.model.config import ModelConfig
 from memjax.model.relative import rel_shift
 
 
+# Logical axis names; memjax.sharding maps them onto mesh axes.
+BTE = ('activation_batch', 'activation_length', 'activation_embed')
+BTHK = ('activation_batch', 'activation_length', 'activation_heads', 'activation_kv')
+
+
+def normal(std: float, axes: tuple):
+    return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+
+
 def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
     # The reference initialises the LayerNorm gain from N(1, init_std), not to exactly 1.
     def gain_init(key, shape, dtype=jnp.float32):
         return 1.0 + cfg.init_std * jax.random.normal(key, shape, dtype)
 
-    return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, scale_init=gain_init, dtype=cfg.dtype, name=name)
+    return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name=name,
+                        scale_init=nn.with_logical_partitioning(gain_init, ('norm',)),
+                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)))
 
 
-def _projection(cfg: ModelConfig, features, name: str, axis=-1) -> nn.DenseGeneral:
+def _projection(cfg: ModelConfig, features, name: str, axes: tuple, axis=-1) -> nn.DenseGeneral:
     return nn.DenseGeneral(features, axis=axis, use_bias=False, dtype=cfg.dtype,
-                           kernel_init=nn.initializers.normal(cfg.init_std), name=name)
+                           kernel_init=normal(cfg.init_std, axes), name=name)
 
 
 def _dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
@@ -45,13 +56,15 @@ class RelativeAttention(nn.Module):
     def __call__(self, h, mem, mask, pos_enc, u_bias, v_bias, deterministic: bool):
         cfg = self.config
         heads = (cfg.n_head, cfg.d_head)
+        in_axes = ('embed', 'heads', 'kv')
         context = jnp.concatenate([mem.astype(h.dtype), h], axis=1)  # [B, K, D]
         if cfg.pre_lnorm:
             context = layer_norm(cfg, 'layer_norm')(context)
-        query = _projection(cfg, heads, 'query')(context[:, mem.shape[1]:])  # [B, T, H, Dh]
-        key = _projection(cfg, heads, 'key')(context)  # [B, K, H, Dh]
-        value = _projection(cfg, heads, 'value')(context)
-        pos_key = _projection(cfg, heads, 'pos')(pos_enc.astype(cfg.dtype))  # [K, H, Dh]
+        constrain = lambda x: nn.with_logical_constraint(x, BTHK)
+        query = constrain(_projection(cfg, heads, 'query', in_axes)(context[:, mem.shape[1]:]))  # [B, T, H, Dh]
+        key = constrain(_projection(cfg, heads, 'key', in_axes)(context))  # [B, K, H, Dh]
+        value = constrain(_projection(cfg, heads, 'value', in_axes)(context))
+        pos_key = _projection(cfg, heads, 'pos', in_axes)(pos_enc.astype(cfg.dtype))  # [K, H, Dh]
 
         content = jnp.einsum('bthd,bkhd->bhtk', query + u_bias.astype(cfg.dtype), key,
                              preferred_element_type=jnp.float32)
@@ -62,7 +75,7 @@ class RelativeAttention(nn.Module):
         probs = jax.nn.softmax(scores, axis=-1)
         probs = nn.Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
         attended = jnp.einsum('bhtk,bkhd->bthd', probs, value)
-        out = _projection(cfg, cfg.d_model, 'out', axis=(-2, -1))(attended)
+        out = _projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), axis=(-2, -1))(attended)
         return _dropout_residual_norm(cfg, h, out, deterministic)
 
 
@@ -74,23 +87,59 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, h, deterministic: bool):
         cfg = self.config
-        dense = lambda features, name: nn.Dense(features, dtype=cfg.dtype, name=name,
-                                                kernel_init=nn.initializers.normal(cfg.init_std))
+        def dense(features, name, axes):
+            return nn.Dense(features, dtype=cfg.dtype, name=name, kernel_init=normal(cfg.init_std, axes),
+                            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]))
+
         x = layer_norm(cfg, 'layer_norm')(h) if cfg.pre_lnorm else h
-        x = nn.relu(dense(cfg.d_inner, 'inner')(x))
+        x = nn.relu(dense(cfg.d_inner, 'inner', ('embed', 'mlp'))(x))
+        x = nn.with_logical_constraint(x, ('activation_batch', 'activation_length', 'activation_mlp'))
         x = nn.Dropout(cfg.dropout)(x, deterministic=deterministic)
-        return _dropout_residual_norm(cfg, h, dense(cfg.d_model, 'outer')(x), deterministic)
+        return _dropout_residual_norm(cfg, h, dense(cfg.d_model, 'outer', ('mlp', 'embed'))(x), deterministic)
 
 
 class DecoderLayer(nn.Module):
+    """Attention then feed-forward. Returns (output, memory entry): what this layer's memory keeps
+    of the segment (here its input), so the layer stack can be a plain loop or an nn.scan."""
+
     config: ModelConfig
+    deterministic: bool = True
 
     @nn.compact
-    def __call__(self, h, mem, mask, pos_enc, u_bias, v_bias, deterministic: bool):
+    def __call__(self, h, mem, mask, pos_enc, u_bias, v_bias):
         cfg = self.config
         if cfg.untie_r:
-            init = nn.initializers.normal(cfg.init_std)
-            u_bias = self.param('u_bias', init, (cfg.n_head, cfg.d_head))
-            v_bias = self.param('v_bias', init, (cfg.n_head, cfg.d_head))
-        h = RelativeAttention(cfg, name='attention')(h, mem, mask, pos_enc, u_bias, v_bias, deterministic)
-        return FeedForward(cfg, name='feed_forward')(h, deterministic)
+            u_bias = self.param('u_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
+            v_bias = self.param('v_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
+        out = RelativeAttention(cfg, name='attention')(h, mem, mask, pos_enc, u_bias, v_bias, self.deterministic)
+        out = FeedForward(cfg, name='feed_forward')(out, self.deterministic)
+        return nn.with_logical_constraint(out, BTE), h
+
+
+_REMAT_POLICIES = {'full': None, 'dots_saveable': jax.checkpoint_policies.dots_saveable}
+
+
+def layer_stack(cfg: ModelConfig, deterministic: bool):
+    """The n_layer decoder layers as one callable `(h, memories, mask, pos_enc, u, v) -> (h, inputs)`.
+
+    memories / inputs are stacked over layers [n_layer, ...]. With `scan_layers` the layers are one
+    nn.scan (params stacked under 'layers'); otherwise a Python loop over 'layer_{i}'.
+    """
+    layer_cls = DecoderLayer
+    if cfg.remat != 'none':
+        layer_cls = nn.remat(DecoderLayer, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+        scanned = nn.scan(layer_cls, variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
+                          in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+                          length=cfg.n_layer, metadata_params={nn.PARTITION_NAME: 'layers'})
+        return scanned(cfg, deterministic, name='layers')
+    layers = [layer_cls(cfg, deterministic, name=f'layer_{i}') for i in range(cfg.n_layer)]
+
+    def loop(h, memories, mask, pos_enc, u_bias, v_bias):
+        inputs = []
+        for i, layer in enumerate(layers):
+            h, entry = layer(h, memories[i], mask, pos_enc, u_bias, v_bias)
+            inputs.append(entry)
+        return h, jnp.stack(inputs)
+
+    return loop

@@ -13,11 +13,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from memjax.model.adaptive import AdaptiveIO
 from memjax.model.config import ModelConfig
-from memjax.model.layers import DecoderLayer
-from memjax.model.memory import Memory
+from memjax.model.layers import BTE, layer_stack, normal
+from memjax.model.memory import Memory, init_memory
 from memjax.model.relative import attention_mask, key_distances, sinusoid_encoding
 
 
@@ -34,12 +35,11 @@ class TransformerXL(nn.Module):
         cfg = self.config
         self.io = AdaptiveIO(cfg)
         if not cfg.untie_r:
-            init = nn.initializers.normal(cfg.init_std)
-            self.u_bias = self.param('u_bias', init, (cfg.n_head, cfg.d_head))
-            self.v_bias = self.param('v_bias', init, (cfg.n_head, cfg.d_head))
-        self.layers = [DecoderLayer(cfg, name=f'layer_{i}') for i in range(cfg.n_layer)]
+            self.u_bias = self.param('u_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
+            self.v_bias = self.param('v_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
         self.dropout = nn.Dropout(cfg.dropout)
 
+    @nn.compact
     def __call__(self, tokens: jax.Array, memory: Memory, targets: Optional[jax.Array] = None,
                  reset: Optional[jax.Array] = None, deterministic: bool = True):
         """tokens, targets: [B, T] int32; reset: [B] bool, clears those rows' memory first."""
@@ -51,20 +51,16 @@ class TransformerXL(nn.Module):
             memory = memory.reset(reset, start_valid=cfg.memory_start == 'zeros')
         qlen = tokens.shape[1]
         h = self.dropout(self.io.embed(tokens), deterministic=deterministic)
+        h = nn.with_logical_constraint(h, BTE)
         pos_enc = sinusoid_encoding(key_distances(memory.length + qlen, cfg.clamp_len), cfg.d_model)
         pos_enc = self.dropout(pos_enc, deterministic=deterministic)
         mask = attention_mask(memory.valid, qlen, cfg.same_length, cfg.mem_len)
-        u_bias = v_bias = None
-        if not cfg.untie_r:
-            u_bias, v_bias = self.u_bias, self.v_bias
+        u_bias, v_bias = (None, None) if cfg.untie_r else (self.u_bias, self.v_bias)
 
-        layer_inputs = []
-        for i, layer in enumerate(self.layers):
-            layer_inputs.append(h)
-            h = layer(h, memory.hidden[i], mask, pos_enc, u_bias, v_bias, deterministic)
+        h, layer_inputs = layer_stack(cfg, deterministic)(h, memory.hidden, mask, pos_enc, u_bias, v_bias)
         h = self.dropout(h, deterministic=deterministic)
 
-        new_memory = memory.push(jnp.stack(layer_inputs))
+        new_memory = memory.push(layer_inputs)
         logprobs = None if targets is None else self.io.target_logprobs(h, targets)
         return ModelOutput(hidden=h, target_logprobs=logprobs), new_memory
 
@@ -80,3 +76,41 @@ def lm_loss(target_logprobs: jax.Array, mask: Optional[jax.Array] = None) -> jax
         return nll.mean()
     mask = mask.astype(jnp.float32)
     return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def _abstract_variables(config: ModelConfig):
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return jax.eval_shape(lambda: TransformerXL(config).init(jax.random.key(0), tokens, init_memory(config, 1)))
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> dict:
+    """Float32 parameters as plain arrays (the logical-axis boxes stripped; see param_logical_axes)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    variables = TransformerXL(config).init({'params': key}, tokens, init_memory(config, 1))
+    return nn.meta.unbox(variables['params'])
+
+
+def param_logical_axes(config: ModelConfig) -> dict:
+    """PartitionSpecs of logical axis names ('embed', 'heads', ...) mirroring init_params' tree."""
+    return nn.get_partition_spec(_abstract_variables(config))['params']
+
+
+def memory_logical_axes(config: ModelConfig) -> Memory:
+    """Logical axis names of the Memory pytree: batch-major like the activations it holds."""
+    return Memory(hidden=P(None, 'activation_batch', 'activation_length', 'activation_embed'),
+                  valid=P('activation_batch', 'activation_length'))
+
+
+def convert_layer_layout(params: dict, scan_layers: bool) -> dict:
+    """Re-lays parameters for `scan_layers`: 'layer_{i}' subtrees <-> one 'layers' subtree stacked
+    on a leading axis. Parameters already in the requested layout come back unchanged."""
+    params = dict(params)
+    if scan_layers and 'layers' not in params:
+        names = sorted((k for k in params if k.startswith('layer_')), key=lambda k: int(k[len('layer_'):]))
+        params['layers'] = jax.tree.map(lambda *xs: jnp.stack(xs), *[params.pop(k) for k in names])
+    elif not scan_layers and 'layers' in params:
+        stacked = params.pop('layers')
+        n_layer = jax.tree.leaves(stacked)[0].shape[0]
+        for i in range(n_layer):
+            params[f'layer_{i}'] = jax.tree.map(lambda x: x[i], stacked)
+    return params

@@ -1,0 +1,76 @@
+"""The layer-stack switches (nn.scan, rematerialisation) change how the model runs, not what it computes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memjax.model import (ModelConfig, TransformerXL, convert_layer_layout, init_memory, init_params, lm_loss,
+                          param_logical_axes)
+
+BASE = dict(vocab_size=40, d_model=16, n_layer=3, n_head=2, d_head=8, d_inner=32, mem_len=4, dropout=0.2,
+            dropatt=0.1, untie_r=True)
+
+
+def loss_and_grads(cfg, params, tokens, deterministic):
+    def loss(p):
+        memory = init_memory(cfg, tokens.shape[0])
+        for segment in jnp.split(tokens, 2, axis=1):  # two segments, memory carried
+            out, memory = TransformerXL(cfg).apply({'params': p}, segment, memory, targets=segment,
+                                                   deterministic=deterministic,
+                                                   rngs={'dropout': jax.random.key(3)})
+        return lm_loss(out.target_logprobs), memory.hidden
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+
+@pytest.fixture(scope='module')
+def reference():
+    cfg = ModelConfig(**BASE)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 40)
+    return cfg, params, tokens, loss_and_grads(cfg, params, tokens, deterministic=True)
+
+
+@pytest.mark.parametrize('scan_layers,remat', [(True, 'none'), (False, 'full'), (True, 'dots_saveable')])
+def test_scan_and_remat_give_the_same_loss_memory_and_gradients(reference, scan_layers, remat):
+    cfg, params, tokens, ((want_loss, want_memory), want_grads) = reference
+    variant = cfg.replace(scan_layers=scan_layers, remat=remat)
+    (loss, memory), grads = loss_and_grads(variant, convert_layer_layout(params, scan_layers), tokens, True)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    np.testing.assert_allclose(memory, want_memory, atol=1e-6)
+    grads = convert_layer_layout(grads, scan_layers=False)
+    for path, want in jax.tree_util.tree_leaves_with_path(want_grads):
+        got = dict(jax.tree_util.tree_leaves_with_path(grads))[path]
+        np.testing.assert_allclose(got, want, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_scan_init_stacks_independent_layers_and_keeps_dropout_active():
+    cfg = ModelConfig(**BASE)
+    scanned_cfg = cfg.replace(scan_layers=True)
+    scanned = init_params(scanned_cfg, jax.random.key(0))
+    assert jax.tree.leaves(scanned['layers'])[0].shape[0] == cfg.n_layer
+    unstacked = convert_layer_layout(scanned, scan_layers=False)
+    assert jax.tree.structure(unstacked) == jax.tree.structure(init_params(cfg, jax.random.key(0)))
+    kernels = scanned['layers']['attention']['query']['kernel']
+    assert not np.allclose(kernels[0], kernels[1])  # each layer initialised independently
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 40)
+    (loss_a, _), _ = loss_and_grads(scanned_cfg, scanned, tokens, deterministic=False)
+    (loss_b, _), _ = loss_and_grads(cfg, unstacked, tokens, deterministic=False)
+    (loss_det, _), _ = loss_and_grads(cfg, unstacked, tokens, deterministic=True)
+    assert np.isfinite(loss_a) and loss_a != loss_det and loss_b != loss_det
+
+
+def test_every_parameter_has_logical_axis_names():
+    for overrides in (dict(), dict(scan_layers=True, cutoffs=(10, 20), div_val=2, tie_weight=False)):
+        cfg = ModelConfig(**{**BASE, **overrides})
+        axes = param_logical_axes(cfg)
+        params = init_params(cfg, jax.random.key(0))
+        for (path, spec), leaf in zip(jax.tree_util.tree_leaves_with_path(axes), jax.tree.leaves(params)):
+            assert len(spec) == leaf.ndim, jax.tree_util.keystr(path)
+        flat = {jax.tree_util.keystr(p): tuple(s) for p, s in jax.tree_util.tree_leaves_with_path(axes)}
+        query = [s for p, s in flat.items() if 'query' in p][0]
+        assert query[-3:] == ('embed', 'heads', 'kv')
+        if cfg.scan_layers:
+            assert query[0] == 'layers'
+        assert flat["['io']['emb_table_0']"] == ('vocab', 'embed')
