@@ -7,6 +7,7 @@ compilation and a crash deep inside XLA.
 """
 
 import importlib.util
+import math
 import os
 from typing import Any
 
@@ -16,6 +17,7 @@ from ml_collections import config_dict
 DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text')
 TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece')
 SPLITS = ('train', 'validation', 'valid', 'test')
+MESH_AXES = ('data', 'fsdp', 'tensor')
 
 
 class ConfigError(ValueError):
@@ -99,6 +101,11 @@ def base_config() -> ml_collections.ConfigDict:
         clamp_len=-1,
         same_length=config_dict.placeholder(bool),
     ))
+
+    # Device mesh ('data', 'fsdp', 'tensor'): one size may be -1 (all remaining devices).
+    # rules: ((logical_name, mesh_axes), ...) replacing entries of memjax.sharding.DEFAULT_RULES,
+    # e.g. (('vocab', None),) to replicate the vocabulary dimension.
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, rules=()))
     return config
 
 
@@ -177,13 +184,71 @@ def _validate_eval(e: Any, process_count: int, errors: list[str]) -> None:
            'or > 0.')
 
 
-def validate_config(config: ml_collections.ConfigDict, process_count: int = 1) -> None:
+def resolve_mesh_shape(mesh_cfg: Any, device_count: int) -> dict[str, int]:
+    """Mesh axis sizes with the -1 entry (if any) filled so that they multiply to device_count."""
+    sizes = {name: int(mesh_cfg[name]) for name in MESH_AXES}
+    fixed = _fixed_mesh_size(sizes)
+    return {name: device_count // fixed if size == -1 else size for name, size in sizes.items()}
+
+
+def _fixed_mesh_size(sizes: dict[str, int]) -> int:
+    return math.prod(size for size in sizes.values() if size != -1)
+
+
+def _validate_mesh(config: Any, process_count: int, device_count: int | None,
+                   errors: list[str]) -> None:
+    m = config.mesh
+    sizes = {name: m[name] for name in MESH_AXES}
+    bad = [f'config.mesh.{n}={v}' for n, v in sizes.items()
+           if not isinstance(v, int) or (v != -1 and v < 1)]
+    _check(errors, not bad, f'{", ".join(bad)}: mesh sizes must be positive ints or -1.')
+    _check(errors, list(sizes.values()).count(-1) <= 1,
+           f'config.mesh {sizes}: at most one size may be -1 (the remaining devices).')
+    for rule in m.rules:
+        ok = (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
+              and all(axis in MESH_AXES for axis in
+                      ((rule[1],) if rule[1] is None or isinstance(rule[1], str) else rule[1])
+                      if axis is not None))
+        _check(errors, ok, f'config.mesh.rules entry {rule!r} must be (logical_name, mesh_axes) '
+               f'with mesh_axes None, one of {MESH_AXES} or a tuple of them.')
+    if bad or device_count is None or list(sizes.values()).count(-1) > 1:
+        return
+    fixed = _fixed_mesh_size(sizes)
+    resolved = resolve_mesh_shape(m, device_count)
+    shape = 'x'.join(f'{n}={resolved[n]}' for n in MESH_AXES)
+    if -1 in sizes.values() and device_count % fixed:
+        errors.append(f'config.mesh {sizes}: the fixed sizes multiply to {fixed}, which does not '
+                      f'divide the {device_count} devices.')
+        return
+    if -1 not in sizes.values() and fixed != device_count:
+        errors.append(f'config.mesh {shape} has {fixed} devices but {device_count} are present: '
+                      'make the sizes multiply to the device count or set one of them to -1.')
+        return
+    # Streams are split over data x fsdp; each process feeds whole, distinct blocks of them.
+    data_parallel = resolved['data'] * resolved['fsdp']
+    t = config.train
+    per_update = data_parallel * t.grad_accum_steps
+    _check(errors, t.batch_size % per_update == 0,
+           f'config.train.batch_size={t.batch_size} must be divisible by config.mesh data x fsdp '
+           f'({data_parallel}) x config.train.grad_accum_steps ({t.grad_accum_steps}) = {per_update}.')
+    eval_batch = eval_setting(config, 'batch_size')
+    _check(errors, eval_batch % data_parallel == 0,
+           f'evaluation batch size {eval_batch} (config.eval.batch_size, -1 = train) must be '
+           f'divisible by config.mesh data x fsdp ({data_parallel}).')
+    _check(errors, data_parallel % process_count == 0,
+           f'config.mesh data x fsdp ({data_parallel}) must be a multiple of the process count '
+           f'({process_count}): every process reads its own share of the streams.')
+
+
+def validate_config(config: ml_collections.ConfigDict, process_count: int = 1,
+                    device_count: int | None = None) -> None:
     """Raises ConfigError listing every problem found in the non-model fields.
 
     Model fields are checked by `ModelConfig.from_config_dict`, which needs the vocabulary
-    size; `trainer.resolve_model_configs` calls it before compiling anything.
+    size; `trainer.resolve_model_configs` calls it before compiling anything. The mesh is
+    checked against `device_count` when it is given.
     """
-    missing = [s for s in ('model', 'data', 'train', 'eval') if s not in config]
+    missing = [s for s in ('model', 'data', 'train', 'eval', 'mesh') if s not in config]
     if missing:
         raise ConfigError(f'config lacks section(s) {missing}: start from '
                           'memjax.config_lib.base_config().')
@@ -195,6 +260,7 @@ def validate_config(config: ml_collections.ConfigDict, process_count: int = 1) -
            f'config.data.tokenizer={config.data.tokenizer!r} must be one of {TOKENIZERS}.')
     _validate_train(config.train, process_count, errors)
     _validate_eval(config.eval, process_count, errors)
+    _validate_mesh(config, process_count, device_count, errors)
     if errors:
         raise ConfigError('invalid config:\n  ' + '\n  '.join(errors))
 

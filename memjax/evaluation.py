@@ -5,7 +5,7 @@ segment, and every real target token is scored exactly once; the reported loss i
 exact sum of NLL over those tokens divided by their count (no per-batch averaging).
 """
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import ml_collections
@@ -49,17 +49,26 @@ def local_eval_batch(config: ml_collections.ConfigDict) -> int:
 
 def evaluate_streams(eval_step: Callable, params: Any, eval_mcfg: Any,
                      streams: pipeline.LMStreams, local_batch: int,
-                     max_batches: int = -1) -> EvalResult:
-    """Scores `streams` from their start with a fresh memory (`max_batches` -1: all)."""
-    memory = model_lib.init_memory(eval_mcfg, local_batch)
-    nll_parts = []
-    num_tokens = 0
+                     max_batches: int = -1, partitioner: Optional[Any] = None) -> EvalResult:
+    """Scores `streams` from their start with a fresh memory (`max_batches` -1: all).
+
+    With a `sharding.Partitioner`, `eval_step` runs on global arrays assembled from every
+    process's share of the streams; without one, on this process's numpy batches.
+    """
+    if partitioner is None:
+        memory = model_lib.init_memory(eval_mcfg, local_batch)
+    else:
+        memory = partitioner.init_memory(eval_mcfg, streams.batch_size)
+    parts = []
     for index, batch in enumerate(streams.iterator()):
         if 0 <= max_batches <= index:
             break
-        memory, nll = eval_step(params, memory, batch)
-        nll_parts.append(nll)  # Left on device: no host sync per batch.
-        num_tokens += int(np.sum(batch['mask'] > 0))
-    nll_sum = sum(float(np.sum(np.asarray(part, np.float64))) for part in nll_parts)
+        if partitioner is not None:
+            batch = partitioner.global_batch(batch)
+        memory, metrics = eval_step(params, memory, batch)
+        parts.append(metrics)  # Left on device: no host sync per batch.
+    # Replicated outputs of a jitted step: every process reads the same global sums.
+    host = jax.device_get(parts)
+    nll_sum = sum(float(np.sum(np.asarray(p['nll_sum'], np.float64))) for p in host)
+    num_tokens = sum(int(np.sum(p['num_tokens'])) for p in host)
     return EvalResult(nll_sum, num_tokens)
-

@@ -43,12 +43,27 @@ def memory_batch_axes(mcfg: Any) -> Any:
     return jax.tree_util.tree_map(axis, one, two)
 
 
+def _split_streams(x: jax.Array, chunks: int) -> jax.Array:
+    """[B, ...] -> [chunks, B / chunks, ...], chunk c holding streams c, c + chunks, ...
+
+    Strided, not contiguous: when B is split over devices in blocks, every device then holds
+    rows of every chunk, so scanning over the chunks needs no communication.
+    """
+    x = x.reshape((x.shape[0] // chunks, chunks) + x.shape[1:])
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _merge_streams(x: jax.Array) -> jax.Array:
+    """Inverse of `_split_streams`."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+
 def _split_memory(memory: Any, axes: Any, chunks: int) -> Any:
     def split(x, axis):
         if axis == NO_BATCH_AXIS:
             return jnp.broadcast_to(x, (chunks,) + x.shape)
-        x = jnp.moveaxis(x, axis, 0)
-        x = x.reshape((chunks, x.shape[0] // chunks) + x.shape[1:])
+        x = _split_streams(jnp.moveaxis(x, axis, 0), chunks)
         return jnp.moveaxis(x, 1, axis + 1)  # Each chunk keeps the memory's own layout.
 
     return jax.tree_util.tree_map(split, memory, axes)
@@ -58,9 +73,7 @@ def _merge_memory(memory: Any, axes: Any) -> Any:
     def merge(x, axis):
         if axis == NO_BATCH_AXIS:
             return x[-1]
-        x = jnp.moveaxis(x, axis + 1, 1)
-        x = x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
-        return jnp.moveaxis(x, 0, axis)
+        return jnp.moveaxis(_merge_streams(jnp.moveaxis(x, axis + 1, 1)), 0, axis)
 
     return jax.tree_util.tree_map(merge, memory, axes)
 
@@ -70,10 +83,10 @@ def _nll_sum(target_logprobs: jax.Array, mask: jax.Array) -> jax.Array:
     return -jnp.sum(jnp.where(mask > 0, target_logprobs.astype(jnp.float32), 0.0))
 
 
-def make_train_step(model: Any, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, memory_axes: Any,
-                    grad_accum_steps: int) -> Callable:
-    """Returns jitted `(state, memory, batch[S, B, ...]) -> (state, memory, metrics[S])`.
+def train_step_fn(model: Any, tx: optax.GradientTransformation,
+                  schedule: optax.Schedule, memory_axes: Any,
+                  grad_accum_steps: int) -> Callable:
+    """Returns `(state, memory, batch[S, B, ...]) -> (state, memory, metrics[S])`, to be jitted.
 
     The batch's streams are cut into `grad_accum_steps` chunks, each with its slice of
     the memory; every chunk's loss is its NLL sum over the tokens of the whole batch, so
@@ -94,8 +107,7 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
         state, memory = carry
         key = jax.random.fold_in(state.rng, state.step)
         num_tokens = jnp.maximum(jnp.sum(segment['mask']), 1.0)
-        split_segment = jax.tree_util.tree_map(
-            lambda x: x.reshape((chunks, x.shape[0] // chunks) + x.shape[1:]), segment)
+        split_segment = jax.tree_util.tree_map(lambda x: _split_streams(x, chunks), segment)
         split_memory = _split_memory(memory, memory_axes, chunks)
 
         def accumulate(grad_sum, xs):
@@ -124,20 +136,37 @@ def make_train_step(model: Any, tx: optax.GradientTransformation,
         (state, memory), metrics = jax.lax.scan(update, (state, memory), batch)
         return state, memory, metrics
 
-    return jax.jit(train_step)
+    return train_step
 
 
-def make_eval_step(model: Any) -> Callable:
-    """Returns jitted `(params, memory, batch[S, B, ...]) -> (memory, nll_sum[S])`."""
+def make_train_step(model: Any, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, memory_axes: Any,
+                    grad_accum_steps: int) -> Callable:
+    """`train_step_fn` jitted for one device (sharded runs use `sharding.Partitioner.jit`)."""
+    return jax.jit(train_step_fn(model, tx, schedule, memory_axes, grad_accum_steps))
+
+
+def eval_step_fn(model: Any) -> Callable:
+    """Returns `(params, memory, batch[S, B, ...]) -> (memory, metrics[S])`, to be jitted.
+
+    metrics: 'nll_sum' and 'num_tokens' per segment, both summed over the global batch, so
+    every process reads the same totals.
+    """
 
     def segment_nll(params, memory, segment):
         out, memory = model.apply(
             {'params': params}, segment['inputs'], memory, targets=segment['targets'],
             reset=segment['reset'], deterministic=True)
-        return memory, _nll_sum(out.target_logprobs, segment['mask'])
+        return memory, {'nll_sum': _nll_sum(out.target_logprobs, segment['mask']),
+                        'num_tokens': jnp.sum(segment['mask'] > 0)}
 
     def eval_step(params, memory, batch):
         batch = {k: batch[k] for k in BATCH_KEYS}
         return jax.lax.scan(lambda m, s: segment_nll(params, m, s), memory, batch)
 
-    return jax.jit(eval_step)
+    return eval_step
+
+
+def make_eval_step(model: Any) -> Callable:
+    """`eval_step_fn` jitted for one device (sharded runs use `sharding.Partitioner.jit`)."""
+    return jax.jit(eval_step_fn(model))

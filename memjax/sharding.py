@@ -1,0 +1,185 @@
+"""Device mesh, logical-axis rules and the shardings of everything a step reads or writes.
+
+Parameters and activations carry logical axis names ('embed', 'heads', ...); one table maps
+those names to the mesh axes ('data', 'fsdp', 'tensor'). Changing the parallelism layout is
+therefore a config change (`config.mesh`), never a model change, and XLA's SPMD partitioner
+inserts every collective.
+"""
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from memjax import config_lib
+from memjax import model as model_lib
+from memjax import train_step as train_step_lib
+
+MESH_AXES = config_lib.MESH_AXES
+
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    # fsdp is data parallelism for activations: the streams split over both data axes.
+    ('batch', ('data', 'fsdp')),
+    ('activation_batch', ('data', 'fsdp')),
+    # ZeRO-3: every weight's d_model dimension is split over fsdp and all-gathered just before use.
+    ('embed', 'fsdp'),
+    # Megatron-style tensor parallelism: heads, feed-forward units and vocabulary entries are
+    # independent columns, so each device computes its own slice without communication.
+    ('heads', 'tensor'),
+    ('mlp', 'tensor'),
+    ('vocab', 'tensor'),
+    ('activation_heads', 'tensor'),
+    ('activation_mlp', 'tensor'),
+    ('activation_vocab', 'tensor'),
+    # d_head is small and contracted in every attention einsum: splitting it only adds reductions.
+    ('kv', None),
+    ('activation_kv', None),
+    # Layer inputs (and hence the memory) stay full-width: the tensor-parallel projections need
+    # them whole, so sharding them would add an all-gather in front of every layer.
+    ('activation_embed', None),
+    # Attention mixes every position of a segment with the memory: no sequence parallelism.
+    ('length', None),
+    ('activation_length', None),
+    # Splitting the nn.scan axis would make each layer iteration fetch weights from other devices.
+    ('layers', None),
+    # LayerNorm scales and biases are too small to be worth splitting.
+    ('norm', None),
+)
+
+
+def logical_rules(overrides: Sequence[Sequence[Any]] = ()) -> tuple[tuple[str, Any], ...]:
+    """DEFAULT_RULES with the entries named in `overrides` (config.mesh.rules) replaced."""
+    known = dict(DEFAULT_RULES)
+    replaced = {}
+    for name, axes in overrides:
+        if name not in known:
+            raise config_lib.ConfigError(
+                f'config.mesh.rules names unknown logical axis {name!r}; known axes: '
+                f'{sorted(known)}.')
+        replaced[name] = tuple(axes) if isinstance(axes, list) else axes
+    return tuple((name, replaced.get(name, axes)) for name, axes in DEFAULT_RULES)
+
+
+def make_mesh(mesh_cfg: ml_collections.ConfigDict,
+              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """The ('data', 'fsdp', 'tensor') mesh over `devices` (default: all devices of all processes)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = config_lib.resolve_mesh_shape(mesh_cfg, len(devices))
+    shape = tuple(sizes[name] for name in MESH_AXES)
+    if math.prod(shape) != len(devices):
+        raise config_lib.ConfigError(
+            f'config.mesh {sizes} needs {math.prod(shape)} devices but {len(devices)} are present.')
+    # Auto axes: the SPMD partitioner propagates shardings between the annotated arrays.
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+
+
+def _abstract_params(mcfg: Any) -> Any:
+    return jax.eval_shape(lambda: model_lib.init_params(mcfg, jax.random.PRNGKey(0)))
+
+
+def _spec_leaf(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioner:
+    """A mesh plus the logical rules: turns logical names into shardings and jits steps."""
+    mesh: Mesh
+    rules: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict,
+                    devices: Optional[Sequence[jax.Device]] = None) -> 'Partitioner':
+        return cls(make_mesh(config.mesh, devices), logical_rules(config.mesh.rules))
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """Mesh and rules in scope, so the model's nn.with_logical_constraint calls take effect."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+            yield
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    @property
+    def batch(self) -> NamedSharding:
+        """Sharding of every [S, B, ...] input array: streams split over the batch axes."""
+        return self.shardings(P(None, 'batch'))
+
+    def shardings(self, logical: Any) -> Any:
+        """A tree of logical PartitionSpecs as NamedShardings on this mesh."""
+        return nn.logical_to_mesh_sharding(logical, self.mesh, self.rules)
+
+    def _checked(self, what: str, abstract: Any, logical: Any) -> Any:
+        """Shardings of `abstract` (same tree as `logical`), refusing splits that do not divide."""
+        shardings = self.shardings(logical)
+        problems = []
+        flat_logical = jax.tree_util.tree_leaves(logical, is_leaf=_spec_leaf)
+        flat_abstract = jax.tree_util.tree_leaves_with_path(abstract)
+        flat_shardings = jax.tree_util.tree_leaves(shardings)
+        for (path, leaf), names, sharding in zip(flat_abstract, flat_logical, flat_shardings):
+            for dim, name, axes in zip(leaf.shape, names, sharding.spec):
+                size = math.prod(self.mesh.shape[a] for a in
+                                 ((axes,) if isinstance(axes, str) else axes or ()))
+                if dim % size:
+                    problems.append(f'{what}{jax.tree_util.keystr(path)}: dimension {dim} '
+                                    f'({name!r} -> {axes}) is not divisible by {size}')
+        if problems:
+            raise config_lib.ConfigError(
+                'these arrays cannot be split as config.mesh / config.mesh.rules ask:\n  '
+                + '\n  '.join(problems) + '\nChange the mesh sizes, or map the logical axis to '
+                'None in config.mesh.rules, e.g. (("vocab", None),).')
+        return shardings
+
+    def params(self, mcfg: Any) -> Any:
+        return self._checked('params', _abstract_params(mcfg), model_lib.param_logical_axes(mcfg))
+
+    def memory(self, mcfg: Any, batch_size: int) -> Any:
+        """Shardings of the global memory of `batch_size` streams."""
+        abstract = jax.eval_shape(lambda: model_lib.init_memory(mcfg, batch_size))
+        return self._checked('memory', abstract, model_lib.memory_logical_axes(mcfg))
+
+    def train_state(self, mcfg: Any, tx: optax.GradientTransformation) -> Any:
+        """TrainState of shardings; optimizer moments are sharded exactly like their params."""
+        params = self.params(mcfg)
+        opt_state = optax.tree_map_params(
+            tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, _abstract_params(mcfg)),
+            params,
+            transform_non_params=lambda _: self.replicated)
+        return train_step_lib.TrainState(step=self.replicated, params=params,
+                                         opt_state=opt_state, rng=self.replicated)
+
+    def jit(self, fn: Callable, in_shardings: Any, out_shardings: Any,
+            donate_argnums: tuple[int, ...] = ()) -> Callable:
+        """`jax.jit` with explicit shardings, traced (and run) inside `context()`."""
+        jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                         donate_argnums=donate_argnums)
+
+        def call(*args):
+            with self.context():
+                return jitted(*args)
+
+        return call
+
+    def init_memory(self, mcfg: Any, batch_size: int) -> Any:
+        """A fresh memory for `batch_size` global streams, created directly in its shards."""
+        return jax.jit(lambda: model_lib.init_memory(mcfg, batch_size),
+                       out_shardings=self.memory(mcfg, batch_size))()
+
+    def global_batch(self, local: dict) -> dict:
+        """Global [S, B, ...] arrays from this process's [S, B / process_count, ...] share."""
+        out = {}
+        for key in train_step_lib.BATCH_KEYS:
+            value = np.asarray(local[key])
+            shape = (value.shape[0], value.shape[1] * jax.process_count()) + value.shape[2:]
+            out[key] = jax.make_array_from_process_local_data(self.batch, value, shape)
+        return out
