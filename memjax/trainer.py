@@ -63,9 +63,14 @@ def resolve_model_configs(config: ml_collections.ConfigDict, vocab_size: int) ->
     return mcfg, eval_mcfg
 
 
-def setup(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
-    """Validates the config, builds (or loads) the tokenizer and the model; compiles nothing."""
-    config_lib.validate_config(config, jax.process_count(), jax.device_count())
+def setup(config: ml_collections.ConfigDict, workdir: str,
+          devices: Optional[list[jax.Device]] = None) -> Experiment:
+    """Validates the config, builds (or loads) the tokenizer and the model; compiles nothing.
+
+    The mesh spans `devices` (default: every device of every process).
+    """
+    devices = jax.devices() if devices is None else devices
+    config_lib.validate_config(config, jax.process_count(), len(devices))
     os.makedirs(workdir, exist_ok=True)
     tokenizer = tokenizers.build_tokenizer(config.data, workdir)
     mcfg, eval_mcfg = resolve_model_configs(config, tokenizer.vocab_size)
@@ -73,7 +78,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str) -> Experiment:
     config.model.vocab_size = mcfg.vocab_size
     tx = optim.make_optimizer(config.train)
     # Built once; deriving the shardings here rejects splits that do not divide before compiling.
-    partitioner = sharding.Partitioner.from_config(config)
+    partitioner = sharding.Partitioner.from_config(config, devices)
     return Experiment(
         config=config, tokenizer=tokenizer, mcfg=mcfg, eval_mcfg=eval_mcfg,
         model=model_lib.TransformerXL(mcfg), eval_model=model_lib.TransformerXL(eval_mcfg),
