@@ -1,0 +1,51 @@
+"""Command line: `python -m memjax.bench <suite> [--config=configs/X.py] [--size=tiny|full] [--out=F.json]`.
+
+Prints the suite's table (Markdown) on stdout, progress on stderr, and writes the full
+report (machine, versions, config, every figure) as JSON to --out. `--list` names the suites.
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from memjax import config_lib
+from memjax.bench import harness
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Optional configs/*.py file; suites take the model fields they do not vary '
+    'from it (default: each suite\'s own base config).', lock_config=True)
+_SIZE = flags.DEFINE_enum('size', 'full', harness.SIZES,
+                          'tiny: seconds-long shapes (CI); full: the real measurement.')
+_OUT = flags.DEFINE_string('out', None, 'Write the JSON report here.')
+_WARMUP = flags.DEFINE_integer('warmup', None, 'Untimed runs before timing (default 2; tiny: 1).')
+_REPEATS = flags.DEFINE_integer('repeats', None, 'Timed runs; the median is reported '
+                                '(default 5; tiny: 2).')
+_LIST = flags.DEFINE_boolean('list', False, 'Print the available suites and exit.')
+
+
+def main(argv):
+    if _LIST.value:
+        print('\n'.join(harness.available_suites()))
+        return
+    if len(argv) != 2:
+        raise app.UsageError(f'name exactly one suite (one of {harness.available_suites()}); '
+                             f'got {argv[1:]}.')
+    tiny = _SIZE.value == 'tiny'
+    ctx = harness.Context(
+        size=_SIZE.value, config=_CONFIG.value,
+        warmup=_WARMUP.value if _WARMUP.value is not None else (1 if tiny else 2),
+        repeats=_REPEATS.value if _REPEATS.value is not None else (2 if tiny else 5))
+    try:
+        report = harness.run_suite(argv[1], ctx, command=['python', '-m', 'memjax.bench'] + sys.argv[1:])
+    except (harness.BenchError, config_lib.ConfigError) as error:
+        sys.exit(f'Benchmark error: {error}')
+    print(harness.report_text(report))
+    if _OUT.value:
+        harness.write_json(_OUT.value, report)
+        print(f'[bench] wrote {_OUT.value}', file=sys.stderr)
+
+
+if __name__ == '__main__':
+    app.run(main)

@@ -1,0 +1,309 @@
+"""Benchmark harness: suite registry, timing, machine description, tables and JSON.
+
+A suite is a function `run(ctx: Context) -> SuiteResult` registered with `@register('name')`
+in its own module `memjax/bench/suites/<name with - as _>.py`. Suites are imported lazily by
+name, so a suite that needs an optional dependency (torch) costs nothing to the others, and
+adding a suite means adding one file.
+
+Timings are medians over several runs after warm-up, with `jax.block_until_ready` on every
+result; compilation is timed separately (`lower` + `compile`) so it never leaks into a
+throughput. Every ratio a suite reports is computed from figures measured in the same
+invocation, because this machine is shared and absolute numbers drift between runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import json
+import math
+import os
+import pkgutil
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import ml_collections
+
+SIZES = ('tiny', 'full')
+
+
+class BenchError(ValueError):
+    """Bad benchmark input (unknown suite, size, repeats): the message names the fix."""
+
+_SUITES: dict[str, Callable[['Context'], 'SuiteResult']] = {}
+
+
+def register(name: str) -> Callable:
+    """Decorator: `@register('train')` on `run(ctx) -> SuiteResult`."""
+
+    def wrap(fn: Callable[['Context'], 'SuiteResult']) -> Callable[['Context'], 'SuiteResult']:
+        if name in _SUITES and _SUITES[name] is not fn:
+            raise BenchError(f'benchmark suite {name!r} is registered twice.')
+        _SUITES[name] = fn
+        return fn
+
+    return wrap
+
+
+def _module_name(suite: str) -> str:
+    return 'memjax.bench.suites.' + suite.replace('-', '_')
+
+
+def available_suites() -> list[str]:
+    """Suite names from the module files, without importing them."""
+    from memjax.bench import suites  # Local import: the package imports this module.
+    return sorted(m.name.replace('_', '-') for m in pkgutil.iter_modules(suites.__path__)
+                  if not m.name.startswith('_'))
+
+
+def get_suite(name: str) -> Callable[['Context'], 'SuiteResult']:
+    """The registered suite `name`, importing its module on first use."""
+    if name not in _SUITES:
+        if name not in available_suites():
+            raise BenchError(f'unknown benchmark suite {name!r}; available: {available_suites()}.')
+        importlib.import_module(_module_name(name))
+    if name not in _SUITES:
+        raise BenchError(f'module {_module_name(name)} does not register a suite named {name!r} '
+                         f'(expected @register({name!r})).')
+    return _SUITES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a suite may read: the size to run, the experiment config and timing settings."""
+    size: str = 'full'  # 'tiny': seconds-long shapes for CI; 'full': the real measurement.
+    config: Optional[ml_collections.ConfigDict] = None  # None: the suite's default config.
+    warmup: int = 2
+    repeats: int = 5
+
+    def __post_init__(self):
+        if self.size not in SIZES:
+            raise BenchError(f'--size={self.size!r} must be one of {SIZES}.')
+        if self.warmup < 0 or self.repeats < 1:
+            raise BenchError(f'--warmup={self.warmup} must be >= 0 and --repeats={self.repeats} >= 1.')
+
+    @property
+    def tiny(self) -> bool:
+        return self.size == 'tiny'
+
+    def log(self, message: str) -> None:
+        """Progress on stderr, so stdout holds only the table."""
+        print(f'[bench] {message}', file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class SuiteResult:
+    """A suite's measurements: one row per measured case plus headline figures.
+
+    rows: list of flat dicts (one table row each); columns: their display order.
+    figures: the headline numbers others quote (e.g. {'peak_gflops': ...}).
+    config: the settings measured (shapes, dtypes, batch); notes: caveats, in sentences.
+    """
+    rows: list[dict[str, Any]]
+    columns: Sequence[str]
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Wall-clock seconds of each timed run (after warm-up); `median_s` is the figure to quote."""
+    times_s: tuple[float, ...]
+    warmup: int
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.times_s)
+
+    @property
+    def max_s(self) -> float:
+        return max(self.times_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {'median_s': self.median_s, 'min_s': self.min_s, 'max_s': self.max_s,
+                'runs': len(self.times_s), 'warmup': self.warmup, 'times_s': list(self.times_s)}
+
+
+def time_fn(fn: Callable, *args, warmup: int = 2, repeats: int = 5,
+            clock: Callable[[], float] = time.perf_counter) -> Timing:
+    """Times `fn(*args)` `repeats` times after `warmup` untimed calls.
+
+    Each call's result is waited for with `jax.block_until_ready`: JAX dispatches
+    asynchronously, so without it we would time the dispatch, not the computation.
+    """
+    if repeats < 1:
+        raise BenchError(f'repeats={repeats} must be >= 1.')
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        jax.block_until_ready(fn(*args))
+        times.append(clock() - start)
+    return Timing(tuple(times), warmup)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """An AOT-compiled function with the seconds spent tracing+lowering and compiling it."""
+    executable: Any  # jax.stages.Compiled: call it with the same argument shapes.
+    lower_s: float
+    compile_s: float
+
+    @property
+    def flops(self) -> Optional[float]:
+        """XLA's cost-analysis FLOP count of one call (None where the backend gives none)."""
+        analysis = self.executable.cost_analysis()
+        if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
+            analysis = analysis[0] if analysis else None
+        value = (analysis or {}).get('flops')
+        return None if value is None or value < 0 else float(value)
+
+    def memory(self) -> dict[str, int]:
+        """Byte sizes from XLA's memory analysis of the compiled program."""
+        stats = self.executable.memory_analysis()
+        names = ('argument_size_in_bytes', 'output_size_in_bytes', 'alias_size_in_bytes',
+                 'temp_size_in_bytes', 'generated_code_size_in_bytes')
+        return {name.replace('_in_bytes', '_bytes'): int(getattr(stats, name)) for name in names}
+
+
+def compile_fn(fn: Callable, *args, clock: Callable[[], float] = time.perf_counter,
+               **jit_kwargs) -> Compiled:
+    """`jax.jit(fn, **jit_kwargs).lower(*args).compile()`, timing the two stages."""
+    start = clock()
+    lowered = jax.jit(fn, **jit_kwargs).lower(*args)
+    lowered_at = clock()
+    executable = lowered.compile()
+    return Compiled(executable, lowered_at - start, clock() - lowered_at)
+
+
+def _cpu_model() -> str:
+    try:
+        with open('/proc/cpuinfo', encoding='utf-8') as f:
+            for line in f:
+                if line.startswith('model name'):
+                    return line.split(':', 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> Optional[str]:
+    try:
+        return importlib.import_module(package).__version__
+    except (ImportError, AttributeError):
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """Where and with what a figure was measured (goes into every JSON)."""
+    devices = jax.devices()
+    try:
+        usable_cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable_cores = os.cpu_count()
+    return {
+        'cpu_model': _cpu_model(),
+        'cpu_count': os.cpu_count(),
+        'usable_cores': usable_cores,
+        'load_average_1m_5m_15m': list(os.getloadavg()) if hasattr(os, 'getloadavg') else None,
+        'platform': platform.platform(),
+        'python': platform.python_version(),
+        'versions': {name: _version(name) for name in ('jax', 'jaxlib', 'flax', 'optax', 'numpy')},
+        'backend': jax.default_backend(),
+        'device_kind': devices[0].device_kind,
+        'device_count': len(devices),
+        'devices': [str(d) for d in devices],
+        'xla_flags': os.environ.get('XLA_FLAGS', ''),
+    }
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return 'n/a'
+        if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
+            return f'{value:.3e}'
+        return f'{value:.4g}'
+    return '-' if value is None else str(value)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A Markdown table (pastes straight into BENCHMARKS.md and the bench notes)."""
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+
+    def line(values):
+        return '| ' + ' | '.join(v.ljust(w) for v, w in zip(values, widths)) + ' |'
+
+    return '\n'.join([line(columns), line(['-' * w for w in widths])] + [line(r) for r in cells])
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, ml_collections.ConfigDict):
+        return _jsonable(value.to_dict())
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN / inf.
+    if hasattr(value, 'item') and getattr(value, 'ndim', None) == 0:  # numpy / jax scalars.
+        return _jsonable(value.item())
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def run_suite(name: str, ctx: Context, command: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Runs suite `name` and returns the JSON-ready report (machine, config, rows, figures)."""
+    suite = get_suite(name)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    start = time.perf_counter()
+    result = suite(ctx)
+    return _jsonable({
+        'suite': name,
+        'size': ctx.size,
+        'command': ' '.join(command if command is not None else sys.argv),
+        'started_utc': started.isoformat(timespec='seconds'),
+        'wall_s': time.perf_counter() - start,
+        'machine': machine_info(),
+        'timing': {'warmup': ctx.warmup, 'repeats': ctx.repeats, 'statistic': 'median'},
+        'experiment_config': ctx.config,
+        'config': result.config,
+        'figures': result.figures,
+        'columns': list(result.columns),
+        'rows': result.rows,
+        'notes': result.notes,
+    })
+
+
+def report_text(report: dict[str, Any]) -> str:
+    """The printed form of a report: table, headline figures, notes."""
+    lines = [f"## {report['suite']} ({report['size']})", '',
+             format_table(report['rows'], report['columns']), '']
+    lines += [f'- {key}: {_cell(value)}' for key, value in report['figures'].items()]
+    lines += [f'- note: {note}' for note in report['notes']]
+    machine = report['machine']
+    lines.append(f"- machine: {machine['cpu_model']}, {machine['usable_cores']} usable cores, "
+                 f"{machine['device_count']} x {machine['device_kind']}, jax {machine['versions']['jax']}, "
+                 f"load {machine['load_average_1m_5m_15m']}")
+    return '\n'.join(lines)
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, 'w', encoding='utf-8') as f:
+        json.dump(report, f, indent=2, sort_keys=False)
+        f.write('\n')

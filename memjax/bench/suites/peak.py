@@ -1,0 +1,86 @@
+"""`peak`: measured matmul throughput of this machine at the model's matrix sizes.
+
+The best GFLOP/s over these shapes is the roofline the other suites divide by (MFU): a
+measured, not a datasheet, peak, so the ratio says how far the model is from what XLA's
+matmuls achieve here. bf16 runs use bf16 inputs with float32 accumulation
+(`preferred_element_type`), as the model's mixed-precision path does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from memjax.bench import harness
+
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+
+
+def matmul_shapes(batch: int, tgt_len: int, mem_len: int, d_model: int, n_head: int, d_head: int,
+                  d_inner: int) -> list[tuple[str, tuple[int, int, int, int]]]:
+    """(name, (batch, m, k, n)) of the matmuls in one Transformer-XL layer (batch 1 = plain matmul)."""
+    tokens = batch * tgt_len
+    klen = tgt_len + mem_len
+    return [
+        ('ff_inner [BT,D]x[D,Di]', (1, tokens, d_model, d_inner)),
+        ('ff_outer [BT,Di]x[Di,D]', (1, tokens, d_inner, d_model)),
+        ('kv_proj [BK,D]x[D,H*Dh]', (1, batch * klen, d_model, n_head * d_head)),
+        ('scores [BH,T,Dh]x[BH,Dh,K]', (batch * n_head, tgt_len, d_head, klen)),
+        ('attend [BH,T,K]x[BH,K,Dh]', (batch * n_head, tgt_len, klen, d_head)),
+    ]
+
+
+def _square(n: int) -> tuple[str, tuple[int, int, int, int]]:
+    return (f'square {n}^3', (1, n, n, n))
+
+
+def measure(shape: tuple[int, int, int, int], dtype: str, ctx: harness.Context) -> dict[str, Any]:
+    """Times one (batched) matmul with float32 accumulation; returns its row of the table."""
+    batch, m, k, n = shape
+    lhs_key, rhs_key = jax.random.split(jax.random.PRNGKey(0))
+    lhs = jax.random.normal(lhs_key, (batch, m, k), jnp.float32).astype(DTYPES[dtype])
+    rhs = jax.random.normal(rhs_key, (batch, k, n), jnp.float32).astype(DTYPES[dtype])
+
+    def matmul(a, b):
+        return jnp.einsum('bmk,bkn->bmn', a, b, preferred_element_type=jnp.float32)
+
+    compiled = harness.compile_fn(matmul, lhs, rhs)
+    timing = harness.time_fn(compiled.executable, lhs, rhs, warmup=ctx.warmup, repeats=ctx.repeats)
+    flops = 2.0 * batch * m * k * n
+    return {'dtype': dtype, 'batch': batch, 'm': m, 'k': k, 'n': n, 'gflop': flops / 1e9,
+            'median_ms': timing.median_s * 1e3, 'gflops_per_s': flops / timing.median_s / 1e9,
+            'timing': timing.as_dict()}
+
+
+def measure_peak(ctx: harness.Context) -> dict[str, Any]:
+    """Rows and the best GFLOP/s per dtype; other suites call this to get their roofline."""
+    if ctx.tiny:
+        shapes = matmul_shapes(batch=2, tgt_len=16, mem_len=16, d_model=32, n_head=2, d_head=16,
+                               d_inner=64) + [_square(64)]
+    else:
+        # The enwik8-base layer at the train suite's largest shape (batch 4, tgt = mem = 256),
+        # plus squares to see where this CPU's matmul throughput saturates.
+        shapes = matmul_shapes(batch=4, tgt_len=256, mem_len=256, d_model=512, n_head=8, d_head=64,
+                               d_inner=2048) + [_square(1024), _square(2048)]
+    rows = []
+    for dtype in DTYPES:
+        for name, shape in shapes:
+            ctx.log(f'peak: {dtype} {name}')
+            rows.append({'matmul': name, **measure(shape, dtype, ctx)})
+    best = {dtype: max(r['gflops_per_s'] for r in rows if r['dtype'] == dtype) for dtype in DTYPES}
+    return {'rows': rows, 'peak_gflops_per_s': best}
+
+
+@harness.register('peak')
+def run(ctx: harness.Context) -> harness.SuiteResult:
+    peak = measure_peak(ctx)
+    return harness.SuiteResult(
+        rows=peak['rows'],
+        columns=('matmul', 'dtype', 'batch', 'm', 'k', 'n', 'gflop', 'median_ms', 'gflops_per_s'),
+        figures={f'peak_gflops_per_s_{dtype}': value for dtype, value in peak['peak_gflops_per_s'].items()},
+        config={'accumulation': 'float32 (preferred_element_type)', 'jit': 'one jitted einsum per shape',
+                'flops_per_matmul': '2 * batch * m * k * n'},
+        notes=['peak = the best median GFLOP/s over the shapes of that dtype; MFU elsewhere divides by '
+               'the float32 peak measured in the same invocation.'])
