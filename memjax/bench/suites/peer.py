@@ -1,0 +1,354 @@
+"""`peer`: memjax against Hugging Face's PyTorch Transformer-XL, same weights, same invocation.
+
+A throughput ratio only means something between two implementations of one model, so the suite
+builds the HF `TransfoXLLMHeadModel` first, imports its weights into memjax with
+`memjax.convert`, asserts that both have the same number of parameters and that their per-token
+log-probs agree over two segments (memory carried) before anything is timed.
+
+What each side is allowed (identical unless stated):
+- float32, dropout 0, the same shapes, batch, memory length and vocabulary (a plain softmax and an
+  adaptive softmax with `div_val`), memory carried from step to step, plain Adam with one
+  learning rate, forward + backward + update per training step.
+- torch: `torch.set_num_threads` = the cores XLA's CPU client uses (the process's CPU affinity);
+  eager mode, and `torch.compile` (inductor) when the size is 'full' (it compiles for minutes,
+  too slow for CI); evaluation under `torch.no_grad`.
+- memjax: one jitted step per segment (`memjax.bench.workload`'s training step, the project's
+  evaluation step), parameters, optimizer state and memory donated.
+- HF scores T - 1 targets per segment (its labels shift inside the model), memjax all T: both
+  sides count tokens/s as batch x tgt_len input tokens, which slightly favours HF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from memjax import convert
+from memjax import model as model_lib
+from memjax import train_step as train_step_lib
+from memjax.bench import harness
+from memjax.bench import workload
+
+LEARNING_RATE = 1e-4
+LOGPROB_TOLERANCE = 1e-3  # float32 over a few layers agrees to ~1e-5; a wrong weight shows as O(1).
+INSTALL_HINT = "pip install -e '.[parity]'"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    n_layer: int
+    d_model: int
+    n_head: int
+    d_head: int
+    d_inner: int
+    tgt_len: int
+    mem_len: int
+    batch_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    name: str
+    vocab_size: int
+    cutoffs: tuple[int, ...]
+    div_val: int
+
+
+SHAPES = {
+    'full': Shape(n_layer=6, d_model=256, n_head=4, d_head=64, d_inner=1024, tgt_len=128, mem_len=128,
+                  batch_size=8),
+    'tiny': Shape(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, tgt_len=8, mem_len=8, batch_size=2),
+}
+VOCABS = {
+    'full': (Vocab('plain', 256, (), 1), Vocab('adaptive', 10000, (2000, 5000), 2)),
+    'tiny': (Vocab('plain', 64, (), 1), Vocab('adaptive', 300, (50, 150), 2)),
+}
+
+
+def import_torch():
+    """(torch, transformers), or a BenchError saying how to install them."""
+    try:
+        import torch  # pylint: disable=g-import-not-at-top
+        import transformers  # pylint: disable=g-import-not-at-top
+    except ImportError as error:
+        raise harness.BenchError(f'the peer suite needs torch and transformers 4.37 ({error}); '
+                                 f'install them with {INSTALL_HINT}.') from error
+    return torch, transformers
+
+
+def jax_cpu_cores() -> int:
+    """The cores XLA's CPU thread pool spreads over: the ones this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def build_pair(shape: Shape, vocab: Vocab, seed: int = 0) -> tuple[Any, model_lib.ModelConfig, dict]:
+    """A random HF model and the same model in memjax: (hf_model, memjax config, memjax params)."""
+    torch, transformers = import_torch()
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():  # TransfoXL is deprecated in transformers 4.37; it still works.
+        warnings.simplefilter('ignore')
+        hf_config = transformers.TransfoXLConfig(
+            vocab_size=vocab.vocab_size, cutoffs=list(vocab.cutoffs), div_val=vocab.div_val,
+            d_model=shape.d_model, d_embed=shape.d_model, n_head=shape.n_head, d_head=shape.d_head,
+            d_inner=shape.d_inner, n_layer=shape.n_layer, mem_len=shape.mem_len, clamp_len=-1,
+            same_length=False, dropout=0.0, dropatt=0.0)
+        hf_model = transformers.TransfoXLLMHeadModel(hf_config)
+    mcfg = convert.model_config_from_hf(hf_config)
+    params = convert.params_from_hf_state_dict(hf_model.state_dict(), mcfg, source='HF peer model')
+    return hf_model, mcfg, jax.tree_util.tree_map(jnp.asarray, params)
+
+
+def hf_param_count(hf_model) -> int:
+    """Parameters of the HF model, a tensor tied under several names counted once."""
+    unique = {id(p): p.numel() for _, p in hf_model.named_parameters(remove_duplicate=False)}
+    return int(sum(unique.values()))
+
+
+def memjax_param_count(params) -> int:
+    return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
+
+
+def random_tokens(vocab_size: int, batch_size: int, length: int, seed: int) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, vocab_size, (batch_size, length)).astype(np.int64)
+
+
+def max_logprob_difference(hf_model, mcfg: model_lib.ModelConfig, params, tokens: np.ndarray,
+                           tgt_len: int) -> float:
+    """Largest |log p_HF - log p_memjax| of the targets over consecutive segments, memory carried.
+
+    HF predicts inputs[t + 1] from position t (T - 1 targets per segment); memjax's targets are
+    given explicitly, so its last position per segment is left out of the comparison.
+    """
+    torch, _ = import_torch()
+    segments = (tokens.shape[1] - 1) // tgt_len
+    apply = jax.jit(lambda p, x, m, y: model_lib.TransformerXL(mcfg).apply({'params': p}, x, m, targets=y))
+    memory, mems, worst = model_lib.init_memory(mcfg, tokens.shape[0]), None, 0.0
+    keep_order = hf_model.crit.keep_order
+    hf_model.eval()
+    hf_model.crit.keep_order = True  # Losses in position order (HF groups them by cluster otherwise).
+    try:
+        with torch.no_grad():
+            for s in range(segments):
+                inputs = tokens[:, s * tgt_len:(s + 1) * tgt_len]
+                out = hf_model(torch.as_tensor(inputs), mems=mems, labels=torch.as_tensor(inputs))
+                mems = out.mems
+                mj, memory = apply(params, jnp.asarray(inputs, jnp.int32), memory,
+                                   jnp.asarray(tokens[:, s * tgt_len + 1:(s + 1) * tgt_len + 1], jnp.int32))
+                diff = np.abs(np.asarray(mj.target_logprobs)[:, :-1] + out.losses.numpy()).max()
+                worst = max(worst, float(diff))
+    finally:
+        hf_model.crit.keep_order = keep_order
+    return worst
+
+
+def check_same_model(hf_model, mcfg: model_lib.ModelConfig, params, shape: Shape) -> dict[str, Any]:
+    """Asserts equal parameter counts and agreeing log-probs; returns both figures."""
+    counts = {'hf_params': hf_param_count(hf_model), 'memjax_params': memjax_param_count(params)}
+    if counts['hf_params'] != counts['memjax_params']:
+        raise AssertionError(f'the peer models differ: HF has {counts["hf_params"]} parameters, memjax '
+                             f'{counts["memjax_params"]}; the importer or the HF config is wrong.')
+    tokens = random_tokens(mcfg.vocab_size, shape.batch_size, 2 * shape.tgt_len + 1, seed=1)
+    diff = max_logprob_difference(hf_model, mcfg, params, tokens, shape.tgt_len)
+    if not diff < LOGPROB_TOLERANCE:
+        raise AssertionError(f'HF and memjax log-probs differ by {diff:.3g} (> {LOGPROB_TOLERANCE}) on the '
+                             'same weights; refusing to time two different models.')
+    return {**counts, 'max_abs_logprob_diff': diff}
+
+
+# ----------------------------------------------------------------------------------------------
+# The timed loops: each call advances one segment and carries the memory (and the weights).
+
+
+class HFTrainLoop:
+    """HF forward + backward + Adam on one segment per call, `mems` carried (HF detaches them)."""
+
+    def __init__(self, hf_model, forward: Callable, inputs):
+        torch, _ = import_torch()
+        hf_model.train()  # Dropout is 0, so train mode computes what eval mode computes.
+        self._forward = forward
+        self._inputs = inputs
+        self._optimizer = torch.optim.Adam(hf_model.parameters(), lr=LEARNING_RATE)
+        self._mems = hf_model.transformer.init_mems(inputs.shape[0])
+
+    def __call__(self) -> None:
+        out = self._forward(self._inputs, mems=self._mems, labels=self._inputs)
+        out.loss.backward()
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._mems = out.mems
+
+
+class HFEvalLoop:
+    """HF forward with target scores, no gradients, `mems` carried."""
+
+    def __init__(self, hf_model, forward: Callable, inputs):
+        hf_model.eval()
+        self._forward = forward
+        self._inputs = inputs
+        self._mems = hf_model.transformer.init_mems(inputs.shape[0])
+
+    def __call__(self) -> None:
+        torch, _ = import_torch()
+        with torch.no_grad():
+            self._mems = self._forward(self._inputs, mems=self._mems, labels=self._inputs).mems
+
+
+def eval_batch(inputs: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+    """One segment as the project's evaluation step takes it ([segments=1, B, T])."""
+    batch_size = inputs.shape[0]
+    return {'inputs': inputs[None], 'targets': targets[None], 'mask': jnp.ones(inputs.shape, jnp.float32)[None],
+            'reset': jnp.zeros((1, batch_size), bool)}
+
+
+class EvalLoop:
+    """A compiled `train_step.eval_step_fn` called per segment, its (donated) memory fed back."""
+
+    def __init__(self, executable: Callable, params, memory, batch):
+        self._executable = executable
+        self._params = params
+        self._memory = memory
+        self._batch = batch
+
+    def __call__(self):
+        self._memory, metrics = self._executable(self._params, self._memory, self._batch)
+        return metrics
+
+
+def compile_eval(mcfg: model_lib.ModelConfig, params, batch_size: int, batch) -> tuple[harness.Compiled, EvalLoop]:
+    """The project's evaluation step for one segment, compiled with the memory donated."""
+    memory = model_lib.init_memory(mcfg, batch_size)
+    compiled = harness.compile_fn(train_step_lib.eval_step_fn(model_lib.TransformerXL(mcfg)), params, memory,
+                                  batch, donate_argnums=(1,))
+    return compiled, EvalLoop(compiled.executable, params, memory, batch)
+
+
+def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape: Shape) -> dict[str, Any]:
+    """Compiled memjax train and eval loops on the peer's weights and tokens, with compile seconds."""
+    inputs = jnp.asarray(tokens[:, :shape.tgt_len], jnp.int32)
+    targets = jnp.asarray(tokens[:, 1:shape.tgt_len + 1], jnp.int32)
+    tx = optax.adam(LEARNING_RATE)
+    work = workload.TrainWorkload(
+        mcfg=mcfg, batch_size=shape.batch_size, tgt_len=shape.tgt_len, tx=tx,
+        step=workload.train_step_fn(model_lib.TransformerXL(mcfg), tx),
+        params=jax.tree_util.tree_map(jnp.copy, params), opt_state=tx.init(params),
+        memory=model_lib.init_memory(mcfg, shape.batch_size),
+        batch={'inputs': inputs, 'targets': targets}, key=jax.random.PRNGKey(0))
+    train = workload.compile_step(work)
+    evaluate, eval_loop = compile_eval(mcfg, params, shape.batch_size, eval_batch(inputs, targets))
+    return {'train': (workload.StepLoop(train.executable, work), train.lower_s + train.compile_s),
+            'eval': (eval_loop, evaluate.lower_s + evaluate.compile_s)}
+
+
+def hf_loops(hf_model, forward: Callable, tokens: np.ndarray, shape: Shape) -> dict[str, Any]:
+    torch, _ = import_torch()
+    inputs = torch.as_tensor(tokens[:, :shape.tgt_len])
+    return {'train': HFTrainLoop(hf_model, forward, inputs), 'eval': HFEvalLoop(hf_model, forward, inputs)}
+
+
+def time_loop(loop: Callable, ctx: harness.Context) -> tuple[harness.Timing, float]:
+    """(timing, seconds of the first call): for torch.compile the first call is the compile."""
+    start = time.perf_counter()
+    jax.block_until_ready(loop())
+    first_s = time.perf_counter() - start
+    return harness.time_fn(loop, warmup=max(ctx.warmup - 1, 0), repeats=ctx.repeats), first_s
+
+
+def _row(vocab: Vocab, mode: str, impl: str, timing: harness.Timing, tokens: int, compile_s) -> dict[str, Any]:
+    return {'vocab': vocab.name, 'mode': mode, 'impl': impl, 'median_ms': timing.median_s * 1e3,
+            'tokens_per_s': tokens / timing.median_s, 'compile_s': compile_s, 'timing': timing.as_dict()}
+
+
+def measure_vocab(vocab: Vocab, shape: Shape, ctx: harness.Context, try_compile: bool) -> dict[str, Any]:
+    """Checks one vocabulary variant and times every implementation on it."""
+    torch, _ = import_torch()
+    ctx.log(f'peer: {vocab.name} softmax: building HF model, importing, checking log-probs')
+    hf_model, mcfg, params = build_pair(shape, vocab)
+    check = check_same_model(hf_model, mcfg, params, shape)
+    tokens = random_tokens(vocab.vocab_size, shape.batch_size, shape.tgt_len + 1, seed=2)
+    tokens_per_step = shape.batch_size * shape.tgt_len
+    rows, errors = [], {}
+
+    for mode, (loop, compile_s) in memjax_loops(mcfg, params, tokens, shape).items():
+        ctx.log(f'peer: {vocab.name} memjax {mode}')
+        rows.append(_row(vocab, mode, 'memjax', time_loop(loop, ctx)[0], tokens_per_step, compile_s))
+
+    impls = {'hf_eager': hf_model}
+    if try_compile:
+        impls['hf_compiled'] = torch.compile(hf_model)
+    for impl, forward in impls.items():
+        for mode, loop in hf_loops(hf_model, forward, tokens, shape).items():
+            ctx.log(f'peer: {vocab.name} {impl} {mode}')
+            try:
+                timing, first_s = time_loop(loop, ctx)
+            except Exception as error:  # pylint: disable=broad-except  (torch.compile failures vary)
+                if impl == 'hf_eager':
+                    raise
+                errors[f'{impl}_{mode}'] = f'{type(error).__name__}: {str(error)[:300]}'
+                continue
+            compile_s = first_s - timing.median_s if impl == 'hf_compiled' else None
+            rows.append(_row(vocab, mode, impl, timing, tokens_per_step, compile_s))
+
+    for row in rows:
+        ours = next(r for r in rows if r['mode'] == row['mode'] and r['impl'] == 'memjax')
+        row['memjax_speedup'] = ours['tokens_per_s'] / row['tokens_per_s']
+        row.update(vocab_size=vocab.vocab_size, **{k: v for k, v in check.items() if k != 'hf_params'})
+    return {'rows': rows, 'check': check, 'errors': errors, 'mcfg': dataclasses.asdict(mcfg)}
+
+
+@harness.register('peer')
+def run(ctx: harness.Context) -> harness.SuiteResult:
+    torch, transformers = import_torch()
+    shape = SHAPES[ctx.size]
+    threads = jax_cpu_cores()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try_compile = not ctx.tiny
+    try:
+        results = [measure_vocab(vocab, shape, ctx, try_compile) for vocab in VOCABS[ctx.size]]
+    finally:
+        torch.set_num_threads(previous_threads)
+
+    rows = [row for result in results for row in result['rows']]
+    figures = {'torch_threads': threads, 'jax_cpu_cores': threads}
+    for row in rows:
+        if row['impl'] != 'memjax':
+            figures[f'memjax_over_{row["impl"]}_{row["mode"]}_{row["vocab"]}'] = row['memjax_speedup']
+    for result, vocab in zip(results, VOCABS[ctx.size]):
+        figures[f'params_{vocab.name}'] = result['check']['memjax_params']
+        figures[f'max_abs_logprob_diff_{vocab.name}'] = result['check']['max_abs_logprob_diff']
+    errors = {f'{vocab.name}_{k}': v for result, vocab in zip(results, VOCABS[ctx.size])
+              for k, v in result['errors'].items()}
+    notes = [
+        f'torch {torch.__version__}, transformers {transformers.__version__}, torch.set_num_threads({threads}) '
+        f'= the {threads} CPU cores XLA uses; float32, dropout 0, Adam lr {LEARNING_RATE} on both sides.',
+        'Same weights: HF model imported into memjax; parameter counts asserted equal (HF tied tensors '
+        f'counted once) and per-token log-probs checked to agree within {LOGPROB_TOLERANCE} before timing.',
+        'HF scores T-1 targets per segment (its label shift), memjax T; tokens/s = batch x tgt_len on both.',
+        'memjax_speedup = memjax tokens/s / this row\'s tokens/s (same mode, same vocabulary, same invocation).',
+    ]
+    if not try_compile:
+        notes.append('torch.compile not tried at --size=tiny (it compiles for minutes); run --size=full.')
+    for name, error in errors.items():
+        notes.append(f'torch.compile failed for {name}: {error}')
+    if ctx.config is not None:
+        notes.append('--config is ignored: the peer shapes are fixed so that both sides build the same model.')
+    return harness.SuiteResult(
+        rows=rows,
+        columns=('vocab', 'mode', 'impl', 'median_ms', 'tokens_per_s', 'memjax_speedup', 'compile_s'),
+        figures=figures,
+        config={'shape': dataclasses.asdict(shape), 'vocabs': [dataclasses.asdict(v) for v in VOCABS[ctx.size]],
+                'memjax_model_configs': [r['mcfg'] for r in results], 'learning_rate': LEARNING_RATE,
+                'dtype': 'float32', 'torch_threads': threads, 'torch_compile_tried': try_compile,
+                'torch_compile_errors': errors},
+        notes=notes)
