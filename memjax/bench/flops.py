@@ -1,0 +1,72 @@
+"""Analytic FLOP count of a Transformer-XL training step (the numerator of MFU).
+
+Counted: every matmul of the forward pass, 2 FLOPs per multiply-add, with the shapes the model
+actually runs (keys and values over K = mem_len + tgt_len rows, the positional projection once
+per distance row, the positional scores over K rows before the relative shift). Element-wise
+work (softmax, LayerNorm, dropout, Adam) is not counted: it is O(tokens * width), not
+O(tokens * width^2), and MFU conventionally counts only the matmuls.
+
+Forward + backward = 3 x forward: the backward pass of `y = x @ w` is two matmuls of the same
+size (dx = dy @ w.T, dw = x.T @ dy). This slightly over-counts the few matmuls whose input
+needs no gradient (the positional projection of the constant sinusoids, the memory rows of the
+key/value projections, which are stop-gradient); `tests/test_bench.py` checks the total against
+XLA's own cost analysis.
+"""
+
+from __future__ import annotations
+
+from memjax.model import ModelConfig
+
+BACKWARD_FACTOR = 3  # forward (1) + backward (2: input and weight gradients).
+
+
+def _softmax_flops(cfg: ModelConfig, tokens: int) -> dict[str, float]:
+    """Output layer: per cluster an optional projection to its width, then its logits."""
+    bounds = cfg.cluster_bounds
+    n_clusters = len(bounds) - 1
+    projected = cfg.div_val != 1 or cfg.d_embed != cfg.d_model
+    flops = {'softmax_proj': 0.0, 'softmax_logits': 0.0}
+    for i in range(n_clusters):
+        width = cfg.cluster_dim(0 if cfg.div_val == 1 else i)
+        if projected:
+            flops['softmax_proj'] += 2.0 * tokens * cfg.d_model * width
+        outputs = bounds[i + 1] - bounds[i] + (n_clusters - 1 if i == 0 else 0)  # + tail-cluster logits.
+        flops['softmax_logits'] += 2.0 * tokens * width * outputs
+    return flops
+
+
+def _embedding_flops(cfg: ModelConfig, tokens: int) -> float:
+    """The table lookup is a gather (no FLOPs); the projections to d_model are matmuls."""
+    if cfg.div_val != 1:  # Every cluster's projection runs for every token (then masked).
+        return sum(2.0 * tokens * cfg.cluster_dim(i) * cfg.d_model for i in range(len(cfg.cutoffs) + 1))
+    return 2.0 * tokens * cfg.d_embed * cfg.d_model if cfg.d_embed != cfg.d_model else 0.0
+
+
+def forward_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float]:
+    """Forward matmul FLOPs of one segment of `batch` x `tgt_len` tokens, by component."""
+    tokens = batch * tgt_len
+    klen = cfg.mem_len + tgt_len
+    inner = cfg.n_head * cfg.d_head
+    per_layer = {
+        'q_proj': 2.0 * tokens * cfg.d_model * inner,
+        'kv_proj': 2 * 2.0 * batch * klen * cfg.d_model * inner,
+        'pos_proj': 2.0 * klen * cfg.d_model * inner,  # Shared by the batch.
+        'content_scores': 2.0 * batch * cfg.n_head * tgt_len * klen * cfg.d_head,
+        'position_scores': 2.0 * batch * cfg.n_head * tgt_len * klen * cfg.d_head,
+        'attend_values': 2.0 * batch * cfg.n_head * tgt_len * klen * cfg.d_head,
+        'out_proj': 2.0 * tokens * inner * cfg.d_model,
+        'feed_forward': 2 * 2.0 * tokens * cfg.d_model * cfg.d_inner,
+    }
+    flops = {name: cfg.n_layer * value for name, value in per_layer.items()}
+    flops['embedding'] = _embedding_flops(cfg, tokens)
+    flops.update(_softmax_flops(cfg, tokens))
+    return flops
+
+
+def train_step_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> float:
+    """Model FLOPs of one training step (forward + backward) on one segment."""
+    return BACKWARD_FACTOR * sum(forward_flops(cfg, batch, tgt_len).values())
+
+
+def train_flops_per_token(cfg: ModelConfig, batch: int, tgt_len: int) -> float:
+    return train_step_flops(cfg, batch, tgt_len) / (batch * tgt_len)
