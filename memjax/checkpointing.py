@@ -35,15 +35,33 @@ def fingerprint(tree: Any) -> str:
     return digest.hexdigest()
 
 
+class _Manager(ocp.CheckpointManager):
+    """An orbax CheckpointManager that leaves preemption to `memjax.preemption`.
+
+    Orbax asks JAX's preemption sync point about the steps it saves, one of them from
+    its background finalize thread; the sync manager takes every query as the
+    process's current step, so a stale one could set the agreed stopping step behind
+    the training loop, which would then never reach it.
+    """
+
+    def reached_preemption(self, step: int) -> bool:
+        del step
+        return False
+
+
 class Checkpointer:
-    """Saves asynchronously, keeps the newest `keep` checkpoints, restores the newest intact one."""
+    """Saves asynchronously, keeps the newest `keep` checkpoints, restores the newest intact one.
+
+    In a multi-process run every process calls every method (orbax writes each array's
+    shards from the process that holds them and the JSON item from process 0).
+    """
 
     def __init__(self, directory: str, keep: int, read_only: bool = False):
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=not read_only, read_only=read_only,
             enable_async_checkpointing=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._manager = _Manager(self.directory, options=options)
 
     def save(self, step: int, state: Any, memory: Any, data_state: Any) -> None:
         arrays = {'state': state, 'memory': memory}

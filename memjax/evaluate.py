@@ -11,12 +11,12 @@ import sys
 from absl import app
 from absl import flags
 from absl import logging
-import jax
 import ml_collections
 from ml_collections import config_flags
 
 from memjax import checkpointing
 from memjax import config_lib
+from memjax import distributed
 from memjax import evaluation
 from memjax import metrics as metrics_lib
 from memjax import train_step as train_step_lib
@@ -64,13 +64,18 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    logging.set_verbosity(logging.INFO)
+    try:
+        distributed.initialize_from_flags()  # Before anything touches a device.
+    except distributed.DistributedSetupError as error:
+        sys.exit(f'Distributed setup error: {error}')
+    logging.set_verbosity(logging.INFO if distributed.is_primary() else logging.WARNING)
     metrics_lib.quiet_library_logs()
     try:
-        summary = evaluate_checkpoint(_CONFIG.value, _WORKDIR.value)
+        with distributed.peer_failures_end_the_run():
+            summary = evaluate_checkpoint(_CONFIG.value, _WORKDIR.value)
     except (config_lib.ConfigError, FileNotFoundError) as error:
         sys.exit(str(error))
-    if jax.process_index() == 0:
+    if distributed.is_primary():
         print(summary)
 
 

@@ -1,12 +1,15 @@
 """Reported quantities (bits per character or perplexity), TensorBoard and console output."""
 
+import glob
 import logging as logging_std
 import math
 import os
+import struct
 from typing import Mapping, Optional
 
 from absl import logging
 import tensorboardX
+from tensorboardX.proto import event_pb2
 
 # Character-level benchmarks report bits per character; word/subword ones perplexity.
 _BITS_UNITS = ('byte', 'char')
@@ -56,6 +59,31 @@ class MetricWriter:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
+    """`{'prefix/name': {step: value}}` of every scalar a run wrote under `<workdir>/tensorboard`.
+
+    Reads the event files (TFRecord framing around Event protos) without TensorBoard, so
+    scripts and tests can compare runs exactly. Files are read oldest first, so a resumed
+    run's values replace those of the run it continued.
+    """
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(glob.glob(os.path.join(workdir, 'tensorboard', 'events.out.tfevents.*')),
+                       key=os.path.getmtime):
+        with open(path, 'rb') as f:
+            data = f.read()
+        offset = 0
+        while offset + 12 <= len(data):  # length u64, its crc u32, payload, payload crc u32.
+            (length,) = struct.unpack_from('<Q', data, offset)
+            payload = data[offset + 12:offset + 12 + length]
+            offset += 16 + length
+            if len(payload) < length:
+                break  # A record cut short by a killed writer.
+            event = event_pb2.Event.FromString(payload)
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars
 
 
 def log_eval(step: int, split: str, mean_nll: float, num_tokens: int, unit: str) -> None:

@@ -1,6 +1,9 @@
 """Command line: `python -m memjax.train --config=configs/X.py --workdir=DIR [--config.a.b=v]`.
 
-Re-running with the same workdir resumes from its newest intact checkpoint.
+Re-running with the same workdir resumes from its newest intact checkpoint; a run
+stopped by SIGTERM checkpoints first and exits 0. Multi-process runs add
+`--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (or nothing on a
+Cloud TPU VM): see memjax/distributed.py.
 """
 
 import sys
@@ -11,6 +14,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from memjax import config_lib
+from memjax import distributed
 from memjax import metrics as metrics_lib
 from memjax import trainer
 
@@ -23,10 +27,16 @@ flags.mark_flags_as_required(['config', 'workdir'])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    logging.set_verbosity(logging.INFO)
+    try:
+        distributed.initialize_from_flags()  # Before anything touches a device.
+    except distributed.DistributedSetupError as error:
+        sys.exit(f'Distributed setup error: {error}')
+    # Process 0 alone reports progress; the others still log warnings and errors.
+    logging.set_verbosity(logging.INFO if distributed.is_primary() else logging.WARNING)
     metrics_lib.quiet_library_logs()
     try:
-        trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+        with distributed.peer_failures_end_the_run():
+            trainer.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     except config_lib.ConfigError as error:
         sys.exit(f'Config error: {error}')
 

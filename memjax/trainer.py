@@ -15,10 +15,12 @@ import optax
 
 from memjax import checkpointing
 from memjax import config_lib
+from memjax import distributed
 from memjax import evaluation
 from memjax import metrics as metrics_lib
 from memjax import model as model_lib
 from memjax import optim
+from memjax import preemption
 from memjax import sharding
 from memjax import train_step as train_step_lib
 from memjax.data import pipeline
@@ -72,7 +74,9 @@ def setup(config: ml_collections.ConfigDict, workdir: str,
     devices = jax.devices() if devices is None else devices
     config_lib.validate_config(config, jax.process_count(), len(devices))
     os.makedirs(workdir, exist_ok=True)
-    tokenizer = tokenizers.build_tokenizer(config.data, workdir)
+    with distributed.primary_first('tokenizer'):
+        tokenizer = tokenizers.build_tokenizer(config.data, workdir)
+    distributed.assert_same_on_all_processes(tokenizer.fingerprint, 'the tokenizer')
     mcfg, eval_mcfg = resolve_model_configs(config, tokenizer.vocab_size)
     config = ml_collections.ConfigDict(config.to_dict())
     config.model.vocab_size = mcfg.vocab_size
@@ -229,18 +233,22 @@ def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer,
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains (resuming from the newest intact checkpoint in workdir) and validates.
 
-    Returns the final summary (also written to `<workdir>/train_summary.json`).
+    Returns the final summary (also written to `<workdir>/train_summary.json`). On a
+    preemption (SIGTERM, or JAX's preemption sync point) it checkpoints the next step
+    boundary and returns `{'step', 'preempted': True, 'checkpoint', 'wall_seconds'}`
+    without the final validation, which the resumed run does.
     """
     wall_start = time.time()
     exp = setup(config, workdir)
     tcfg = exp.config.train
     write_json(os.path.join(workdir, 'config.json'), exp.config.to_dict())
 
-    train_streams = pipeline.LMStreams(
-        exp.config.data, 'train', exp.tokenizer, batch_size=tcfg.batch_size,
-        tgt_len=tcfg.tgt_len, segments_per_batch=tcfg.segments_per_step, repeat=True,
-        process_index=jax.process_index(), process_count=jax.process_count())
-    valid_streams = evaluation.eval_streams(exp.config, exp.tokenizer, 'validation')
+    with distributed.primary_first('token streams'):  # Prepared data and token caches.
+        train_streams = pipeline.LMStreams(
+            exp.config.data, 'train', exp.tokenizer, batch_size=tcfg.batch_size,
+            tgt_len=tcfg.tgt_len, segments_per_batch=tcfg.segments_per_step, repeat=True,
+            process_index=jax.process_index(), process_count=jax.process_count())
+        valid_streams = evaluation.eval_streams(exp.config, exp.tokenizer, 'validation')
     iterator = train_streams.iterator()
 
     ckpt = checkpointing.Checkpointer(checkpoint_dir(workdir), tcfg.keep_checkpoints)
@@ -253,11 +261,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     interval = _Interval(step)
     # Throughput counts neither the compiling first dispatch nor periodic validation.
     logged_tokens, compile_tokens, steady_start, eval_seconds = 0.0, 0.0, None, 0.0
+    watch, preempted = preemption.PreemptionWatch(), False
     try:
         while step < tcfg.num_steps:
             state, memory, step_metrics = train_step(
                 state, memory, exp.partitioner.global_batch(next(iterator)))
-            step += tcfg.segments_per_step
+            previous_step, step = step, step + tcfg.segments_per_step
             interval.add(step_metrics)
             if steady_start is None:
                 # The first dispatch compiles: throughput is timed from its end.
@@ -268,9 +277,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                              tcfg.segments_per_step, steady_start - interval.start_time)
 
             is_last = step == tcfg.num_steps
+            preempted = watch.reached(previous_step, step)
             due = lambda every: every > 0 and step % every == 0
-            save = due(tcfg.checkpoint_every) or is_last
-            evaluate = due(tcfg.eval_every) and not is_last
+            save = due(tcfg.checkpoint_every) or is_last or preempted
+            evaluate = due(tcfg.eval_every) and not (is_last or preempted)
             if not (due(tcfg.log_every) or save or evaluate):
                 continue
             if interval.parts:
@@ -281,18 +291,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             if save:
                 ckpt.save(step, state, memory, iterator.get_state())
                 last_checkpoint = ckpt.step_dir(step)
+            if preempted:
+                break
             if evaluate:
                 eval_start = time.time()
                 _validate(exp, eval_step, state.params, valid_streams, tcfg.eval_batches, step,
                           writer)
                 eval_seconds += time.time() - eval_start
             interval = _Interval(step)
-        train_seconds = (time.time() - steady_start - eval_seconds) if steady_start else 0.0
-        final = _validate(exp, eval_step, state.params, valid_streams, -1, step, writer)
+        if not preempted:
+            train_seconds = (time.time() - steady_start - eval_seconds) if steady_start else 0.0
+            final = _validate(exp, eval_step, state.params, valid_streams, -1, step, writer)
     finally:
+        watch.close()
         ckpt.wait()
         ckpt.close()
         writer.close()
+    if preempted:
+        logging.warning('Preempted: saved %s; run the same command again to resume.',
+                        last_checkpoint)
+        return {'step': step, 'preempted': True, 'checkpoint': last_checkpoint,
+                'wall_seconds': time.time() - wall_start}
 
     summary = {
         'step': step,

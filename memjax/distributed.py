@@ -1,0 +1,291 @@
+"""Joining a multi-process JAX run (`jax.distributed`) from flags or the environment.
+
+`initialize_from_flags()` must run before anything touches a JAX device: the runtime
+fixes the global device set when the first backend starts. On a Cloud TPU VM JAX finds
+the coordinator, process count and id itself; elsewhere they come from
+`--coordinator_address/--num_processes/--process_id` or MEMJAX_COORDINATOR_ADDRESS,
+MEMJAX_NUM_PROCESSES, MEMJAX_PROCESS_ID (SLURM and Open MPI are also detected by JAX
+under `--distributed=on`).
+
+Every wait is bounded: joining gives up after `--initialization_timeout` seconds with
+an error that says which side is missing, and a peer that stops sending heartbeats for
+`--heartbeat_timeout` seconds makes JAX's coordination service end every process.
+"""
+
+import contextlib
+import dataclasses
+import glob
+import importlib.util
+import os
+import sys
+import threading
+from typing import Iterator, Mapping, Optional
+
+from absl import flags
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+MODES = ('auto', 'on', 'off')
+ENV_COORDINATOR = 'MEMJAX_COORDINATOR_ADDRESS'
+ENV_NUM_PROCESSES = 'MEMJAX_NUM_PROCESSES'
+ENV_PROCESS_ID = 'MEMJAX_PROCESS_ID'
+# JAX's own deadline is set this much later than ours, so that the clear message below
+# (not JAX's abort, which blames "another task") reports a missed deadline.
+_JAX_DEADLINE_GRACE_S = 15
+# Environment of TPU VMs and GKE TPU pods that names the workers of a slice.
+_TPU_ENV = ('TPU_WORKER_HOSTNAMES', 'TPU_PROCESS_ADDRESSES', 'MEGASCALE_COORDINATOR_ADDRESS')
+
+_MODE = flags.DEFINE_enum(
+    'distributed', 'auto', MODES,
+    'auto: join a multi-process run when coordinator settings are given (flags or '
+    f'{ENV_COORDINATOR}/...) or on a Cloud TPU VM, else run as a single process; on: always '
+    'call jax.distributed.initialize (without settings JAX detects TPU, SLURM or Open MPI); '
+    'off: single process.')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', None,
+    f'HOST:PORT where process 0 serves the coordination service (env {ENV_COORDINATOR}).')
+_NUM_PROCESSES = flags.DEFINE_integer(
+    'num_processes', None, f'Number of processes of the run (env {ENV_NUM_PROCESSES}).')
+_PROCESS_ID = flags.DEFINE_integer(
+    'process_id', None, f'This process, in [0, num_processes) (env {ENV_PROCESS_ID}).')
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    'initialization_timeout', 300,
+    'Seconds to wait until every process has joined the coordinator; then the run fails.')
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    'heartbeat_timeout', 100,
+    'Seconds of silence after which a process counts as dead and every process is stopped.')
+_SHUTDOWN_TIMEOUT = flags.DEFINE_integer(
+    'shutdown_timeout', 300,
+    'Seconds a finishing process waits for the others to finish too.')
+
+
+class DistributedSetupError(ValueError):
+    """The coordinator settings are incomplete or inconsistent; the message says which."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    mode: str = 'auto'
+    coordinator_address: Optional[str] = None
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    initialization_timeout: int = 300
+    heartbeat_timeout: int = 100
+    shutdown_timeout: int = 300
+
+    @property
+    def explicit(self) -> bool:
+        return self.coordinator_address is not None
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> Optional[int]:
+    value = environ.get(name, '').strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedSetupError(f'environment variable {name}={value!r} must be an '
+                                    'integer.') from None
+
+
+def _check_address(address: str) -> None:
+    host, _, port = address.rpartition(':')
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DistributedSetupError(
+            f'coordinator address {address!r} must be HOST:PORT with a port in [1, 65535] '
+            '(--coordinator_address or ' + ENV_COORDINATOR + '), e.g. 10.0.0.1:8476.')
+
+
+def resolve_settings(mode: str = 'auto', coordinator_address: Optional[str] = None,
+                     num_processes: Optional[int] = None, process_id: Optional[int] = None,
+                     initialization_timeout: int = 300, heartbeat_timeout: int = 100,
+                     shutdown_timeout: int = 300,
+                     environ: Optional[Mapping[str, str]] = None) -> Settings:
+    """Flag values, each falling back to its MEMJAX_* variable, checked for consistency.
+
+    The three coordinator settings come together or not at all: a run with only some of
+    them would hang waiting for processes that were never told where to connect.
+    """
+    environ = os.environ if environ is None else environ
+    if mode not in MODES:
+        raise DistributedSetupError(f'--distributed={mode!r} must be one of {MODES}.')
+    address = coordinator_address or environ.get(ENV_COORDINATOR, '').strip() or None
+    count = num_processes if num_processes is not None else _env_int(environ, ENV_NUM_PROCESSES)
+    index = process_id if process_id is not None else _env_int(environ, ENV_PROCESS_ID)
+    given = {'--coordinator_address': address, '--num_processes': count, '--process_id': index}
+    missing = [name for name, value in given.items() if value is None]
+    if 0 < len(missing) < len(given):
+        raise DistributedSetupError(
+            f'incomplete coordinator settings: {", ".join(missing)} missing (flags or '
+            f'{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}); give all three, or '
+            'none to run a single process (or to let JAX detect a Cloud TPU VM).')
+    if address is not None:
+        _check_address(address)
+        if count < 1:
+            raise DistributedSetupError(f'--num_processes={count} must be >= 1.')
+        if not 0 <= index < count:
+            raise DistributedSetupError(
+                f'--process_id={index} must lie in [0, {count}) for --num_processes={count}.')
+        if mode == 'off':
+            raise DistributedSetupError(
+                f'--distributed=off contradicts the coordinator settings ({address}, '
+                f'{count} processes): drop one or the other.')
+    for name, value in (('initialization_timeout', initialization_timeout),
+                        ('heartbeat_timeout', heartbeat_timeout),
+                        ('shutdown_timeout', shutdown_timeout)):
+        if value < 1:
+            raise DistributedSetupError(f'--{name}={value} must be >= 1 second.')
+    return Settings(mode, address, count, index, initialization_timeout, heartbeat_timeout,
+                    shutdown_timeout)
+
+
+def on_cloud_tpu(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether this is a Cloud TPU host, where JAX finds the other workers itself."""
+    environ = os.environ if environ is None else environ
+    if any(environ.get(name) for name in _TPU_ENV):
+        return True
+    # A TPU VM: libtpu installed and TPU chips visible as devices.
+    has_chips = bool(glob.glob('/dev/accel[0-9]*') or glob.glob('/dev/vfio/[0-9]*'))
+    return has_chips and importlib.util.find_spec('libtpu') is not None
+
+
+def _deadline_message(settings: Settings) -> str:
+    what = (f'process {settings.process_id} of {settings.num_processes} could not join the '
+            f'coordinator at {settings.coordinator_address}' if settings.explicit
+            else 'this process could not join the auto-detected TPU/cluster coordinator')
+    if settings.explicit and settings.process_id == 0:
+        cause = ('not all other processes connected: start every process with the same '
+                 '--coordinator_address and --num_processes, and distinct --process_id values')
+    else:
+        cause = ('the coordinator did not answer: check that process 0 is running and that '
+                 'its host and port are reachable from here (address, firewall)')
+    return (f'memjax.distributed: {what} within --initialization_timeout='
+            f'{settings.initialization_timeout}s; {cause}.')
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float, message: str) -> Iterator[None]:
+    """Ends the process with `message` if the block is still running after `seconds`.
+
+    jax.distributed.initialize blocks inside C++ and, on its own timeout, aborts with a
+    message that blames another task; this exits earlier with one that names the cause.
+    """
+    def expire():
+        logging.error(message)
+        os._exit(1)  # The main thread is stuck in C++; nothing else can stop it.
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def initialize(settings: Settings) -> bool:
+    """Joins the multi-process run described by `settings`; returns whether it did.
+
+    A no-op for single-process settings (and when already joined), so that the command
+    line tools call it unconditionally.
+    """
+    if settings.mode == 'off':
+        return False
+    if settings.mode == 'auto' and not settings.explicit and not on_cloud_tpu():
+        return False
+    if jax.distributed.is_initialized():
+        return True
+    kwargs = dict(initialization_timeout=settings.initialization_timeout + _JAX_DEADLINE_GRACE_S,
+                  heartbeat_timeout_seconds=settings.heartbeat_timeout,
+                  shutdown_timeout_seconds=settings.shutdown_timeout)
+    if settings.explicit:
+        kwargs.update(coordinator_address=settings.coordinator_address,
+                      num_processes=settings.num_processes, process_id=settings.process_id)
+        logging.info('Joining %s as process %d of %d (timeout %ds).',
+                     settings.coordinator_address, settings.process_id,
+                     settings.num_processes, settings.initialization_timeout)
+    else:
+        logging.info('Joining the auto-detected multi-process run (timeout %ds).',
+                     settings.initialization_timeout)
+    with _deadline(settings.initialization_timeout, _deadline_message(settings)):
+        jax.distributed.initialize(**kwargs)
+    logging.info('Process %d of %d; %d of %d devices are local.', jax.process_index(),
+                 jax.process_count(), jax.local_device_count(), jax.device_count())
+    return True
+
+
+def settings_from_flags() -> Settings:
+    return resolve_settings(_MODE.value, _COORDINATOR.value, _NUM_PROCESSES.value,
+                            _PROCESS_ID.value, _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value,
+                            _SHUTDOWN_TIMEOUT.value)
+
+
+def initialize_from_flags() -> bool:
+    """`initialize(settings_from_flags())`; call first thing in a command's main()."""
+    return initialize(settings_from_flags())
+
+
+def is_primary() -> bool:
+    """Process 0 alone writes metrics, logs and summary files."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Waits until every process got here (no-op for a single process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+@contextlib.contextmanager
+def primary_first(name: str) -> Iterator[None]:
+    """Runs the block on process 0, then on the other processes.
+
+    For work that creates shared files (tokenizer, prepared dataset, token caches): on a
+    shared filesystem the others then find them ready instead of racing to write them;
+    on per-host disks they build their own copy the same deterministic way. Process 0
+    releases the others even when the block fails, so that they fail with their own
+    error rather than wait for a barrier that never comes.
+    """
+    primary = is_primary()
+    if not primary:
+        barrier(f'{name}: process 0 done')
+    try:
+        yield
+    finally:
+        if primary:
+            barrier(f'{name}: process 0 done')
+
+
+def assert_same_on_all_processes(fingerprint: str, what: str) -> None:
+    """Fails on every process when the hex `fingerprint` of `what` differs between them."""
+    if jax.process_count() == 1:
+        return
+    words = np.frombuffer(bytes.fromhex(fingerprint[:32]), np.uint32)
+    try:
+        multihost_utils.assert_equal(words)
+    except AssertionError:
+        raise DistributedSetupError(
+            f'{what} differs between processes (process {jax.process_index()} has '
+            f'{fingerprint[:16]}...): give every process the same files, e.g. a shared '
+            'workdir or data.vocab_path.') from None
+
+
+@contextlib.contextmanager
+def peer_failures_end_the_run() -> Iterator[None]:
+    """Turns a failed cross-process operation into an exit that names the likely cause.
+
+    When a peer dies, the collectives of the survivors fail with a transport error (or
+    JAX's heartbeat check stops them); the first is worded for runtime developers.
+    """
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as error:
+        if jax.process_count() == 1:
+            raise
+        sys.exit(f'memjax: process {jax.process_index()} of {jax.process_count()} stops: an '
+                 f'operation across processes failed ({str(error)[:500]}). Usually another '
+                 'process died or was stopped: see its log. Restart all processes with the same '
+                 'command to resume from the last checkpoint.')

@@ -1,0 +1,67 @@
+"""When to stop for a preemption: SIGTERM, or the JAX/orbax preemption sync point.
+
+A preempted run saves a checkpoint at the next step boundary and exits 0, so that the
+scheduler's restart of the same command resumes exactly. In a multi-process run every
+process must save the same step, yet the notice may reach only one of them: JAX's
+preemption sync manager (started by `jax.distributed.initialize`, which also takes
+over SIGTERM) spreads the notice and names a common step. A single process without
+`jax.distributed` has no such service and instead watches SIGTERM itself.
+"""
+
+import signal
+import threading
+from typing import Any, Optional
+
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
+
+
+def _sync_service_running() -> bool:
+    return jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service
+
+
+class PreemptionWatch:
+    """Answers, at each step boundary, whether the run must checkpoint and stop there.
+
+    Created right before the training loop and closed after it: the SIGTERM handler
+    (which only sets a flag; the loop does the saving) is removed again by `close()`.
+    """
+
+    def __init__(self):
+        self._requested = False
+        self._previous_handler: Any = None
+        self._installed = False
+        self._use_sync_point = _sync_service_running()
+        if self._use_sync_point:
+            return
+        if jax.process_count() > 1:
+            logging.warning('The JAX preemption service is off (jax_enable_preemption_service): '
+                            'processes cannot agree on a step, so SIGTERM is not handled.')
+        elif threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
+        else:
+            logging.warning('Training outside the main thread: SIGTERM is not handled.')
+
+    def close(self) -> None:
+        if self._installed:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._installed = False
+
+    def _on_sigterm(self, signum: int, frame: Optional[Any]) -> None:
+        del signum, frame
+        self._requested = True
+
+    def reached(self, previous_step: int, step: int) -> bool:
+        """Whether to save and stop at `step`, the boundary after `previous_step`.
+
+        Every process must call this at every boundary, with the same steps.
+        """
+        if not self._use_sync_point:
+            return self._requested
+        # The sync manager picks (highest step any process reported) + 1 as the common
+        # step, so it has to see every step, not only the boundaries of multi-step
+        # dispatches. Once a step matches, all processes stop at this boundary.
+        return any(multihost_utils.reached_preemption_sync_point(s)
+                   for s in range(previous_step + 1, step + 1))
