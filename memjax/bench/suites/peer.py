@@ -13,7 +13,7 @@ What each side is allowed (identical unless stated):
   eager mode, and `torch.compile` (inductor) when the size is 'full' (it compiles for minutes,
   too slow for CI); evaluation under `torch.no_grad`.
 - memjax: one jitted step per segment (`memjax.bench.workload`'s training step, the project's
-  evaluation step), parameters, optimizer state and memory donated.
+  evaluation step `train_step.eval_step_fn`), parameters, optimizer state and memory donated.
 - HF scores T - 1 targets per segment (its labels shift inside the model), memjax all T: both
   sides count tokens/s as batch x tgt_len input tokens, which slightly favours HF.
 """
@@ -33,9 +33,9 @@ import optax
 
 from memjax import convert
 from memjax import model as model_lib
-from memjax import train_step as train_step_lib
 from memjax.bench import harness
 from memjax.bench import workload
+from memjax.bench.suites import eval_speed
 
 LEARNING_RATE = 1e-4
 LOGPROB_TOLERANCE = 1e-3  # float32 over a few layers agrees to ~1e-5; a wrong weight shows as O(1).
@@ -204,35 +204,6 @@ class HFEvalLoop:
             self._mems = self._forward(self._inputs, mems=self._mems, labels=self._inputs).mems
 
 
-def eval_batch(inputs: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
-    """One segment as the project's evaluation step takes it ([segments=1, B, T])."""
-    batch_size = inputs.shape[0]
-    return {'inputs': inputs[None], 'targets': targets[None], 'mask': jnp.ones(inputs.shape, jnp.float32)[None],
-            'reset': jnp.zeros((1, batch_size), bool)}
-
-
-class EvalLoop:
-    """A compiled `train_step.eval_step_fn` called per segment, its (donated) memory fed back."""
-
-    def __init__(self, executable: Callable, params, memory, batch):
-        self._executable = executable
-        self._params = params
-        self._memory = memory
-        self._batch = batch
-
-    def __call__(self):
-        self._memory, metrics = self._executable(self._params, self._memory, self._batch)
-        return metrics
-
-
-def compile_eval(mcfg: model_lib.ModelConfig, params, batch_size: int, batch) -> tuple[harness.Compiled, EvalLoop]:
-    """The project's evaluation step for one segment, compiled with the memory donated."""
-    memory = model_lib.init_memory(mcfg, batch_size)
-    compiled = harness.compile_fn(train_step_lib.eval_step_fn(model_lib.TransformerXL(mcfg)), params, memory,
-                                  batch, donate_argnums=(1,))
-    return compiled, EvalLoop(compiled.executable, params, memory, batch)
-
-
 def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape: Shape) -> dict[str, Any]:
     """Compiled memjax train and eval loops on the peer's weights and tokens, with compile seconds."""
     inputs = jnp.asarray(tokens[:, :shape.tgt_len], jnp.int32)
@@ -245,7 +216,7 @@ def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape:
         memory=model_lib.init_memory(mcfg, shape.batch_size),
         batch={'inputs': inputs, 'targets': targets}, key=jax.random.PRNGKey(0))
     train = workload.compile_step(work)
-    evaluate, eval_loop = compile_eval(mcfg, params, shape.batch_size, eval_batch(inputs, targets))
+    evaluate, eval_loop = eval_speed.compile_eval(mcfg, params, eval_speed.eval_batch(inputs, targets))
     return {'train': (workload.StepLoop(train.executable, work), train.lower_s + train.compile_s),
             'eval': (eval_loop, evaluate.lower_s + evaluate.compile_s)}
 
