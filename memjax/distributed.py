@@ -228,6 +228,15 @@ def initialize_from_flags() -> bool:
     return initialize(settings_from_flags())
 
 
+def set_log_verbosity() -> None:
+    """INFO on process 0, warnings and errors only elsewhere, unless --verbosity is given.
+
+    N processes printing the same progress lines bury the one that matters.
+    """
+    if not flags.FLAGS['verbosity'].present:
+        logging.set_verbosity(logging.INFO if is_primary() else logging.WARNING)
+
+
 def is_primary() -> bool:
     """Process 0 alone writes metrics, logs and summary files."""
     return jax.process_index() == 0

@@ -10,7 +10,6 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from memjax import config_lib
@@ -31,8 +30,7 @@ def main(argv):
         distributed.initialize_from_flags()  # Before anything touches a device.
     except distributed.DistributedSetupError as error:
         sys.exit(f'Distributed setup error: {error}')
-    # Process 0 alone reports progress; the others still log warnings and errors.
-    logging.set_verbosity(logging.INFO if distributed.is_primary() else logging.WARNING)
+    distributed.set_log_verbosity()
     metrics_lib.quiet_library_logs()
     try:
         with distributed.peer_failures_end_the_run():
