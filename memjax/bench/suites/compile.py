@@ -1,0 +1,58 @@
+"""`compile`: compile time of the train step as depth grows, with and without the layer scan.
+
+Without `scan_layers` XLA sees n_layer copies of the layer, so tracing, lowering and
+compiling grow with depth; with it, one loop body. The model is narrow on purpose: this is
+about compile time, not step time. Each figure is the median over fresh compilations
+(`jax.clear_caches()` before each, so no cached executable is reused).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import jax
+
+from memjax.bench import harness
+from memjax.bench import workload
+
+FULL = dict(layers=(2, 8, 16), shape=dict(d_model=128, n_head=4, d_head=32, d_inner=512),
+            batch=2, seq=64)
+TINY = dict(layers=(1, 2), shape=dict(d_model=16, n_head=2, d_head=8, d_inner=32), batch=2, seq=8)
+
+
+@harness.register('compile')
+def run(ctx: harness.Context) -> harness.SuiteResult:
+    setting = TINY if ctx.tiny else FULL
+    # Compilations are slow and not noisy in the way step times are: at most 3 per case.
+    repeats = min(ctx.repeats, 3)
+    rows = []
+    for n_layer in setting['layers']:
+        for scan in (False, True):
+            mcfg = workload.model_config(ctx.config, n_layer=n_layer, scan_layers=scan,
+                                         mem_len=setting['seq'], **setting['shape'])
+            work = workload.build(mcfg, setting['batch'], setting['seq'], ctx.config)
+            runs = []
+            for _ in range(repeats):
+                jax.clear_caches()
+                runs.append(workload.compile_step(work))
+            ctx.log(f'compile: {n_layer} layers, scan={scan}: {runs[-1].compile_s:.1f}s')
+            lower = statistics.median(r.lower_s for r in runs)
+            compile_s = statistics.median(r.compile_s for r in runs)
+            rows.append({'n_layer': n_layer, 'scan_layers': scan, 'lower_s': lower,
+                         'compile_s': compile_s, 'total_s': lower + compile_s, 'runs': repeats,
+                         'lower_runs_s': [r.lower_s for r in runs],
+                         'compile_runs_s': [r.compile_s for r in runs]})
+    by_case = {(r['n_layer'], r['scan_layers']): r['total_s'] for r in rows}
+    deepest = max(setting['layers'])
+    return harness.SuiteResult(
+        rows=rows,
+        columns=('n_layer', 'scan_layers', 'lower_s', 'compile_s', 'total_s', 'runs'),
+        figures={f'loop_over_scan_total_{n}_layers': by_case[(n, False)] / by_case[(n, True)]
+                 for n in setting['layers']} | {
+                     'scan_growth_over_depth': by_case[(deepest, True)] / by_case[(min(setting['layers']), True)],
+                     'loop_growth_over_depth': by_case[(deepest, False)] / by_case[(min(setting['layers']), False)]},
+        config={'model': setting['shape'], 'batch': setting['batch'], 'tgt_len': setting['seq'],
+                'mem_len': setting['seq'], 'dtype': workload.model_config(ctx.config).compute_dtype,
+                'timed': 'lower_s = trace + lower to StableHLO; compile_s = XLA compile; '
+                         'median of fresh compilations after jax.clear_caches()'},
+        notes=['*_growth_over_depth: total compile time at the deepest over the shallowest stack.'])
