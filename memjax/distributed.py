@@ -211,7 +211,13 @@ def initialize(settings: Settings) -> bool:
         logging.info('Joining the auto-detected multi-process run (timeout %ds).',
                      settings.initialization_timeout)
     with _deadline(settings.initialization_timeout, _deadline_message(settings)):
-        jax.distributed.initialize(**kwargs)
+        try:
+            jax.distributed.initialize(**kwargs)
+        except ValueError as error:  # JAX found no cluster to take the settings from.
+            raise DistributedSetupError(
+                f'--distributed={settings.mode} but {error} No Cloud TPU, SLURM or Open MPI '
+                'environment was detected: give --coordinator_address, --num_processes and '
+                '--process_id, or use --distributed=auto.') from None
     logging.info('Process %d of %d; %d of %d devices are local.', jax.process_index(),
                  jax.process_count(), jax.local_device_count(), jax.device_count())
     return True
