@@ -1,0 +1,167 @@
+"""Correctness (not speed) of the peer, eval-speed and scaling benchmark suites at tiny size."""
+
+import importlib.util
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memjax import model as model_lib
+from memjax.bench import harness
+from memjax.bench.suites import eval_speed
+from memjax.bench.suites import peer  # Imports torch only when a peer model is built.
+from memjax.bench.suites import scaling
+
+HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ('torch', 'transformers'))
+needs_torch = pytest.mark.skipif(
+    not HAVE_TORCH, reason="the peer suite needs torch and transformers: pip install -e '.[parity]'")
+pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning', 'ignore::FutureWarning',
+                                        'ignore::UserWarning')
+TINY = harness.Context(size='tiny', warmup=0, repeats=1)
+
+
+def run_and_reload(name, tmp_path_factory):
+    """Runs a suite at tiny size and reads back the JSON it writes."""
+    path = tmp_path_factory.mktemp(name) / f'{name}.json'
+    harness.write_json(str(path), harness.run_suite(name, TINY, command=['test']))
+    with open(path, encoding='utf-8') as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope='module')
+def peer_report(tmp_path_factory):
+    return run_and_reload('peer', tmp_path_factory)
+
+
+# ----------------------------------------------------------------------------------------------
+# peer: both sides are the same model.
+
+
+@needs_torch
+@pytest.mark.parametrize('vocab', [v.name for v in peer.VOCABS['tiny']])
+def test_peer_models_have_same_parameters_and_logprobs(vocab):
+    shape = peer.SHAPES['tiny']
+    hf_model, mcfg, params = peer.build_pair(shape, next(v for v in peer.VOCABS['tiny'] if v.name == vocab))
+    assert peer.hf_param_count(hf_model) == peer.memjax_param_count(params)
+    tokens = peer.random_tokens(mcfg.vocab_size, shape.batch_size, 3 * shape.tgt_len + 1, seed=5)
+    assert peer.max_logprob_difference(hf_model, mcfg, params, tokens, shape.tgt_len) < 1e-4
+
+
+@needs_torch
+def test_hf_param_count_counts_tied_tensors_once():
+    hf_model, _, _ = peer.build_pair(peer.SHAPES['tiny'], peer.VOCABS['tiny'][1])  # Adaptive, tied.
+    by_storage = {p.data_ptr(): p.numel() for p in hf_model.state_dict().values() if p.is_floating_point()}
+    inv_freq = hf_model.transformer.pos_emb.inv_freq
+    expected = sum(by_storage.values()) - inv_freq.numel()  # A buffer, not a parameter.
+    with_repeats = sum(p.numel() for _, p in hf_model.named_parameters(remove_duplicate=False))
+    assert peer.hf_param_count(hf_model) == expected < with_repeats
+
+
+@needs_torch
+def test_peer_check_refuses_different_weights():
+    shape = peer.SHAPES['tiny']
+    hf_model, mcfg, params = peer.build_pair(shape, peer.VOCABS['tiny'][0])
+    params = dict(params, layer_0=jax.tree_util.tree_map(lambda x: x * 1.5, params['layer_0']))
+    with pytest.raises(AssertionError, match='log-probs differ'):
+        peer.check_same_model(hf_model, mcfg, params, shape)
+
+
+@needs_torch
+def test_peer_suite_json(peer_report):
+    rows = peer_report['rows']
+    for vocab in peer.VOCABS['tiny']:
+        for mode in ('train', 'eval'):
+            ours, theirs = (next(r for r in rows if (r['vocab'], r['mode'], r['impl']) == (vocab.name, mode, impl))
+                            for impl in ('memjax', 'hf_eager'))
+            tokens = peer.SHAPES['tiny'].batch_size * peer.SHAPES['tiny'].tgt_len
+            assert theirs['tokens_per_s'] == pytest.approx(tokens / theirs['timing']['median_s'])
+            ratio = ours['tokens_per_s'] / theirs['tokens_per_s']
+            assert peer_report['figures'][f'memjax_over_hf_eager_{mode}_{vocab.name}'] == pytest.approx(ratio)
+        assert peer_report['figures'][f'max_abs_logprob_diff_{vocab.name}'] < peer.LOGPROB_TOLERANCE
+    assert peer_report['figures']['torch_threads'] == peer_report['machine']['usable_cores']
+    assert peer_report['config']['shape'] == {**peer.SHAPES['tiny'].__dict__}
+
+
+# ----------------------------------------------------------------------------------------------
+# eval-speed: the vanilla baseline computes what XL computes where their contexts coincide.
+
+
+def tiny_model(**changes):
+    fields = dict(vocab_size=40, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=48, dropout=0.0,
+                  dropatt=0.0, memory_start='empty')
+    fields.update(changes)
+    mcfg = model_lib.ModelConfig(**fields)
+    return mcfg, model_lib.init_params(mcfg, jax.random.PRNGKey(3))
+
+
+def test_sliding_window_equals_xl_while_memory_holds_the_whole_history():
+    """At the start of a stream both see every earlier token, recomputed or cached: same log-probs."""
+    mcfg, params = tiny_model(n_layer=3, mem_len=16)
+    tokens = np.random.RandomState(0).randint(0, mcfg.vocab_size, (2, 13))
+    xl = eval_speed.xl_logprobs(mcfg, params, tokens, tgt_len=4)
+    vanilla = eval_speed.sliding_window_logprobs(mcfg, params, tokens, window=16)
+    np.testing.assert_allclose(vanilla, xl, atol=2e-5, rtol=0)
+
+
+def test_sliding_window_equals_same_length_xl_for_one_layer():
+    """One layer caches only embeddings (context-free), so XL attending exactly `window` keys
+    (same_length, mem_len = window) equals recomputing the window, past the first window too."""
+    window = 6
+    mcfg, params = tiny_model(n_layer=1)
+    tokens = np.random.RandomState(1).randint(0, mcfg.vocab_size, (2, 17))
+    xl = eval_speed.xl_logprobs(eval_speed.xl_config(mcfg, window), params, tokens, tgt_len=4)
+    vanilla = eval_speed.sliding_window_logprobs(mcfg, params, tokens, window=window)
+    np.testing.assert_allclose(vanilla, xl, atol=2e-5, rtol=0)
+    # The comparison is sensitive: a window one token shorter changes the later log-probs.
+    shorter = eval_speed.sliding_window_logprobs(mcfg, params, tokens, window=window - 1)
+    assert np.abs(shorter[:, window:] - xl[:, window:]).min() > 1e-6
+
+
+def test_vanilla_step_scores_the_last_position_only():
+    mcfg, params = tiny_model()
+    windows = jnp.asarray(np.random.RandomState(2).randint(0, mcfg.vocab_size, (3, 7)))
+    targets = jnp.asarray([1, 5, 9])
+    vanilla = eval_speed.vanilla_step_fn(mcfg)(params, windows, targets)
+    full_targets = jnp.concatenate([windows[:, 1:], targets[:, None]], axis=1)
+    vmcfg = eval_speed.vanilla_config(mcfg)
+    out, _ = model_lib.TransformerXL(vmcfg).apply({'params': params}, windows, model_lib.init_memory(vmcfg, 3),
+                                                  targets=full_targets)
+    np.testing.assert_allclose(vanilla, out.target_logprobs[:, -1], atol=1e-5, rtol=0)
+
+
+def test_eval_speed_suite_json(tmp_path_factory):
+    report = run_and_reload('eval-speed', tmp_path_factory)
+    setup = eval_speed.SETUPS['tiny']
+    assert [r['attn_len'] for r in report['rows']] == list(setup.attn_lens)
+    for row in report['rows']:
+        xl = row['xl_timing']['median_s'] / (setup.batch_size * setup.tgt_len)
+        vanilla = row['vanilla_timing']['median_s'] / setup.batch_size
+        assert row['speedup'] == pytest.approx(vanilla / xl)
+        assert report['figures'][f'speedup_at_{row["attn_len"]}'] == pytest.approx(row['speedup'])
+
+
+# ----------------------------------------------------------------------------------------------
+# scaling.
+
+
+def test_scaling_suite_json(tmp_path_factory):
+    report = run_and_reload('scaling', tmp_path_factory)
+    setup = scaling.SETUPS['tiny']
+    rows = report['rows']
+    for sweep, field, modes in scaling.SWEEPS:
+        for mode in modes:
+            sub = [r for r in rows if r['sweep'] == sweep and r['mode'] == mode]
+            assert [r[sweep] for r in sub] == list(getattr(setup, field))
+            for r in sub:
+                tokens = r['batch_size'] * r['tgt_len']
+                assert r['us_per_token'] == pytest.approx(r['timing']['median_s'] / tokens * 1e6)
+                assert r['attn_keys'] == r['mem_len'] + r['tgt_len']
+    # The memory buffer alone grows with mem_len: [n_layer, B, mem_len, d_model] float32, in and out.
+    train = {r['mem_len']: r['live_mib'] for r in rows if r['sweep'] == 'mem_len' and r['mode'] == 'train'}
+    small, large = setup.mem_lens[0], setup.mem_lens[-1]
+    model = scaling.SETUPS['tiny'].model
+    buffer_growth = (large - small) * model['n_layer'] * setup.batch_size * model['d_model'] * 4 / scaling.MIB
+    assert train[large] - train[small] >= buffer_growth
+    assert 'train_mem_len_us_per_token_vs_keys_slope' in report['figures']
