@@ -1,0 +1,182 @@
+"""Sharded training on 8 simulated CPU devices equals one device; params are really split.
+
+The multi-device scenarios run in a subprocess (tests/sharding_driver.py), because the
+simulated device count must be set before JAX is imported.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh, AxisType
+
+from memjax import config_lib
+from memjax import model as model_lib
+from memjax import sharding
+import training_fixtures
+
+SHARDED_MESHES = ('data8', 'data2_tensor4', 'fsdp4_tensor2')
+# The default rules, restated: the logical axes that are split, and over which mesh axes.
+SPLIT = {'vocab': ('tensor',), 'heads': ('tensor',), 'mlp': ('tensor',), 'embed': ('fsdp',)}
+BATCH_AXES = ('data', 'fsdp')
+
+
+@pytest.fixture(scope='module')
+def driver(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp('sharding'))
+    env = dict(os.environ, PYTHONPATH=training_fixtures.REPO)
+    env.pop('XLA_FLAGS', None)
+    script = os.path.join(training_fixtures.REPO, 'tests', 'sharding_driver.py')
+    done = subprocess.run([sys.executable, script, workdir], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=training_fixtures.REPO)
+    assert done.returncode == 0, done.stderr[-5000:]
+    # TFDS prints progress to stdout; the results are the last line.
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def expected_shard(shape, logical, mesh):
+    """Local shard shape from SPLIT: each split dimension divided by its mesh axes' sizes."""
+    shard = list(shape)
+    for i, name in enumerate(logical or ()):
+        for axis in SPLIT.get(name, ()):
+            shard[i] //= mesh[axis]
+    return shard
+
+
+def test_driver_sees_eight_devices(driver):
+    assert driver['device_count'] == 8
+
+
+@pytest.mark.parametrize('mesh', SHARDED_MESHES)
+def test_mesh_gives_one_device_losses_and_gradient_norms(driver, mesh):
+    one, sharded = driver['meshes']['one_device'], driver['meshes'][mesh]
+    assert len(sharded['loss']) == 4
+    np.testing.assert_allclose(sharded['loss'], one['loss'], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(sharded['grad_norm'], one['grad_norm'], rtol=1e-5, atol=1e-5)
+    # Updates happened: the losses move from step to step.
+    assert len(set(np.round(one['loss'], 4))) == 4
+
+
+@pytest.mark.parametrize('mesh', SHARDED_MESHES)
+def test_validation_sums_are_global(driver, mesh):
+    one, sharded = driver['meshes']['one_device']['validation'], driver['meshes'][mesh]['validation']
+    assert sharded['num_tokens'] == one['num_tokens'] == 2 * 2 * 8 * 8  # batches x S x B x T.
+    assert sharded['nll_sum'] == pytest.approx(one['nll_sum'], rel=1e-5)
+
+
+@pytest.mark.parametrize('mesh', SHARDED_MESHES)
+def test_params_and_adam_moments_are_split_as_the_rules_say(driver, mesh):
+    layout = driver['meshes'][mesh]['layout']
+    sizes = layout['mesh']
+    split_params = 0
+    for path, param in layout['params'].items():
+        want = expected_shard(param['shape'], param['logical'], sizes)
+        assert param['shard_shape'] == want, (path, param)
+        assert layout['mu'][path]['shard_shape'] == want, path
+        assert layout['mu'][path]['spec'] == param['spec'], path
+        split_params += want != param['shape']
+    heads = layout['params']["['layer_0']['attention']['query']['kernel']"]
+    if sizes['tensor'] > 1:
+        assert 'tensor' in heads['spec']
+        assert heads['shard_shape'][1] == heads['shape'][1] // sizes['tensor']
+        assert split_params >= 10
+    hidden = layout['memory_hidden']  # [n_layer, B, mem_len, d_model]
+    assert hidden['shard_shape'] == [2, 8 // (sizes['data'] * sizes['fsdp']), 8, 32]
+
+
+def test_one_device_mesh_replicates(driver):
+    layout = driver['meshes']['one_device']['layout']
+    assert all(p['shard_shape'] == p['shape'] for p in layout['params'].values())
+
+
+def test_checkpoint_from_data8_resumes_on_fsdp4_tensor2_with_same_losses(driver):
+    resume, uninterrupted = driver['resume'], driver['meshes']['data8']
+    assert resume['restored_step'] == 2
+    assert resume['data_state'] == {'batches_read': 1}
+    # The save's buffers were donated to the next step before the asynchronous write ended.
+    assert resume['donated_after_save']
+    np.testing.assert_allclose(resume['continued']['loss'], uninterrupted['loss'][2:],
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(resume['continued']['grad_norm'],
+                               uninterrupted['grad_norm'][2:], rtol=1e-5, atol=1e-5)
+    # Restored straight into the new mesh's shards.
+    target = driver['meshes']['fsdp4_tensor2']['layout']
+    for path, param in resume['layout']['params'].items():
+        assert param['spec'] == target['params'][path]['spec'], path
+        assert param['shard_shape'] == target['params'][path]['shard_shape'], path
+    assert resume['layout']['mesh'] == {'data': 1, 'fsdp': 4, 'tensor': 2}
+
+
+def test_indivisible_split_is_refused_before_compiling(driver):
+    error = driver['indivisible_error']
+    assert error is not None
+    assert "['attention']['query']['kernel']" in error
+    assert "'heads'" in error and 'not divisible by 8' in error
+    assert 'config.mesh.rules' in error
+
+
+def abstract_partitioner(rules=(), data=2, fsdp=1, tensor=4):
+    mesh = AbstractMesh((data, fsdp, tensor), sharding.MESH_AXES,
+                        axis_types=(AxisType.Auto,) * 3)
+    return sharding.Partitioner(mesh, sharding.logical_rules(rules))
+
+
+def tiny_model_config():
+    return model_lib.ModelConfig(vocab_size=256, d_model=32, n_layer=2, n_head=4, d_head=8,
+                                 d_inner=64)
+
+
+def test_rule_overrides_change_only_the_named_axis():
+    default = abstract_partitioner().params(tiny_model_config())
+    replicated_vocab = abstract_partitioner((('vocab', None),)).params(tiny_model_config())
+    assert tuple(default['io']['emb_table_0'].spec) == ('tensor', 'fsdp')
+    assert tuple(replicated_vocab['io']['emb_table_0'].spec) == (None, 'fsdp')
+    query = ('layer_0', 'attention', 'query', 'kernel')
+    pick = lambda tree: tree[query[0]][query[1]][query[2]][query[3]]
+    assert pick(default).spec == pick(replicated_vocab).spec
+
+
+def test_scanned_layers_shard_like_unrolled_ones():
+    scanned = abstract_partitioner().params(tiny_model_config().replace(scan_layers=True))
+    # The stacked [n_layer, ...] kernel keeps the layer axis whole and splits the rest.
+    spec = tuple(scanned['layers']['attention']['query']['kernel'].spec)
+    assert spec == (None, 'fsdp', 'tensor', None)
+
+
+def test_unknown_rule_name_is_a_config_error():
+    with pytest.raises(config_lib.ConfigError, match="unknown logical axis 'head'"):
+        sharding.logical_rules((('head', 'tensor'),))
+
+
+@pytest.mark.parametrize('mesh, train, device_count, message', [
+    (dict(data=2, tensor=2), {}, 8, 'has 4 devices but 8 are present'),
+    (dict(data=-1, tensor=3), {}, 8, 'do not divide|does not divide'),
+    (dict(data=-1, fsdp=-1), {}, 8, 'at most one size may be -1'),
+    (dict(data=0), {}, 8, 'must be positive ints or -1'),
+    (dict(data=-1), dict(batch_size=12), 8, 'batch_size=12 must be divisible'),
+    (dict(data=4, fsdp=1, tensor=2), dict(batch_size=8, grad_accum_steps=4), 8,
+     r'data x fsdp \(4\) x config.train.grad_accum_steps \(4\) = 16'),
+    (dict(data=-1, rules=(('vocab', 'model'),)), {}, 8, "mesh_axes None, one of"),
+])
+def test_bad_mesh_config_is_rejected(mesh, train, device_count, message):
+    config = config_lib.base_config()
+    config.mesh.update(mesh)
+    config.train.update(train)
+    with pytest.raises(config_lib.ConfigError, match=message):
+        config_lib.validate_config(config, device_count=device_count)
+
+
+def test_data_axes_must_cover_the_processes():
+    config = config_lib.base_config()
+    config.mesh.update(data=1, tensor=8)
+    with pytest.raises(config_lib.ConfigError, match='multiple of the process count'):
+        config_lib.validate_config(config, process_count=2, device_count=8)
+
+
+def test_default_mesh_uses_every_device_for_data():
+    config = config_lib.base_config()
+    config_lib.validate_config(config, device_count=8)
+    assert config_lib.resolve_mesh_shape(config.mesh, 8) == {'data': 8, 'fsdp': 1, 'tensor': 1}
