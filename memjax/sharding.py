@@ -8,6 +8,7 @@ inserts every collective.
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -172,8 +173,7 @@ class Partitioner:
 
     def init_memory(self, mcfg: Any, batch_size: int) -> Any:
         """A fresh memory for `batch_size` global streams, created directly in its shards."""
-        return jax.jit(lambda: model_lib.init_memory(mcfg, batch_size),
-                       out_shardings=self.memory(mcfg, batch_size))()
+        return _memory_initializer(self, mcfg, batch_size)()
 
     def global_batch(self, local: dict) -> dict:
         """Global [S, B, ...] arrays from this process's [S, B / process_count, ...] share."""
@@ -183,3 +183,10 @@ class Partitioner:
             shape = (value.shape[0], value.shape[1] * jax.process_count()) + value.shape[2:]
             out[key] = jax.make_array_from_process_local_data(self.batch, value, shape)
         return out
+
+
+@functools.lru_cache(maxsize=None)
+def _memory_initializer(partitioner: Partitioner, mcfg: Any, batch_size: int) -> Callable:
+    # Cached: every validation pass starts from a fresh memory and should not recompile.
+    return jax.jit(lambda: model_lib.init_memory(mcfg, batch_size),
+                   out_shardings=partitioner.memory(mcfg, batch_size))
