@@ -53,6 +53,8 @@ def base_config() -> ml_collections.ConfigDict:
         memory_start='empty',
         layer_norm_epsilon=1e-5,
         compute_dtype='float32',
+        scan_layers=False,  # True: nn.scan over the layers (compile time independent of depth).
+        remat='none',  # 'none' | 'full' | 'dots_saveable': recompute layer activations.
     ))
 
     config.data = ml_collections.ConfigDict(dict(
