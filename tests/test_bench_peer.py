@@ -98,19 +98,19 @@ def tiny_model(**changes):
 
 def test_sliding_window_equals_xl_while_memory_holds_the_whole_history():
     """At the start of a stream both see every earlier token, recomputed or cached: same log-probs."""
-    mcfg, params = tiny_model(n_layer=3, mem_len=16)
-    tokens = np.random.RandomState(0).randint(0, mcfg.vocab_size, (2, 13))
-    xl = eval_speed.xl_logprobs(mcfg, params, tokens, tgt_len=4)
-    vanilla = eval_speed.sliding_window_logprobs(mcfg, params, tokens, window=16)
+    mcfg, params = tiny_model(n_layer=2, mem_len=8)
+    tokens = np.random.RandomState(0).randint(0, mcfg.vocab_size, (2, 6))
+    xl = eval_speed.xl_logprobs(mcfg, params, tokens, tgt_len=3)
+    vanilla = eval_speed.sliding_window_logprobs(mcfg, params, tokens, window=8)
     np.testing.assert_allclose(vanilla, xl, atol=2e-5, rtol=0)
 
 
 def test_sliding_window_equals_same_length_xl_for_one_layer():
     """One layer caches only embeddings (context-free), so XL attending exactly `window` keys
     (same_length, mem_len = window) equals recomputing the window, past the first window too."""
-    window = 6
+    window = 3
     mcfg, params = tiny_model(n_layer=1)
-    tokens = np.random.RandomState(1).randint(0, mcfg.vocab_size, (2, 17))
+    tokens = np.random.RandomState(1).randint(0, mcfg.vocab_size, (2, 11))
     xl = eval_speed.xl_logprobs(eval_speed.xl_config(mcfg, window), params, tokens, tgt_len=4)
     vanilla = eval_speed.sliding_window_logprobs(mcfg, params, tokens, window=window)
     np.testing.assert_allclose(vanilla, xl, atol=2e-5, rtol=0)
@@ -120,7 +120,7 @@ def test_sliding_window_equals_same_length_xl_for_one_layer():
 
 
 def test_vanilla_step_scores_the_last_position_only():
-    mcfg, params = tiny_model()
+    mcfg, params = tiny_model(n_layer=1)
     windows = jnp.asarray(np.random.RandomState(2).randint(0, mcfg.vocab_size, (3, 7)))
     targets = jnp.asarray([1, 5, 9])
     vanilla = eval_speed.vanilla_step_fn(mcfg)(params, windows, targets)

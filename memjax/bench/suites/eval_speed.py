@@ -17,6 +17,7 @@ This module also holds the one-segment evaluation step loop the other suites tim
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -110,12 +111,17 @@ def vanilla_step_fn(mcfg: model_lib.ModelConfig) -> Callable:
     return step
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_vanilla_step(mcfg: model_lib.ModelConfig) -> Callable:
+    return jax.jit(vanilla_step_fn(mcfg))  # One per config: each window length compiles once.
+
+
 def sliding_window_logprobs(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, window: int) -> np.ndarray:
     """log p(tokens[:, t + 1] | the last `window` tokens up to t) for every t: [B, N - 1].
 
     Early tokens see their whole (shorter) history: the baseline starts like XL's empty memory.
     """
-    step = jax.jit(vanilla_step_fn(mcfg))
+    step = _jitted_vanilla_step(mcfg)
     columns = [step(params, jnp.asarray(tokens[:, max(0, t + 1 - window):t + 1]), jnp.asarray(tokens[:, t + 1]))
                for t in range(tokens.shape[1] - 1)]
     return np.stack([np.asarray(c) for c in columns], axis=1)
