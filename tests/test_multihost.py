@@ -1,0 +1,165 @@
+"""Multi-process runs: coordinator settings, bounded joins, and two processes training together."""
+
+import os
+import re
+import signal
+import time
+
+import portpicker
+import pytest
+
+from memjax import distributed
+from memjax import metrics as metrics_lib
+import cli_fixtures
+import training_fixtures
+
+ENV = {distributed.ENV_COORDINATOR: '10.0.0.1:8476', distributed.ENV_NUM_PROCESSES: '4',
+       distributed.ENV_PROCESS_ID: '3'}
+# Short, so that a failing join is seen quickly; the runs have to end within JOIN_BOUND_S.
+JOIN_TIMEOUT_S = 3
+JOIN_BOUND_S = 90
+
+
+def test_settings_come_from_flags_else_environment():
+    from_env = distributed.resolve_settings(environ=ENV)
+    assert (from_env.coordinator_address, from_env.num_processes, from_env.process_id) == (
+        '10.0.0.1:8476', 4, 3)
+    mixed = distributed.resolve_settings(coordinator_address='host-a:1234', process_id=0,
+                                         environ=ENV)
+    assert (mixed.coordinator_address, mixed.num_processes, mixed.process_id) == (
+        'host-a:1234', 4, 0)
+    assert not distributed.resolve_settings(environ={}).explicit
+
+
+@pytest.mark.parametrize('kwargs, environ, message', [
+    (dict(num_processes=2), {}, '--coordinator_address, --process_id missing'),
+    (dict(coordinator_address='h:1', num_processes=2, process_id=2), {}, 'must lie in [0, 2)'),
+    (dict(coordinator_address='h:1', num_processes=0, process_id=0), {}, 'must be >= 1'),
+    (dict(coordinator_address='h', num_processes=2, process_id=0), {}, 'must be HOST:PORT'),
+    (dict(coordinator_address='h:70000', num_processes=2, process_id=0), {}, 'HOST:PORT'),
+    ({}, {distributed.ENV_NUM_PROCESSES: 'two'}, 'MEMJAX_NUM_PROCESSES'),
+    (dict(mode='off'), ENV, '--distributed=off contradicts'),
+    (dict(initialization_timeout=0), {}, '--initialization_timeout=0'),
+])
+def test_bad_settings_are_named(kwargs, environ, message):
+    with pytest.raises(distributed.DistributedSetupError) as error:
+        distributed.resolve_settings(environ=environ, **kwargs)
+    assert message in str(error.value)
+
+
+def test_tpu_worker_environment_means_cloud_tpu():
+    assert distributed.on_cloud_tpu({'TPU_WORKER_HOSTNAMES': 'w-0,w-1'})
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
+
+
+def test_joins_that_cannot_complete_fail_clearly_within_the_bound(corpus, tmp_path):
+    """Process 1 with no coordinator, and a coordinator whose peer never comes."""
+    address = f'127.0.0.1:{portpicker.pick_unused_port()}'
+    lonely = f'127.0.0.1:{portpicker.pick_unused_port()}'
+    env = cli_fixtures.cpu_env(1, str(tmp_path / 'jax_cache'))
+    runs = {}
+    start = time.time()
+    for name, coordinator, process_id in (('no_coordinator', address, 1),
+                                          ('no_peer', lonely, 0)):
+        command = cli_fixtures.train_command(
+            str(tmp_path / name), corpus, str(tmp_path / 'data'),
+            f'--coordinator_address={coordinator}', '--num_processes=2',
+            f'--process_id={process_id}', f'--initialization_timeout={JOIN_TIMEOUT_S}')
+        runs[name] = cli_fixtures.Run(command, env, str(tmp_path / f'{name}.log'))
+    logs = {name: cli_fixtures.checked(run, expected_code=1) for name, run in runs.items()}
+    assert time.time() - start < JOIN_BOUND_S
+    assert (f'process 1 of 2 could not join the coordinator at {address} within '
+            f'--initialization_timeout={JOIN_TIMEOUT_S}s; the coordinator did not answer'
+            in logs['no_coordinator'])
+    assert (f'process 0 of 2 could not join the coordinator at {lonely} within '
+            f'--initialization_timeout={JOIN_TIMEOUT_S}s; not all other processes connected'
+            in logs['no_peer'])
+    # Nothing was trained or written before the failure.
+    assert not os.path.exists(tmp_path / 'no_peer' / 'checkpoints')
+
+
+PROGRESS = re.compile(r'step (\d+)/\d+ \| loss (\S+) \| bpc \S+ \| .* \| lr (\S+) \| gnorm (\S+)')
+
+
+def progress(log: str) -> dict:
+    """{step: (loss, lr, gnorm)} as printed in the progress lines of a log."""
+    return {int(m.group(1)): m.group(2, 3, 4) for m in PROGRESS.finditer(log)}
+
+
+# The default mesh puts all 8 devices on 'data': 8 streams, one per device. Validation
+# every 16 steps runs across processes too; only the preemption and final checkpoints.
+NUM_STEPS = 32
+TRAIN = ('--config.train.batch_size=8', '--config.eval.batch_size=8',
+         f'--config.train.num_steps={NUM_STEPS}', '--config.train.eval_every=16',
+         '--config.train.checkpoint_every=0')
+SIGNAL_AFTER = f'step 4/{NUM_STEPS}'
+
+
+@pytest.fixture(scope='module')
+def two_process_run(corpus, tmp_path_factory):
+    """configs/tiny.py on 2 processes x 4 CPU devices, preempted by a SIGTERM to process 1 and
+    restarted; and uninterrupted on 1 process x 8 devices (running alongside)."""
+    root = tmp_path_factory.mktemp('multihost')
+    cache = str(root / 'jax_cache')
+    single = cli_fixtures.Run(
+        cli_fixtures.train_command(str(root / 'one'), corpus, str(root / 'data_one'), *TRAIN),
+        cli_fixtures.cpu_env(8, cache), str(root / 'single.log'))
+
+    def launch(phase):
+        # One workdir and data dir for both processes: process 0 prepares the data and the
+        # tokenizer first; orbax writes each process's shards into the same checkpoint.
+        address = f'127.0.0.1:{portpicker.pick_unused_port()}'
+        return [cli_fixtures.Run(
+            cli_fixtures.train_command(str(root / 'two'), corpus, str(root / 'data_two'), *TRAIN,
+                                       f'--coordinator_address={address}', '--num_processes=2',
+                                       f'--process_id={i}', '--verbosity=0'),
+            cli_fixtures.cpu_env(4, cache), str(root / f'{phase}_process{i}.log'))
+            for i in range(2)]
+
+    first = launch('first')
+    first[0].wait_for_text(SIGNAL_AFTER)
+    first[1].process.send_signal(signal.SIGTERM)  # The notice reaches one process only.
+    first_logs = [cli_fixtures.checked(run) for run in first]
+    preempted_checkpoints = sorted(os.listdir(root / 'two' / 'checkpoints'))
+    resumed_logs = [cli_fixtures.checked(run) for run in launch('resumed')]
+    cli_fixtures.checked(single)
+    return dict(root=root, first_logs=first_logs, resumed_logs=resumed_logs,
+                preempted_checkpoints=preempted_checkpoints,
+                two=metrics_lib.read_scalars(str(root / 'two')),
+                one=metrics_lib.read_scalars(str(root / 'one')))
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_checkpoint(two_process_run):
+    (name,) = two_process_run['preempted_checkpoints']
+    step = int(name)
+    assert 4 <= step < NUM_STEPS
+    saved = two_process_run['root'] / 'two' / 'checkpoints' / name
+    for first, resumed in zip(two_process_run['first_logs'], two_process_run['resumed_logs']):
+        assert f'Preempted: saved {saved};' in first
+        assert f'(step {step})' in resumed  # "Resumed from <dir> (step N)".
+
+
+def test_two_processes_agree_and_match_one_process(two_process_run):
+    logs = [first + resumed for first, resumed in zip(two_process_run['first_logs'],
+                                                      two_process_run['resumed_logs'])]
+    process0, process1 = (progress(log) for log in logs)
+    assert sorted(process0) == list(range(2, NUM_STEPS + 1, 2))  # tiny logs every 2 steps.
+    assert process0 == process1
+    two, one = two_process_run['two'], two_process_run['one']
+    for tag in ('train/loss', 'train/grad_norm', 'valid/loss'):
+        assert sorted(two[tag]) == sorted(one[tag])
+        for step, value in one[tag].items():
+            assert two[tag][step] == pytest.approx(value, rel=1e-5), (tag, step)
+
+
+def test_only_process_0_writes_files_but_both_write_the_checkpoints(two_process_run):
+    workdir = two_process_run['root'] / 'two'
+    preempted = two_process_run['preempted_checkpoints'][0]
+    assert sorted(os.listdir(workdir / 'checkpoints'), key=int) == [preempted, str(NUM_STEPS)]
+    assert len(os.listdir(workdir / 'tensorboard')) == 2  # One event file per launch.
+    assert os.path.exists(workdir / 'train_summary.json')
+    assert os.path.exists(workdir / 'config.json')
