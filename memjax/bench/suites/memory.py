@@ -14,7 +14,7 @@ from memjax.bench import workload
 
 POLICIES = ('none', 'full', 'dots_saveable')
 FULL = dict(shape=dict(n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048), batch=4, seq=256)
-TINY = dict(shape=dict(n_layer=2, d_model=16, n_head=2, d_head=8, d_inner=32), batch=2, seq=8)
+TINY = dict(shape=dict(n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32), batch=2, seq=8)
 MIB = 2.0 ** 20
 
 

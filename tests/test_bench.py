@@ -1,0 +1,164 @@
+"""Benchmark harness and suites: correctness of what they compute, not speed."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from memjax.bench import flops
+from memjax.bench import harness
+from memjax.bench import workload
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize('extra', [{}, {'cutoffs': (64, 128), 'div_val': 2}], ids=['plain', 'adaptive'])
+def test_analytic_flops_match_xla_cost_analysis(extra):
+    # Dropout off: XLA would also count its random-bit generation, which is not model work.
+    mcfg = workload.model_config(None, d_model=64, n_layer=1, n_head=2, d_head=32, d_inner=256,
+                                 mem_len=16, dropout=0.0, **extra)
+    compiled = workload.compile_step(workload.build(mcfg, batch_size=4, tgt_len=16))
+    ratio = compiled.flops / flops.train_step_flops(mcfg, 4, 16)
+    assert 0.9 < ratio < 1.1, ratio
+
+
+def test_forward_flops_of_one_layer_by_hand():
+    mcfg = workload.model_config(None, d_model=8, n_layer=1, n_head=2, d_head=4, d_inner=16,
+                                 mem_len=3, vocab_size=10)
+    b, t, k = 2, 5, 8  # k = mem_len + tgt_len
+    expected = (2 * b * t * 8 * 8  # query
+                + 2 * 2 * b * k * 8 * 8  # key, value over memory + segment
+                + 2 * k * 8 * 8  # positional projection, shared by the batch
+                + 3 * 2 * b * 2 * t * k * 4  # content scores, position scores, weighted values
+                + 2 * b * t * 8 * 8  # output projection
+                + 2 * 2 * b * t * 8 * 16  # feed-forward
+                + 2 * b * t * 8 * 10)  # logits
+    assert sum(flops.forward_flops(mcfg, b, t).values()) == expected
+    assert flops.train_step_flops(mcfg, b, t) == 3 * expected
+
+
+class _FakeTime:
+    """A clock that only moves when the timed function runs, by a scripted duration."""
+
+    def __init__(self, durations):
+        self.now = 0.0
+        self.durations = list(durations)
+        self.calls = 0
+
+    def clock(self):
+        return self.now
+
+    def fn(self, value):
+        self.now += self.durations[self.calls]
+        self.calls += 1
+        return value
+
+
+def test_time_fn_reports_the_median_of_the_timed_runs():
+    fake = _FakeTime([100.0, 50.0, 7.0, 1.0, 3.0, 9.0, 2.0])  # The first two are warm-up.
+    timing = harness.time_fn(fake.fn, 1.0, warmup=2, repeats=5, clock=fake.clock)
+    assert fake.calls == 7
+    assert timing.times_s == (7.0, 1.0, 3.0, 9.0, 2.0)
+    assert timing.median_s == 3.0 and timing.min_s == 1.0 and timing.max_s == 9.0
+
+
+def test_compile_fn_times_lowering_and_compilation_separately():
+    ticks = iter([10.0, 12.5, 20.0])
+    compiled = harness.compile_fn(lambda x: x * 2.0, 1.0, clock=lambda: next(ticks))
+    assert (compiled.lower_s, compiled.compile_s) == (2.5, 7.5)
+    assert float(compiled.executable(3.0)) == 6.0
+
+
+def test_registry_rejects_unknown_and_duplicate_suites():
+    assert {'peak', 'train', 'compile', 'memory', 'devices'} <= set(harness.available_suites())
+    with pytest.raises(harness.BenchError, match='unknown benchmark suite'):
+        harness.get_suite('no-such-suite')
+    harness.get_suite('peak')
+    with pytest.raises(harness.BenchError, match='registered twice'):
+        harness.register('peak')(lambda ctx: None)
+
+
+def test_context_rejects_bad_settings():
+    with pytest.raises(harness.BenchError, match='--size'):
+        harness.Context(size='huge')
+    with pytest.raises(harness.BenchError, match='--repeats'):
+        harness.Context(repeats=0)
+
+
+def test_format_table_aligns_every_row():
+    table = harness.format_table([{'a': 1, 'b': 0.5}, {'a': 22, 'b': None}], ('a', 'b'))
+    lines = table.splitlines()
+    assert lines[0].startswith('| a ') and len({len(line) for line in lines}) == 1
+    assert '| 22 | -   |' in table
+
+
+def _check_peak(report):
+    rows = report['rows']
+    assert {r['dtype'] for r in rows} == {'float32', 'bfloat16'}
+    for r in rows:
+        assert math.isclose(r['gflop'], 2 * r['batch'] * r['m'] * r['k'] * r['n'] / 1e9)
+    assert report['figures']['peak_gflops_per_s_float32'] == max(
+        r['gflops_per_s'] for r in rows if r['dtype'] == 'float32')
+
+
+def _check_train(report):
+    assert len(report['rows']) == 3
+    for r in report['rows']:
+        assert math.isclose(r['tokens_per_s'], r['batch'] * r['tgt_len'] / (r['step_ms'] / 1e3), rel_tol=1e-6)
+        assert math.isclose(r['mfu_percent'], 100 * r['achieved_gflops_per_s'] / r['peak_gflops_per_s'],
+                            rel_tol=1e-6)
+        assert r['xla_flops_per_step'] > 0
+    assert report['figures']['peak_gflops_per_s_float32'] == report['rows'][0]['peak_gflops_per_s']
+
+
+def _check_compile(report):
+    cases = {(r['n_layer'], r['scan_layers']) for r in report['rows']}
+    assert cases == {(n, s) for n in (1, 2) for s in (False, True)}
+    assert all(r['compile_s'] > 0 and r['lower_s'] > 0 for r in report['rows'])
+
+
+def _check_memory(report):
+    cases = {(r['remat'], r['scan_layers']) for r in report['rows']}
+    assert cases == {(p, s) for p in ('none', 'full', 'dots_saveable') for s in (False, True)}
+    for r in report['rows']:
+        b = r['bytes']
+        assert r['peak_mib'] * 2 ** 20 == (b['argument_size_bytes'] + b['output_size_bytes']
+                                            - b['alias_size_bytes'] + b['temp_size_bytes'])
+        assert b['alias_size_bytes'] > 0  # Donated state is updated in place.
+
+
+def _check_devices(report):
+    one, eight = report['rows']
+    assert (one['devices'], eight['devices']) == (1, 8)
+    assert one['per_device_batch'] == one['global_batch']
+    assert eight['per_device_batch'] * 8 == eight['global_batch']  # The batch really is split.
+    assert math.isclose(report['figures']['throughput_8_over_1'], eight['tokens_per_s'] / one['tokens_per_s'])
+
+
+CHECKS = {'peak': _check_peak, 'train': _check_train, 'compile': _check_compile,
+          'memory': _check_memory, 'devices': _check_devices}
+
+
+@pytest.mark.parametrize('suite', sorted(CHECKS))
+def test_suite_runs_tiny_from_the_command_line(suite, tmp_path):
+    out = tmp_path / f'{suite}.json'
+    # LLVM optimisation is most of XLA's CPU compile time; these runs check results, not speed.
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0'))
+    proc = subprocess.run(
+        [sys.executable, '-m', 'memjax.bench', suite, '--size=tiny', '--warmup=0', '--repeats=1',
+         f'--out={out}'], cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f'## {suite} (tiny)' in proc.stdout
+    report = json.loads(out.read_text())
+    assert report['suite'] == suite and report['size'] == 'tiny'
+    machine = report['machine']
+    assert machine['usable_cores'] >= 1 and machine['cpu_model']
+    assert machine['versions']['jax'] and machine['versions']['jaxlib']
+    assert machine['device_count'] >= 1 and machine['device_kind']
+    assert report['config'] and report['figures'] and report['rows']
+    for row in report['rows']:
+        assert set(report['columns']) <= set(row)
+    CHECKS[suite](report)
