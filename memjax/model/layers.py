@@ -33,9 +33,29 @@ def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
                         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)))
 
 
-def _projection(cfg: ModelConfig, features, name: str, axes: tuple, axis=-1) -> nn.DenseGeneral:
-    return nn.DenseGeneral(features, axis=axis, use_bias=False, dtype=cfg.dtype,
-                           kernel_init=normal(cfg.init_std, axes), name=name)
+class Projection(nn.Module):
+    """Bias-free linear map over the last `in_dims` axes into `features`.
+
+    Unlike nn.DenseGeneral, the kernel is created in its unflattened [in..., out...] shape, so its
+    logical axis names (one per kernel axis) stay valid when the model is traced under a mesh.
+    """
+
+    features: tuple
+    axes: tuple
+    config: ModelConfig
+    in_dims: int = 1
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        shape = x.shape[x.ndim - self.in_dims:] + tuple(self.features)
+        kernel = self.param('kernel', normal(cfg.init_std, self.axes), shape)
+        return jnp.tensordot(x.astype(cfg.dtype), kernel.astype(cfg.dtype), axes=self.in_dims)
+
+
+def _projection(cfg: ModelConfig, features, name: str, axes: tuple, in_dims: int = 1) -> Projection:
+    features = features if isinstance(features, tuple) else (features,)
+    return Projection(features, axes, cfg, in_dims, name=name)
 
 
 def _dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
@@ -75,7 +95,7 @@ class RelativeAttention(nn.Module):
         probs = jax.nn.softmax(scores, axis=-1)
         probs = nn.Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
         attended = jnp.einsum('bhtk,bkhd->bthd', probs, value)
-        out = _projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), axis=(-2, -1))(attended)
+        out = _projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), in_dims=2)(attended)
         return _dropout_residual_norm(cfg, h, out, deterministic)
 
 
