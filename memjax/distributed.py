@@ -213,7 +213,10 @@ def initialize(settings: Settings) -> bool:
     with _deadline(settings.initialization_timeout, _deadline_message(settings)):
         try:
             jax.distributed.initialize(**kwargs)
-        except ValueError as error:  # JAX found no cluster to take the settings from.
+        except ValueError as error:
+            if settings.explicit:
+                raise
+            # JAX found no cluster to take the settings from.
             raise DistributedSetupError(
                 f'--distributed={settings.mode} but {error} No Cloud TPU, SLURM or Open MPI '
                 'environment was detected: give --coordinator_address, --num_processes and '
