@@ -8,8 +8,6 @@ import struct
 from typing import Mapping, Optional
 
 from absl import logging
-import tensorboardX
-from tensorboardX.proto import event_pb2
 
 # Character-level benchmarks report bits per character; word/subword ones perplexity.
 _BITS_UNITS = ('byte', 'char')
@@ -46,8 +44,12 @@ class MetricWriter:
     """TensorBoard event files under `<workdir>/tensorboard`, scalars grouped by prefix."""
 
     def __init__(self, workdir: str, enabled: bool = True):
-        self._writer = (tensorboardX.SummaryWriter(os.path.join(workdir, 'tensorboard'))
-                        if enabled else None)
+        self._writer = None
+        if enabled:
+            # Imported here: tensorboardX pulls in torch when it is installed (seconds of
+            # start-up that processes other than 0, which write nothing, do not need).
+            import tensorboardX  # pylint: disable=g-import-not-at-top
+            self._writer = tensorboardX.SummaryWriter(os.path.join(workdir, 'tensorboard'))
 
     def write_scalars(self, step: int, prefix: str, scalars: Mapping[str, float]) -> None:
         if self._writer is None:
@@ -68,6 +70,7 @@ def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
     scripts and tests can compare runs exactly. Files are read oldest first, so a resumed
     run's values replace those of the run it continued.
     """
+    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
     scalars: dict[str, dict[int, float]] = {}
     for path in sorted(glob.glob(os.path.join(workdir, 'tensorboard', 'events.out.tfevents.*')),
                        key=os.path.getmtime):
