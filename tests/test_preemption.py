@@ -36,18 +36,22 @@ def test_watch_turns_sigterm_into_a_stop_request_and_restores_the_handler():
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-    """An uninterrupted run and a run sent SIGTERM mid-training, started side by side."""
+    """An uninterrupted run, then a run sent SIGTERM mid-training, then its rerun.
+
+    One after the other: the later runs load the first one's compiled steps from the
+    compilation cache instead of compiling them again on the same two cores.
+    """
     root = tmp_path_factory.mktemp('preemption')
     corpus = training_fixtures.write_text_corpus(str(root / 'corpus'))
     env = cli_fixtures.cpu_env(1, str(root / 'jax_cache'))
 
     def start(name):
-        # Separate data dirs: two processes must not prepare one dataset concurrently.
-        command = cli_fixtures.train_command(str(root / name), corpus, str(root / f'data_{name}'),
+        command = cli_fixtures.train_command(str(root / name), corpus, str(root / 'data'),
                                              *OVERRIDES)
         return command, cli_fixtures.Run(command, env, str(root / f'{name}.log'))
 
     _, baseline = start('baseline')
+    cli_fixtures.checked(baseline)
     command, interrupted = start('interrupted')
     interrupted.wait_for_text(SIGNAL_AFTER)
     interrupted.process.send_signal(signal.SIGTERM)
@@ -56,7 +60,6 @@ def runs(tmp_path_factory):
     first_scalars = metrics_lib.read_scalars(str(root / 'interrupted'))
     first_summary = os.path.exists(root / 'interrupted' / 'train_summary.json')
     resumed_log = cli_fixtures.checked(cli_fixtures.Run(command, env, str(root / 'resumed.log')))
-    cli_fixtures.checked(baseline)
     return dict(root=root, interrupted_log=interrupted_log, resumed_log=resumed_log,
                 checkpoints=checkpoints, first_scalars=first_scalars, first_summary=first_summary,
                 resumed=metrics_lib.read_scalars(str(root / 'interrupted')),
