@@ -47,13 +47,10 @@ def measure_on_all_devices(request: dict[str, Any]) -> dict[str, Any]:
     placed = jax.device_put(work.args(), in_shardings)
     work = workload.TrainWorkload(**{**work.__dict__, **dict(zip(
         ('params', 'opt_state', 'memory', 'batch', 'key'), placed))})
-    # Traced outside `partitioner.context()`: inside it, flax's param shape check re-runs the
-    # DenseGeneral kernel initialisers, whose rank-2 flat kernels then fail the rank-3 logical
-    # constraint (a model-side issue). For pure data parallelism the explicit in/out shardings
-    # already fix every layout, and the partitioner propagates the batch split through the step.
     shard_rows = work.batch['inputs'].addressable_shards[0].data.shape[0]
-    measured = workload.measure(work, ctx, in_shardings=in_shardings,
-                                out_shardings=in_shardings[:3] + (partitioner.replicated,))
+    with partitioner.context():  # The model's activation constraints apply during tracing.
+        measured = workload.measure(work, ctx, in_shardings=in_shardings,
+                                    out_shardings=in_shardings[:3] + (partitioner.replicated,))
     return {'device_count': jax.device_count(), 'mesh': dict(partitioner.mesh.shape),
             'batch_rows_per_device': shard_rows,
             'xla_flags': os.environ.get('XLA_FLAGS', ''), **measured}
