@@ -254,10 +254,14 @@ def measure_vocab(vocab: Vocab, shape: Shape, ctx: harness.Context, try_compile:
         ctx.log(f'peer: {vocab.name} memjax {mode}')
         rows.append(_row(vocab, mode, 'memjax', time_loop(loop, ctx)[0], tokens_per_step, compile_s))
 
-    impls = {'hf_eager': hf_model}
+    threads = torch.get_num_threads()
+    # One thread too: on a shared machine torch's OpenMP threads can stall each other for seconds
+    # when the cores are oversubscribed, which the 2-thread rows alone would hide.
+    impls = {'hf_eager': (hf_model, threads), 'hf_eager_1thread': (hf_model, 1)}
     if try_compile:
-        impls['hf_compiled'] = torch.compile(hf_model)
-    for impl, forward in impls.items():
+        impls['hf_compiled'] = (torch.compile(hf_model), threads)
+    for impl, (forward, impl_threads) in impls.items():
+        torch.set_num_threads(impl_threads)
         for mode, loop in hf_loops(hf_model, forward, tokens, shape).items():
             ctx.log(f'peer: {vocab.name} {impl} {mode}')
             try:
@@ -267,8 +271,9 @@ def measure_vocab(vocab: Vocab, shape: Shape, ctx: harness.Context, try_compile:
                     raise
                 errors[f'{impl}_{mode}'] = f'{type(error).__name__}: {str(error)[:300]}'
                 continue
-            compile_s = first_s - timing.median_s if impl == 'hf_compiled' else None
+            compile_s = first_s if impl == 'hf_compiled' else None  # The first call compiles (and steps).
             rows.append(_row(vocab, mode, impl, timing, tokens_per_step, compile_s))
+    torch.set_num_threads(threads)
 
     for row in rows:
         ours = next(r for r in rows if r['mode'] == row['mode'] and r['impl'] == 'memjax')
@@ -302,11 +307,14 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
               for k, v in result['errors'].items()}
     notes = [
         f'torch {torch.__version__}, transformers {transformers.__version__}, torch.set_num_threads({threads}) '
-        f'= the {threads} CPU cores XLA uses; float32, dropout 0, Adam lr {LEARNING_RATE} on both sides.',
+        f'= the {threads} CPU cores XLA uses (hf_eager_1thread: 1 thread, a check against OpenMP stalls on a '
+        f'loaded machine); float32, dropout 0, Adam lr {LEARNING_RATE} on both sides.',
         'Same weights: HF model imported into memjax; parameter counts asserted equal (HF tied tensors '
         f'counted once) and per-token log-probs checked to agree within {LOGPROB_TOLERANCE} before timing.',
         'HF scores T-1 targets per segment (its label shift), memjax T; tokens/s = batch x tgt_len on both.',
         'memjax_speedup = memjax tokens/s / this row\'s tokens/s (same mode, same vocabulary, same invocation).',
+        'compile_s: memjax = lower + compile (AOT); hf_compiled = its first call (torch.compile compiles '
+        'there, plus one step; inductor\'s on-disk cache shortens it on re-runs); hf_eager has none.',
     ]
     if not try_compile:
         notes.append('torch.compile not tried at --size=tiny (it compiles for minutes); run --size=full.')
