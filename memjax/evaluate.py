@@ -18,7 +18,6 @@ from memjax import config_lib
 from memjax import distributed
 from memjax import evaluation
 from memjax import metrics as metrics_lib
-from memjax import train_step as train_step_lib
 from memjax import trainer
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file.',
@@ -40,10 +39,12 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
         raise FileNotFoundError(f'no readable checkpoint in {directory}: train first with '
                                 f'python -m memjax.train --workdir={workdir} ...')
     split = exp.config.eval.split
-    streams = evaluation.eval_streams(exp.config, exp.tokenizer, split)
-    eval_step = train_step_lib.make_eval_step(exp.eval_model)
+    with distributed.primary_first('token streams'):  # Prepared data and token caches.
+        streams = evaluation.eval_streams(exp.config, exp.tokenizer, split)
+    _, eval_step = trainer.make_steps(exp)  # Only the (mesh-sharded) evaluation step runs.
     result = evaluation.evaluate_streams(eval_step, restored.state.params, exp.eval_mcfg, streams,
-                                         evaluation.local_eval_batch(exp.config))
+                                         evaluation.local_eval_batch(exp.config),
+                                         partitioner=exp.partitioner)
     name = metrics_lib.metric_name(exp.unit)
     summary = {
         'split': split,
