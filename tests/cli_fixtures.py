@@ -32,9 +32,13 @@ def cpu_env(device_count: int, compilation_cache: str) -> dict:
     return env
 
 
-def train_command(workdir: str, corpus: str, data_dir: str, *extra: str) -> list[str]:
-    """configs/tiny.py on the generated text corpus in `corpus`, prepared under `data_dir`."""
-    return [sys.executable, '-m', 'memjax.train', f'--config={training_fixtures.TINY}',
+def tiny_command(workdir: str, corpus: str, data_dir: str, *extra: str,
+                  module: str = 'memjax.train') -> list[str]:
+    """`python -m module` on configs/tiny.py with the generated text corpus in `corpus`.
+
+    The dataset is prepared under `data_dir`; `module` is memjax.train or memjax.evaluate.
+    """
+    return [sys.executable, '-m', module, f'--config={training_fixtures.TINY}',
             f'--workdir={workdir}', '--config.data.name=text',
             f'--config.data.text_path={corpus}', f'--config.data.data_dir={data_dir}', *extra]
 

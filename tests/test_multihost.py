@@ -1,5 +1,6 @@
 """Multi-process runs: coordinator settings, bounded joins, and two processes training together."""
 
+import json
 import os
 import re
 import signal
@@ -65,7 +66,7 @@ def test_joins_that_cannot_complete_fail_clearly_within_the_bound(corpus, tmp_pa
     start = time.time()
     for name, coordinator, process_id in (('no_coordinator', address, 1),
                                           ('no_peer', lonely, 0)):
-        command = cli_fixtures.train_command(
+        command = cli_fixtures.tiny_command(
             str(tmp_path / name), corpus, str(tmp_path / 'data'),
             f'--coordinator_address={coordinator}', '--num_processes=2',
             f'--process_id={process_id}', f'--initialization_timeout={JOIN_TIMEOUT_S}')
@@ -106,17 +107,17 @@ def two_process_run(corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp('multihost')
     cache = str(root / 'jax_cache')
     single = cli_fixtures.Run(
-        cli_fixtures.train_command(str(root / 'one'), corpus, str(root / 'data_one'), *TRAIN),
+        cli_fixtures.tiny_command(str(root / 'one'), corpus, str(root / 'data_one'), *TRAIN),
         cli_fixtures.cpu_env(8, cache), str(root / 'single.log'))
 
-    def launch(phase):
+    def launch(phase, module='memjax.train'):
         # One workdir and data dir for both processes: process 0 prepares the data and the
         # tokenizer first; orbax writes each process's shards into the same checkpoint.
         address = f'127.0.0.1:{portpicker.pick_unused_port()}'
         return [cli_fixtures.Run(
-            cli_fixtures.train_command(str(root / 'two'), corpus, str(root / 'data_two'), *TRAIN,
+            cli_fixtures.tiny_command(str(root / 'two'), corpus, str(root / 'data_two'), *TRAIN,
                                        f'--coordinator_address={address}', '--num_processes=2',
-                                       f'--process_id={i}', '--verbosity=0'),
+                                       f'--process_id={i}', '--verbosity=0', module=module),
             cli_fixtures.cpu_env(4, cache), str(root / f'{phase}_process{i}.log'))
             for i in range(2)]
 
@@ -126,6 +127,8 @@ def two_process_run(corpus, tmp_path_factory):
     first_logs = [cli_fixtures.checked(run) for run in first]
     preempted_checkpoints = sorted(os.listdir(root / 'two' / 'checkpoints'))
     resumed_logs = [cli_fixtures.checked(run) for run in launch('resumed')]
+    for run in launch('evaluate', module='memjax.evaluate'):
+        cli_fixtures.checked(run)
     cli_fixtures.checked(single)
     return dict(root=root, first_logs=first_logs, resumed_logs=resumed_logs,
                 preempted_checkpoints=preempted_checkpoints,
@@ -161,5 +164,17 @@ def test_only_process_0_writes_files_but_both_write_the_checkpoints(two_process_
     preempted = two_process_run['preempted_checkpoints'][0]
     assert sorted(os.listdir(workdir / 'checkpoints'), key=int) == [preempted, str(NUM_STEPS)]
     assert len(os.listdir(workdir / 'tensorboard')) == 2  # One event file per launch.
-    assert os.path.exists(workdir / 'train_summary.json')
     assert os.path.exists(workdir / 'config.json')
+
+
+def test_two_process_evaluation_scores_the_whole_split_like_training(two_process_run):
+    """`memjax.evaluate` on the final checkpoint repeats training's final validation."""
+    workdir = two_process_run['root'] / 'two'
+    with open(workdir / 'train_summary.json') as f:
+        trained = json.load(f)
+    with open(workdir / 'eval_validation.json') as f:
+        evaluated = json.load(f)
+    assert evaluated['step'] == NUM_STEPS
+    assert evaluated['num_tokens'] == evaluated['num_target_tokens_of_split']
+    assert evaluated['num_tokens'] == trained['valid_tokens']
+    assert evaluated['loss'] == pytest.approx(trained['valid_loss'], rel=1e-6)

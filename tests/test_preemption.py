@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
     env = cli_fixtures.cpu_env(1, str(root / 'jax_cache'))
 
     def start(name):
-        command = cli_fixtures.train_command(str(root / name), corpus, str(root / 'data'),
+        command = cli_fixtures.tiny_command(str(root / name), corpus, str(root / 'data'),
                                              *OVERRIDES)
         return command, cli_fixtures.Run(command, env, str(root / f'{name}.log'))
 
