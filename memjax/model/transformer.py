@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from memjax.model.adaptive import AdaptiveIO
 from memjax.model.config import ModelConfig
-from memjax.model.layers import BTE, layer_stack, normal
+from memjax.model.layers import BTE, Dropout, layer_stack, normal
 from memjax.model.memory import Memory, init_memory
 from memjax.model.relative import attention_mask, key_distances, sinusoid_encoding
 
@@ -37,7 +37,7 @@ class TransformerXL(nn.Module):
         if not cfg.untie_r:
             self.u_bias = self.param('u_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
             self.v_bias = self.param('v_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     @nn.compact
     def __call__(self, tokens: jax.Array, memory: Memory, targets: Optional[jax.Array] = None,
