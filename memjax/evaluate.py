@@ -6,7 +6,6 @@ evaluation overrides of config.eval (tgt_len, mem_len, clamp_len, same_length).
 """
 
 import os
-import sys
 
 from absl import app
 from absl import flags
@@ -14,6 +13,7 @@ import ml_collections
 from ml_collections import config_flags
 
 from memjax import checkpointing
+from memjax import cli
 from memjax import config_lib
 from memjax import distributed
 from memjax import evaluation
@@ -64,17 +64,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    try:
-        distributed.initialize_from_flags()  # Before anything touches a device.
-    except distributed.DistributedSetupError as error:
-        sys.exit(f'Distributed setup error: {error}')
-    distributed.set_log_verbosity()
-    metrics_lib.quiet_library_logs()
-    try:
-        with distributed.peer_failures_end_the_run():
-            summary = evaluate_checkpoint(_CONFIG.value, _WORKDIR.value)
-    except (config_lib.ConfigError, FileNotFoundError) as error:
-        sys.exit(str(error))
+    summary = cli.run(lambda: evaluate_checkpoint(_CONFIG.value, _WORKDIR.value),
+                      (config_lib.ConfigError, FileNotFoundError))
     if distributed.is_primary():
         print(summary)
 

@@ -18,7 +18,6 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from memjax import checkpointing  # noqa: E402
 from memjax import config_lib  # noqa: E402
