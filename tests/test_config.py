@@ -12,7 +12,6 @@ import pytest
 from memjax import config_lib
 from memjax import model as model_lib
 from memjax import trainer
-from memjax import train_step as train_step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py')))
@@ -93,7 +92,7 @@ def no_compilation(monkeypatch):
     """Fails the test if the trainer gets as far as building or compiling a step."""
     def forbidden(*args, **kwargs):
         raise AssertionError('the trainer compiled before rejecting the config')
-    monkeypatch.setattr(train_step_lib, 'make_train_step', forbidden)
+    monkeypatch.setattr(trainer, 'make_steps', forbidden)
     monkeypatch.setattr(trainer, 'init_state', forbidden)
 
 
