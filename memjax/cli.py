@@ -3,13 +3,28 @@
 import sys
 from typing import Any, Callable
 
+from absl import flags
+
 from memjax import distributed
+from memjax import host_memory
 from memjax import metrics as metrics_lib
+
+_HOST_MEMORY = flags.DEFINE_enum(
+    'host_memory', 'auto', host_memory.MODES,
+    'Keep XLA:CPU step buffers mapped between steps instead of page-faulting them in every step '
+    '(glibc malloc settings; see memjax/host_memory.py). auto: on when JAX runs on the CPU.')
+
+
+def prepare_host_memory() -> bool:
+    """Applies --host_memory; must run before JAX first touches a device."""
+    return host_memory.keep_host_buffers(_HOST_MEMORY.value)
 
 
 def run(job: Callable[[], Any], expected_errors: tuple[type[Exception], ...], prefix: str = '') -> Any:
-    """Joins the distributed run before anything touches a device, quiets library logs, runs `job`
-    so that a dead peer ends it, and turns an expected error into a one-line exit."""
+    """Sets up host memory and joins the distributed run before anything touches a device, quiets
+    library logs, runs `job` so that a dead peer ends it, and turns an expected error into a
+    one-line exit."""
+    prepare_host_memory()
     try:
         distributed.initialize_from_flags()
     except distributed.DistributedSetupError as error:

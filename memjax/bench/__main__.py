@@ -10,6 +10,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from memjax import cli
 from memjax import config_lib
 from memjax.bench import harness
 
@@ -32,6 +33,7 @@ def main(argv):
     if len(argv) != 2:
         raise app.UsageError(f'name exactly one suite (one of {harness.available_suites()}); '
                              f'got {argv[1:]}.')
+    cli.prepare_host_memory()
     tiny = _SIZE.value == 'tiny'
     ctx = harness.Context(
         size=_SIZE.value, config=_CONFIG.value,
