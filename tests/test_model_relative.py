@@ -10,7 +10,8 @@ import pytest
 
 from memjax.model import ModelConfig
 from memjax.model.layers import RelativeAttention
-from memjax.model.relative import attention_mask, key_distances, rel_shift, sinusoid_encoding
+from memjax.model.relative import (attention_mask, key_distances, position_scores, rel_shift,
+                                   sinusoid_encoding)
 
 
 def naive_sinusoid(distance, d_model):
@@ -106,3 +107,20 @@ def test_relative_attention_equals_naive_per_pair(mlen, clamp_len):
     got = module.apply({'params': params}, h, mem, mask, pos_enc, u, v, True)
     want = naive_attention(params, cfg, h, mem, valid, np.asarray(u), np.asarray(v))
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+@pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_position_scores_value_and_gradient_match_the_plain_einsum(dtype, tol):
+    kq, kr, kg = jax.random.split(jax.random.PRNGKey(3), 3)
+    query = jax.random.normal(kq, (2, 5, 3, 4))
+    pos_key = jax.random.normal(kr, (9, 3, 4))
+    cotangent = jax.random.normal(kg, (2, 3, 5, 9))
+    plain = lambda q, r: jnp.einsum('bthd,khd->bhtk', q, r)  # float32 reference
+    expected, plain_vjp = jax.vjp(plain, query, pos_key)
+    got, vjp = jax.vjp(position_scores, query.astype(dtype), pos_key.astype(dtype))
+    assert got.dtype == jnp.float32
+    scale = float(jnp.abs(expected).max())
+    np.testing.assert_allclose(got, expected, atol=tol * scale)
+    for g, e in zip(vjp(cotangent), plain_vjp(cotangent)):
+        assert g.dtype == dtype
+        np.testing.assert_allclose(g.astype(jnp.float32), e, atol=tol * float(jnp.abs(e).max()))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from memjax.model.config import ModelConfig
-from memjax.model.relative import rel_shift
+from memjax.model.relative import position_scores, rel_shift
 
 
 # Logical axis names; memjax.sharding maps them onto mesh axes.
@@ -112,8 +112,7 @@ class RelativeAttention(nn.Module):
 
         content = jnp.einsum('bthd,bkhd->bhtk', query + u_bias.astype(cfg.dtype), key,
                              preferred_element_type=jnp.float32)
-        position = jnp.einsum('bthd,khd->bhtk', query + v_bias.astype(cfg.dtype), pos_key,
-                              preferred_element_type=jnp.float32)
+        position = position_scores(query + v_bias.astype(cfg.dtype), pos_key)
         scores = (content + rel_shift(position)) * (cfg.d_head ** -0.5)
         scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1)
