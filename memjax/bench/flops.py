@@ -6,11 +6,11 @@ per distance row, the positional scores over K rows before the relative shift). 
 work (softmax, LayerNorm, dropout, Adam) is not counted: it is O(tokens * width), not
 O(tokens * width^2), and MFU conventionally counts only the matmuls.
 
-Forward + backward = 3 x forward: the backward pass of `y = x @ w` is two matmuls of the same
-size (dx = dy @ w.T, dw = x.T @ dy). This slightly over-counts the few matmuls whose input
-needs no gradient (the positional projection of the constant sinusoids, the memory rows of the
-key/value projections, which are stop-gradient); `tests/test_bench.py` checks the total against
-XLA's own cost analysis.
+Forward + backward = 3 x forward, less the input gradients nobody needs: the backward pass of
+`y = x @ w` is two matmuls of the same size (dx = dy @ w.T, dw = x.T @ dy), but dx is never
+computed where x carries no gradient (the constant sinusoids of the positional projection, the
+stop-gradient memory rows of the key/value projections). `tests/test_bench.py` checks the total
+against XLA's own cost analysis.
 """
 
 from __future__ import annotations
@@ -63,9 +63,18 @@ def forward_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float
     return flops
 
 
+def skipped_input_gradient_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> float:
+    """Backward matmuls that do not run because their input needs no gradient."""
+    inner = cfg.n_head * cfg.d_head
+    memory_rows = 2 * 2.0 * batch * cfg.mem_len * cfg.d_model * inner  # keys and values
+    sinusoids = 2.0 * (cfg.mem_len + tgt_len) * cfg.d_model * inner
+    return cfg.n_layer * (memory_rows + sinusoids)
+
+
 def train_step_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> float:
     """Model FLOPs of one training step (forward + backward) on one segment."""
-    return BACKWARD_FACTOR * sum(forward_flops(cfg, batch, tgt_len).values())
+    return (BACKWARD_FACTOR * sum(forward_flops(cfg, batch, tgt_len).values())
+            - skipped_input_gradient_flops(cfg, batch, tgt_len))
 
 
 def train_flops_per_token(cfg: ModelConfig, batch: int, tgt_len: int) -> float:

@@ -71,7 +71,8 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
         },
         config={'step': 'one segment: forward, backward, clip + Adam (memjax.optim), params/opt '
                         'state/memory donated', 'dropout': workload.model_config(ctx.config).dropout,
-                'flops': 'memjax.bench.flops: matmuls of the forward pass x 3',
+                'flops': 'memjax.bench.flops: matmuls of the forward pass x 3, less the input '
+                         'gradients that never run',
                 'mfu_denominator': 'peak suite, best matmul GFLOP/s of the compute dtype, same run'},
         notes=['xla_over_analytic > 1 is expected: XLA also counts element-wise work (dropout random '
                'bits, softmax, LayerNorm, Adam); with scan_layers its count covers one layer only.'])
