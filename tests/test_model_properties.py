@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from memjax.model import ModelConfig, TransformerXL, init_memory, init_params, lm_loss
+from memjax.model import ModelConfig, TransformerXL, adaptive, init_memory, init_params, lm_loss
 
 VOCAB = 50
 BASE = dict(vocab_size=VOCAB, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, dropout=0.0)
@@ -99,6 +99,35 @@ def test_adaptive_softmax_normalises_and_matches_targets(overrides):
     np.testing.assert_allclose(jax.nn.logsumexp(full, axis=-1), 0.0, atol=1e-5)
     np.testing.assert_allclose(out.target_logprobs, jnp.take_along_axis(full, targets[..., None], -1)[..., 0],
                                atol=1e-5)
+
+
+def test_tail_clusters_scored_in_chunks_match_the_full_softmax_with_gradients(monkeypatch):
+    # Small chunks (8 positions) so that the 40 positions span 5 chunks: cluster 1 holds three
+    # targets in one row only (later chunks skipped), cluster 2 fills most of row 1 (all chunks).
+    monkeypatch.setattr(adaptive, '_TAIL_CHUNK_TOKENS', 16)
+    cfg, model, params = setup(mem_len=4, cutoffs=(10, 30), div_val=2)
+    tokens = random_tokens(11, (2, 40))
+    rng = np.random.RandomState(0)
+    targets = rng.randint(0, 10, (2, 40))
+    targets[0, [3, 17, 38]] = [12, 29, 10]
+    targets[1, 2:37] = rng.randint(30, VOCAB, 35)
+    targets = jnp.asarray(targets)
+
+    def chunked_loss(p):
+        out, _ = model.apply({'params': p}, tokens, init_memory(cfg, 2), targets=targets)
+        return out.target_logprobs.sum(), out.target_logprobs
+
+    def full_loss(p):
+        out, _ = model.apply({'params': p}, tokens, init_memory(cfg, 2))
+        full = model.apply({'params': p}, out.hidden, method=TransformerXL.logprobs)
+        picked = jnp.take_along_axis(full, targets[..., None], -1)[..., 0]
+        return picked.sum(), picked
+
+    (_, got), got_grads = jax.value_and_grad(chunked_loss, has_aux=True)(params)
+    (_, expected), expected_grads = jax.value_and_grad(full_loss, has_aux=True)(params)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    for g, e in zip(jax.tree.leaves(got_grads), jax.tree.leaves(expected_grads)):
+        np.testing.assert_allclose(g, e, atol=1e-5)
 
 
 def test_plain_softmax_equals_tied_embedding_logits():

@@ -23,6 +23,10 @@ import jax.numpy as jnp
 from memjax.model.config import ModelConfig
 from memjax.model.layers import normal
 
+# Tokens scored per step of a tail cluster's loop (split over the batch rows): big enough for
+# an efficient matmul, small enough that few positions outside the cluster get scored.
+_TAIL_CHUNK_TOKENS = 256
+
 
 class AdaptiveIO(nn.Module):
     """Owns the embedding and softmax parameters so that they can be tied to each other."""
@@ -110,20 +114,56 @@ class AdaptiveIO(nn.Module):
             logits = jnp.concatenate([logits, cluster + self.cluster_bias], axis=-1)
         return logits
 
+    def _tail_logprobs(self, hidden: jax.Array, targets: jax.Array, i: int) -> jax.Array:
+        """[B, T] log p(target | tail cluster i) where the target is in cluster i (junk elsewhere).
+
+        Only positions whose target lies in the cluster get its logits: each row's positions are
+        sorted cluster-first and scored in chunks, and chunks past every row's count are skipped.
+        On text most targets are head words, so this avoids most of the tail work, and the
+        [tokens, cluster size] logit matrix (GBs for WikiText-103's 200k-word tail) never exists.
+        The backward recomputes a chunk's logits instead of storing them.
+        """
+        lo, hi = self.config.cluster_bounds[i], self.config.cluster_bounds[i + 1]
+        batch, length = targets.shape
+        chunk = min(length, max(8, _TAIL_CHUNK_TOKENS // batch))
+        n_chunks = -(-length // chunk)
+        inside = (targets >= lo) & (targets < hi)
+        order = jnp.argsort(~inside, axis=1, stable=True)  # cluster positions first, per row
+        pad = [(0, 0), (0, n_chunks * chunk - length)]
+        x = jnp.pad(jnp.take_along_axis(hidden, order[..., None], axis=1), pad + [(0, 0)])
+        local = jnp.pad(jnp.take_along_axis(jnp.clip(targets - lo, 0, hi - lo - 1), order, axis=1), pad)
+        x = x.reshape(batch, n_chunks, chunk, -1).swapaxes(0, 1)
+        local = local.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+        active = jnp.arange(n_chunks) * chunk < inside.sum(axis=1).max()
+
+        @jax.checkpoint
+        def score(x_chunk, local_chunk):
+            logits = self._cluster_logits(x_chunk, i)
+            picked = jnp.take_along_axis(logits, local_chunk[..., None], axis=-1)[..., 0]
+            return picked - jax.nn.logsumexp(logits, axis=-1)
+
+        def skip(x_chunk, local_chunk):
+            return jnp.zeros(local_chunk.shape, jnp.float32)
+
+        def step(carry, chunk_inputs):
+            x_chunk, local_chunk, is_active = chunk_inputs
+            return carry, jax.lax.cond(is_active, score, skip, x_chunk, local_chunk)
+
+        _, sorted_logprobs = jax.lax.scan(step, None, (x, local, active))
+        sorted_logprobs = sorted_logprobs.swapaxes(0, 1).reshape(batch, -1)[:, :length]
+        return jnp.take_along_axis(sorted_logprobs, jnp.argsort(order, axis=1), axis=1)
+
     def target_logprobs(self, hidden: jax.Array, targets: jax.Array) -> jax.Array:
-        """log p(target) for every position, computed cluster by cluster: the full-vocabulary logit
-        matrix is never formed."""
+        """[B, T] log p(target) for hidden [B, T, d_model], computed cluster by cluster: the
+        full-vocabulary logit matrix is never formed, nor a tail cluster's for positions whose
+        target is elsewhere."""
         bounds = self.config.cluster_bounds
         shortlist = bounds[1]
         head = jax.nn.log_softmax(self._cluster_logits(hidden, 0), axis=-1)
         picked = jnp.take_along_axis(head, jnp.clip(targets, 0, shortlist - 1)[..., None], axis=-1)[..., 0]
         for i in range(1, len(bounds) - 1):
-            lo, hi = bounds[i], bounds[i + 1]
-            tail = self._cluster_logits(hidden, i)
-            local = jnp.clip(targets - lo, 0, hi - lo - 1)
-            tail_lp = (jnp.take_along_axis(tail, local[..., None], axis=-1)[..., 0]
-                       - jax.nn.logsumexp(tail, axis=-1))
-            inside = (targets >= lo) & (targets < hi)
+            inside = (targets >= bounds[i]) & (targets < bounds[i + 1])
+            tail_lp = self._tail_logprobs(hidden, targets, i)
             picked = jnp.where(inside, head[..., shortlist + i - 1] + tail_lp, picked)
         return picked
 
