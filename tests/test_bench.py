@@ -21,7 +21,7 @@ def test_analytic_flops_match_xla_cost_analysis(extra):
     mcfg = workload.model_config(None, d_model=64, n_layer=1, n_head=2, d_head=32, d_inner=256,
                                  mem_len=16, dropout=0.0, **extra)
     compiled = workload.compile_step(workload.build(mcfg, batch_size=4, tgt_len=16))
-    ratio = compiled.flops / flops.train_step_flops(mcfg, 4, 16)
+    ratio = compiled.flops / (flops.train_step_flops(mcfg, 4, 16) + flops.tail_recompute_flops(mcfg, 4, 16))
     assert 0.9 < ratio < 1.1, ratio
 
 
@@ -140,7 +140,20 @@ def _check_devices(report):
     assert math.isclose(report['figures']['throughput_8_over_1'], eight['tokens_per_s'] / one['tokens_per_s'])
 
 
-CHECKS = {'peak': _check_peak, 'train': _check_train, 'compile': _check_compile,
+def _check_adaptive_softmax(report):
+    shares = [r['tail_share'] for r in report['rows']]
+    assert shares == sorted(shares) and shares[0] == 0.0 and shares[-1] == 1.0
+    first, last = report['rows'][0], report['rows'][-1]
+    assert first['measured_tail_share'] == 0.0 and last['measured_tail_share'] == 1.0
+    for r in report['rows']:
+        assert math.isclose(r['time_vs_no_tail'], r['step_ms'] / first['step_ms'])
+    model = report['config']['model']
+    tokens = report['config']['batch'] * report['config']['tgt_len']
+    assert math.isclose(first['full_tail_logits_mib'] * 2 ** 20,
+                        tokens * (model['vocab_size'] - model['cutoffs'][0]) * 4)
+
+
+CHECKS = {'peak': _check_peak, 'adaptive-softmax': _check_adaptive_softmax, 'train': _check_train, 'compile': _check_compile,
           'memory': _check_memory, 'devices': _check_devices}
 
 

@@ -15,24 +15,36 @@ against XLA's own cost analysis.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from memjax.model import ModelConfig
 
 BACKWARD_FACTOR = 3  # forward (1) + backward (2: input and weight gradients).
 
 
-def _softmax_flops(cfg: ModelConfig, tokens: int) -> dict[str, float]:
-    """Output layer: per cluster an optional projection to its width, then its logits."""
+def _softmax_flops(cfg: ModelConfig, tokens: int, clusters: Optional[range] = None) -> dict[str, float]:
+    """Output layer: per cluster an optional projection to its width, then its logits.
+
+    Every cluster is counted at every position, an upper bound for the tail clusters, which
+    memjax scores only where a target falls in them (the count a full softmax would need)."""
     bounds = cfg.cluster_bounds
     n_clusters = len(bounds) - 1
     projected = cfg.div_val != 1 or cfg.d_embed != cfg.d_model
     flops = {'softmax_proj': 0.0, 'softmax_logits': 0.0}
-    for i in range(n_clusters):
+    for i in clusters if clusters is not None else range(n_clusters):
         width = cfg.cluster_dim(0 if cfg.div_val == 1 else i)
         if projected:
             flops['softmax_proj'] += 2.0 * tokens * cfg.d_model * width
         outputs = bounds[i + 1] - bounds[i] + (n_clusters - 1 if i == 0 else 0)  # + tail-cluster logits.
         flops['softmax_logits'] += 2.0 * tokens * width * outputs
     return flops
+
+
+def tail_recompute_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> float:
+    """The tail clusters' forward again: their backward recomputes the logits rather than storing
+    them. Work the step does (XLA counts it) but not model FLOPs, so MFU leaves it out."""
+    tail = _softmax_flops(cfg, batch * tgt_len, range(1, len(cfg.cluster_bounds) - 1))
+    return sum(tail.values())
 
 
 def _embedding_flops(cfg: ModelConfig, tokens: int) -> float:

@@ -25,7 +25,7 @@ from memjax.model.layers import normal
 
 # Tokens scored per step of a tail cluster's loop (split over the batch rows): big enough for
 # an efficient matmul, small enough that few positions outside the cluster get scored.
-_TAIL_CHUNK_TOKENS = 256
+_TAIL_CHUNK_TOKENS = 64
 
 
 class AdaptiveIO(nn.Module):
@@ -125,7 +125,7 @@ class AdaptiveIO(nn.Module):
         """
         lo, hi = self.config.cluster_bounds[i], self.config.cluster_bounds[i + 1]
         batch, length = targets.shape
-        chunk = min(length, max(8, _TAIL_CHUNK_TOKENS // batch))
+        chunk = min(length, max(4, _TAIL_CHUNK_TOKENS // batch))
         n_chunks = -(-length // chunk)
         inside = (targets >= lo) & (targets < hi)
         order = jnp.argsort(~inside, axis=1, stable=True)  # cluster positions first, per row
