@@ -67,6 +67,23 @@ def test_time_fn_reports_the_median_of_the_timed_runs():
     assert timing.median_s == 3.0 and timing.min_s == 1.0 and timing.max_s == 9.0
 
 
+def test_time_interleaved_alternates_and_attributes_each_run():
+    order = []
+    clock = [0.0]
+
+    def fn(name, duration):
+        def call():
+            order.append(name)
+            clock[0] += duration
+            return duration
+        return call
+
+    timings = harness.time_interleaved({'a': fn('a', 2.0), 'b': fn('b', 5.0)}, warmup=1, repeats=3,
+                                       clock=lambda: clock[0])
+    assert order == ['a', 'b'] + ['a', 'b'] * 3  # warm-up of each, then rounds
+    assert timings['a'].times_s == (2.0, 2.0, 2.0) and timings['b'].times_s == (5.0, 5.0, 5.0)
+
+
 def test_compile_fn_times_lowering_and_compilation_separately():
     ticks = iter([10.0, 12.5, 20.0])
     compiled = harness.compile_fn(lambda x: x * 2.0, 1.0, clock=lambda: next(ticks))

@@ -141,16 +141,29 @@ def time_fn(fn: Callable, *args, warmup: int = 2, repeats: int = 5,
     Each call's result is waited for with `jax.block_until_ready`: JAX dispatches
     asynchronously, so without it we would time the dispatch, not the computation.
     """
+    return time_interleaved({'fn': lambda: fn(*args)}, warmup=warmup, repeats=repeats, clock=clock)['fn']
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int = 2, repeats: int = 5,
+                     clock: Callable[[], float] = time.perf_counter) -> dict[str, Timing]:
+    """Times several functions round-robin: one call of each per round, `repeats` rounds.
+
+    Why: implementations compared in one invocation should meet the same machine. Timed one
+    after the other, a burst of load from another process can land on one of them only;
+    interleaved, it lands on all of them.
+    """
     if repeats < 1:
         raise BenchError(f'repeats={repeats} must be >= 1.')
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        start = clock()
-        jax.block_until_ready(fn(*args))
-        times.append(clock() - start)
-    return Timing(tuple(times), warmup)
+        for name, fn in fns.items():
+            start = clock()
+            jax.block_until_ready(fn())
+            times[name].append(clock() - start)
+    return {name: Timing(tuple(t), warmup) for name, t in times.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ What each side is allowed (identical unless stated):
   too slow for CI); evaluation under `torch.no_grad`.
 - memjax: one jitted step per segment (`memjax.bench.workload`'s training step, the project's
   evaluation step `train_step.eval_step_fn`), parameters, optimizer state and memory donated.
+- Timing: per mode (train, then eval), memjax and every torch variant run round-robin, one step
+  of each per round (`harness.time_interleaved`), so load from other processes hits all alike.
 - HF scores T - 1 targets per segment (its labels shift inside the model), memjax all T: both
   sides count tokens/s as batch x tgt_len input tokens, which slightly favours HF.
 """
@@ -175,13 +177,14 @@ class HFTrainLoop:
 
     def __init__(self, hf_model, forward: Callable, inputs):
         torch, _ = import_torch()
-        hf_model.train()  # Dropout is 0, so train mode computes what eval mode computes.
+        self._model = hf_model
         self._forward = forward
         self._inputs = inputs
         self._optimizer = torch.optim.Adam(hf_model.parameters(), lr=LEARNING_RATE)
         self._mems = hf_model.transformer.init_mems(inputs.shape[0])
 
     def __call__(self) -> None:
+        self._model.train()  # Dropout is 0, so train mode computes what eval mode computes.
         out = self._forward(self._inputs, mems=self._mems, labels=self._inputs)
         out.loss.backward()
         self._optimizer.step()
@@ -193,13 +196,14 @@ class HFEvalLoop:
     """HF forward with target scores, no gradients, `mems` carried."""
 
     def __init__(self, hf_model, forward: Callable, inputs):
-        hf_model.eval()
+        self._model = hf_model
         self._forward = forward
         self._inputs = inputs
         self._mems = hf_model.transformer.init_mems(inputs.shape[0])
 
     def __call__(self) -> None:
         torch, _ = import_torch()
+        self._model.eval()
         with torch.no_grad():
             self._mems = self._forward(self._inputs, mems=self._mems, labels=self._inputs).mems
 
@@ -227,12 +231,22 @@ def hf_loops(hf_model, forward: Callable, tokens: np.ndarray, shape: Shape) -> d
     return {'train': HFTrainLoop(hf_model, forward, inputs), 'eval': HFEvalLoop(hf_model, forward, inputs)}
 
 
-def time_loop(loop: Callable, ctx: harness.Context) -> tuple[harness.Timing, float]:
-    """(timing, seconds of the first call): for torch.compile the first call is the compile."""
+def first_call_seconds(loop: Callable) -> float:
+    """Seconds of one call: for torch.compile the first call is the compile."""
     start = time.perf_counter()
     jax.block_until_ready(loop())
-    first_s = time.perf_counter() - start
-    return harness.time_fn(loop, warmup=max(ctx.warmup - 1, 0), repeats=ctx.repeats), first_s
+    return time.perf_counter() - start
+
+
+def with_torch_threads(loop: Callable, threads: int) -> Callable:
+    """`loop` run with torch using `threads` threads (impls differ, and they are interleaved)."""
+    torch, _ = import_torch()
+
+    def call():
+        torch.set_num_threads(threads)
+        return loop()
+
+    return call
 
 
 def _row(vocab: Vocab, mode: str, impl: str, timing: harness.Timing, tokens: int, compile_s) -> dict[str, Any]:
@@ -250,29 +264,34 @@ def measure_vocab(vocab: Vocab, shape: Shape, ctx: harness.Context, try_compile:
     tokens_per_step = shape.batch_size * shape.tgt_len
     rows, errors = [], {}
 
-    for mode, (loop, compile_s) in memjax_loops(mcfg, params, tokens, shape).items():
-        ctx.log(f'peer: {vocab.name} memjax {mode}')
-        rows.append(_row(vocab, mode, 'memjax', time_loop(loop, ctx)[0], tokens_per_step, compile_s))
-
+    memjax_modes = memjax_loops(mcfg, params, tokens, shape)
     threads = torch.get_num_threads()
     # One thread too: on a shared machine torch's OpenMP threads can stall each other for seconds
     # when the cores are oversubscribed, which the 2-thread rows alone would hide.
     impls = {'hf_eager': (hf_model, threads), 'hf_eager_1thread': (hf_model, 1)}
     if try_compile:
         impls['hf_compiled'] = (torch.compile(hf_model), threads)
-    for impl, (forward, impl_threads) in impls.items():
-        torch.set_num_threads(impl_threads)
-        for mode, loop in hf_loops(hf_model, forward, tokens, shape).items():
-            ctx.log(f'peer: {vocab.name} {impl} {mode}')
+    theirs = {impl: hf_loops(hf_model, forward, tokens, shape) for impl, (forward, _) in impls.items()}
+    for mode in ('train', 'eval'):
+        calls = {'memjax': memjax_modes[mode][0]}
+        compile_s = {'memjax': memjax_modes[mode][1]}
+        first_call_seconds(calls['memjax'])
+        for impl, (_, impl_threads) in impls.items():
+            ctx.log(f'peer: {vocab.name} {impl} {mode}: first call')
+            call = with_torch_threads(theirs[impl][mode], impl_threads)
             try:
-                timing, first_s = time_loop(loop, ctx)
+                first_s = first_call_seconds(call)
             except Exception as error:  # pylint: disable=broad-except  (torch.compile failures vary)
                 if impl == 'hf_eager':
                     raise
                 errors[f'{impl}_{mode}'] = f'{type(error).__name__}: {str(error)[:300]}'
                 continue
-            compile_s = first_s if impl == 'hf_compiled' else None  # The first call compiles (and steps).
-            rows.append(_row(vocab, mode, impl, timing, tokens_per_step, compile_s))
+            calls[impl] = call
+            compile_s[impl] = first_s if impl == 'hf_compiled' else None  # Its first call compiles.
+        ctx.log(f'peer: {vocab.name} {mode}: timing {", ".join(calls)} interleaved')
+        timings = harness.time_interleaved(calls, warmup=max(ctx.warmup - 1, 0), repeats=ctx.repeats)
+        rows += [_row(vocab, mode, impl, timing, tokens_per_step, compile_s[impl])
+                 for impl, timing in timings.items()]
     torch.set_num_threads(threads)
 
     for row in rows:
