@@ -11,8 +11,9 @@ from memjax import metrics as metrics_lib
 
 _HOST_MEMORY = flags.DEFINE_enum(
     'host_memory', 'auto', host_memory.MODES,
-    'Keep XLA:CPU step buffers mapped between steps instead of page-faulting them in every step '
-    '(glibc malloc settings; see memjax/host_memory.py). auto: on when JAX runs on the CPU.')
+    'Back XLA:CPU step buffers with transparent huge pages instead of page-faulting them in 4 KiB '
+    'at a time every step (a glibc tunable, set by re-executing the command once; see '
+    'memjax/host_memory.py). auto: on when JAX runs on the CPU.')
 
 
 def prepare_host_memory() -> bool:

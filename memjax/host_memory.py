@@ -1,21 +1,20 @@
-"""Keeps XLA:CPU's per-step host buffers mapped between steps (glibc malloc settings).
+"""Backs XLA:CPU's big per-step host buffers with transparent huge pages (a glibc malloc tunable).
 
 Why: XLA's CPU runtime allocates every execution's temporaries (hundreds of MB for a training
-step) with posix_memalign on one of its worker threads. glibc serves a block that large from a
-per-thread arena only as a fresh mmap and unmaps it on free, so every step page-faults and
-zeroes all of it again: at the enwik8-base shape that was ~120,000 page faults and ~18% of the
-CPU time of each step (BENCHMARKS.md). Serving every thread from the main heap, with mmap and
-trimming off, keeps that memory mapped and reused from step to step.
+step) with posix_memalign on one of its worker threads. glibc serves a block that large only as a
+fresh mmap and unmaps it on free, so every step page-faults all of it in again, 4 KiB at a time:
+at the enwik8-base shape that was ~120,000 page faults and ~18% of the CPU time of each step
+(BENCHMARKS.md). With glibc's `hugetlb=1` tunable such blocks are mapped with transparent huge
+pages, 512 times fewer faults.
 
-The settings only take effect for threads that have not allocated yet, so call
-`keep_host_buffers` before JAX creates its CPU client (the command lines do it first thing).
-The cost: freed host memory stays with the process until it exits, and all threads share one
-malloc arena; both are right for a process that runs one model until it is done.
+glibc reads tunables only when a process starts, so `keep_host_buffers` re-executes the command
+line once with GLIBC_TUNABLES set; call it before the program does anything worth keeping (the
+command lines do it first thing). Where the kernel has transparent huge pages off, the tunable
+changes nothing.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib.metadata
 import importlib.util
 import os
@@ -23,12 +22,8 @@ import platform
 import sys
 
 MODES = ('auto', 'on', 'off')
-
-# mallopt parameter numbers from glibc's <malloc.h>.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_MAX = -4
-_M_ARENA_MAX = -8
-_NEVER_TRIM = 2 ** 31 - 1  # mallopt takes an int; 2 GiB of free heap top before giving any back.
+TUNABLE = 'glibc.malloc.hugetlb=1'
+_REEXECUTED = 'MEMJAX_HOST_MEMORY_REEXECUTED'  # Set across the re-exec, so it happens at most once.
 
 
 def _accelerator_expected() -> bool:
@@ -41,17 +36,23 @@ def _accelerator_expected() -> bool:
 
 
 def keep_host_buffers(mode: str = 'auto') -> bool:
-    """Applies the malloc settings above; returns whether they were applied.
+    """Makes sure this process runs with the tunable; returns whether it does.
 
-    mode 'auto' applies them on Linux/glibc when JAX will run on the CPU, 'on' whenever glibc is
-    there, 'off' never.
+    mode 'auto' applies it on Linux/glibc when JAX will run on the CPU, 'on' whenever glibc is
+    there, 'off' never. Applying it means re-executing this process (`os.execve` of its own
+    command line), so the call only returns once the tunable is in effect.
     """
     if mode not in MODES:
         raise ValueError(f'host memory mode {mode!r} is not one of {MODES}.')
     if mode == 'off' or not sys.platform.startswith('linux') or platform.libc_ver()[0] != 'glibc':
         return False
-    if mode == 'auto' and _accelerator_expected():
+    tunables = os.environ.get('GLIBC_TUNABLES', '')
+    if TUNABLE in tunables.split(':'):
+        return True
+    if os.environ.get(_REEXECUTED) or (mode == 'auto' and _accelerator_expected()):
         return False
-    libc = ctypes.CDLL('libc.so.6')
-    return all(libc.mallopt(param, value) == 1 for param, value in (
-        (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER_TRIM)))
+    env = dict(os.environ, GLIBC_TUNABLES=':'.join(filter(None, [tunables, TUNABLE])), **{_REEXECUTED: '1'})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
+    return True  # Not reached: execve replaces this process.
