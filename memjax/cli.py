@@ -11,9 +11,10 @@ from memjax import metrics as metrics_lib
 
 _HOST_MEMORY = flags.DEFINE_enum(
     'host_memory', 'auto', host_memory.MODES,
-    'Back XLA:CPU step buffers with transparent huge pages instead of page-faulting them in 4 KiB '
-    'at a time every step (a glibc tunable, set by re-executing the command once; see '
-    'memjax/host_memory.py). auto: on when JAX runs on the CPU.')
+    'How XLA:CPU step buffers avoid being page-faulted in 4 KiB at a time every step (see '
+    'memjax/host_memory.py): on = transparent huge pages (a glibc tunable, set by re-executing the '
+    'command once), auto = on when JAX runs on the CPU, reuse = one malloc heap that keeps them '
+    'mapped (fastest for large steps, slower for small fast ones), off = glibc defaults.')
 
 
 def prepare_host_memory() -> bool:

@@ -55,6 +55,12 @@ def test_buffers_are_faulted_in_huge_pages():
     assert kept['faults_per_run'] < 0.05 * _TEMPORARY_PAGES, kept
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != 'glibc', reason='the settings are glibc malloc options')
+def test_reused_buffers_are_not_faulted_in_again():
+    reused = _probe('reuse')
+    assert reused['applied'] and reused['faults_per_run'] < 0.01 * _TEMPORARY_PAGES, reused
+
+
 def test_auto_stays_off_when_an_accelerator_is_requested(monkeypatch):
     monkeypatch.delenv('GLIBC_TUNABLES', raising=False)
     monkeypatch.delenv(host_memory._REEXECUTED, raising=False)
