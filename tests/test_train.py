@@ -163,3 +163,27 @@ def test_short_training_beats_unigram_entropy_of_embedded_corpus(tmp_path):
     entropy = unigram_entropy_bits(embedded_corpus.read_split_text('validation').encode('utf-8'))
     assert 4.0 < entropy < 6.5  # Sanity: source code bytes.
     assert summary['valid_bpc'] < entropy - 1.0, (summary, entropy)
+
+
+def test_more_training_steps_compile_nothing_more(corpus, tmp_path):
+    # A step that recompiles (a changing shape, dtype or Python value reaching jit) would make the
+    # number of XLA compilations grow with the number of steps.
+    compiles = []
+
+    def on_duration(event, duration_secs, **kwargs):
+        if event == '/jax/core/compile/backend_compile_duration':
+            compiles.append(duration_secs)
+
+    counts = []
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        for steps in (2, 6):
+            jax.clear_caches()  # Both runs compile from scratch.
+            compiles.clear()
+            config = training_fixtures.tiny_config(corpus, train__num_steps=steps, train__eval_every=2,
+                                                   train__checkpoint_every=2)
+            trainer.train_and_evaluate(config, str(tmp_path / f'run_{steps}'))
+            counts.append(len(compiles))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+    assert counts[0] > 0 and counts[1] == counts[0], counts
