@@ -4,19 +4,18 @@ Why: XLA's CPU runtime allocates every execution's temporaries (hundreds of MB f
 step) with posix_memalign on one of its worker threads. glibc serves a block that large only as a
 fresh mmap and unmaps it on free, so every step page-faults all of it in again, 4 KiB at a time:
 at the enwik8-base shape that was ~120,000 page faults and ~18% of the CPU time of each step
-(BENCHMARKS.md). With glibc's `hugetlb=1` tunable such blocks are mapped with transparent huge
-pages, 512 times fewer faults.
+(BENCHMARKS.md).
 
 Two remedies, chosen with `mode`:
 - 'auto' / 'on': glibc's `hugetlb=1` tunable, which maps such blocks with transparent huge pages
   (512x fewer faults). glibc reads tunables only when a process starts, so this re-executes the
   command line once with GLIBC_TUNABLES set; call it before the program does anything worth
-  keeping (the command lines do it first thing). Never slower; the kernel still zeroes the pages.
+  keeping (the command lines do it first thing). Faster in every case measured, small or large;
+  the kernel still zeroes the pages.
 - 'reuse': every thread allocates from the main heap with mmap and trimming off, so the block is
   reused from step to step and nothing is faulted or zeroed again. Faster still when a step's
-  temporaries are large (enwik8-base: 1527 ms per step vs 1770 ms with huge pages and 2021 ms
-  with neither), but the one shared malloc arena slows small, fast steps (the quickstart ran 12 %
-  slower), and freed memory stays with the process. Only threads that have not allocated yet
+  temporaries are large, but the one shared malloc arena slows small, fast steps such as the
+  quickstart's (figures in BENCHMARKS.md), and freed memory stays with the process. Only threads that have not allocated yet
   are affected, so it too must run before JAX starts.
 """
 

@@ -114,8 +114,8 @@ class AdaptiveIO(nn.Module):
             logits = jnp.concatenate([logits, cluster + self.cluster_bias], axis=-1)
         return logits
 
-    def _tail_logprobs(self, hidden: jax.Array, targets: jax.Array, i: int) -> jax.Array:
-        """[B, T] log p(target | tail cluster i) where the target is in cluster i (junk elsewhere).
+    def _tail_logprobs(self, hidden: jax.Array, targets: jax.Array, inside: jax.Array, i: int) -> jax.Array:
+        """[B, T] log p(target | tail cluster i) where `inside` (the target is in cluster i), junk elsewhere.
 
         Only positions whose target lies in the cluster get its logits: each row's positions are
         sorted cluster-first and scored in chunks, and chunks past every row's count are skipped.
@@ -127,7 +127,6 @@ class AdaptiveIO(nn.Module):
         batch, length = targets.shape
         chunk = min(length, max(4, _TAIL_CHUNK_TOKENS // batch))
         n_chunks = -(-length // chunk)
-        inside = (targets >= lo) & (targets < hi)
         order = jnp.argsort(~inside, axis=1, stable=True)  # cluster positions first, per row
         pad = [(0, 0), (0, n_chunks * chunk - length)]
         x = jnp.pad(jnp.take_along_axis(hidden, order[..., None], axis=1), pad + [(0, 0)])
@@ -163,7 +162,7 @@ class AdaptiveIO(nn.Module):
         picked = jnp.take_along_axis(head, jnp.clip(targets, 0, shortlist - 1)[..., None], axis=-1)[..., 0]
         for i in range(1, len(bounds) - 1):
             inside = (targets >= bounds[i]) & (targets < bounds[i + 1])
-            tail_lp = self._tail_logprobs(hidden, targets, i)
+            tail_lp = self._tail_logprobs(hidden, targets, inside, i)
             picked = jnp.where(inside, head[..., shortlist + i - 1] + tail_lp, picked)
         return picked
 
