@@ -10,8 +10,9 @@ Two remedies, chosen with `mode`:
 - 'auto' / 'on': glibc's `hugetlb=1` tunable, which maps such blocks with transparent huge pages
   (512x fewer faults). glibc reads tunables only when a process starts, so this re-executes the
   command line once with GLIBC_TUNABLES set; call it before the program does anything worth
-  keeping (the command lines do it first thing). Faster in every case measured, small or large;
-  the kernel still zeroes the pages.
+  keeping (the command lines do it first thing). Clearly faster for small and mid-sized steps;
+  for the largest measured, steps alternate between fast and slow (the kernel still zeroes the
+  pages), so 'reuse' is the choice there.
 - 'reuse': every thread allocates from the main heap with mmap and trimming off, so the block is
   reused from step to step and nothing is faulted or zeroed again. Faster still when a step's
   temporaries are large, but the one shared malloc arena slows small, fast steps such as the
