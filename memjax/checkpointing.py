@@ -1,15 +1,20 @@
 """Orbax checkpoints of the whole training state, with fallback past damaged ones.
 
 A checkpoint holds the train state (params, optimizer state, step, PRNG key), the
-recurrent memory and the data iterator's JSON state, so a resumed run continues the
-exact same token streams with the exact same memory. A fingerprint of the arrays is
-stored with the JSON item: orbax notices truncated files but not flipped bytes, and a
-silently wrong restore is worse than falling back one checkpoint.
+recurrent memory, the data iterator's JSON state and the config it was trained with, so
+a resumed run continues the exact same token streams with the exact same memory, and a
+changed config is noticed before anything is restored (memjax/resume.py). A fingerprint
+of the arrays is stored with the JSON item: orbax notices truncated files but not flipped
+bytes, and a silently wrong restore is worse than falling back one checkpoint.
+
+Only damage moves a checkpoint aside: arrays whose shapes differ from what the run
+expects are a config mismatch (CheckpointMismatchError), never corruption, and nothing
+is ever deleted except an older checkpoint rotated out by keep-last-N; the checkpoint
+with the best periodic validation loss is kept beside those.
 """
 
 import hashlib
 import os
-import shutil
 from typing import Any, NamedTuple, Optional
 
 from absl import logging
@@ -17,6 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy
+
+from memjax import errors
 
 
 class Restored(NamedTuple):
@@ -26,8 +34,13 @@ class Restored(NamedTuple):
     data_state: Any
 
 
+class CheckpointMismatchError(errors.CheckpointError):
+    """The checkpoint is intact but holds arrays of other shapes than the run expects."""
+
+
 # Odd multipliers: a flipped bit changes a weighted sum by 2^k * odd, never 0 mod 2^32.
 _WEIGHT_A, _WEIGHT_B, _OFFSET_B = 0x9E3779B1, 0x85EBCA77, 0x5BD1E995
+VALID_LOSS = 'valid_loss'
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
@@ -79,8 +92,53 @@ class _Manager(ocp.CheckpointManager):
         return False
 
 
+def _path_name(path: tuple) -> str:
+    parts = []
+    for key in path:
+        for attr in ('key', 'name', 'idx'):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+    return '.'.join(parts)
+
+
+def _shapes_by_name(tree: Any) -> dict[str, tuple]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, 'shape'))[0]
+    return {_path_name(path): (tuple(leaf.shape), str(np.dtype(leaf.dtype))
+                               if not jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+                               else 'key') for path, leaf in leaves if leaf is not None}
+
+
+def _zero_size_to_none(tree: Any) -> Any:
+    # Orbax refuses zero-size arrays (the memory of a mem_len = 0 model); they hold nothing.
+    return jax.tree_util.tree_map(lambda x: None if x.size == 0 else x, tree)
+
+
+def _refill_zero_size(restored: Any, abstract: Any) -> Any:
+    def fill(x, like):
+        if x is not None:
+            return x
+        return jax.jit(lambda: jnp.zeros(like.shape, like.dtype), out_shardings=like.sharding)()
+    return jax.tree_util.tree_map(fill, restored, abstract, is_leaf=lambda x: x is None)
+
+
+def mismatch_message(saved: dict[str, tuple], expected: dict[str, tuple], limit: int = 4) -> str:
+    """'name: saved -> expected' for the first `limit` arrays that differ, missing or extra."""
+    names = sorted(set(saved) | set(expected))
+    lines = [f'{n}: {saved.get(n, ("absent",))[0]} -> {expected.get(n, ("absent",))[0]}'
+             for n in names if saved.get(n) != expected.get(n)]
+    more = f' and {len(lines) - limit} more' if len(lines) > limit else ''
+    return '; '.join(lines[:limit]) + more
+
+
+def has_checkpoints(directory: str) -> bool:
+    """Whether `directory` holds step folders (intact or not), without creating anything."""
+    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
 class Checkpointer:
-    """Saves asynchronously, keeps the newest `keep` checkpoints, restores the newest intact one.
+    """Saves asynchronously, keeps the newest `keep` checkpoints and the best validated one,
+    restores the newest intact one.
 
     In a multi-process run every process calls every method (orbax writes each array's
     shards from the process that holds them and the JSON item from process 0).
@@ -88,16 +146,28 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep: int, read_only: bool = False):
         self.directory = os.path.abspath(directory)
+        # Latest N, plus the lowest validation loss among the checkpoints that have one: a run
+        # that diverges slowly can rotate its recent checkpoints out, never its best.
+        policy = preservation_policy.AnyPreservationPolicy([
+            preservation_policy.LatestN(n=keep),
+            preservation_policy.BestN(get_metric_fn=lambda m: m[VALID_LOSS], reverse=True, n=1,
+                                      keep_checkpoints_without_metrics=False)])
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=not read_only, read_only=read_only,
+            preservation_policy=policy, create=not read_only, read_only=read_only,
             enable_async_checkpointing=True)
-        self._manager = _Manager(self.directory, options=options)
+        # Named handlers let orbax read an item's metadata before anything was saved or restored.
+        handlers = {'arrays': ocp.StandardCheckpointHandler(), 'meta': ocp.JsonCheckpointHandler()}
+        self._manager = _Manager(self.directory, options=options, item_handlers=handlers)
 
-    def save(self, step: int, state: Any, memory: Any, data_state: Any) -> None:
+    def save(self, step: int, state: Any, memory: Any, data_state: Any, config: dict,
+             valid_loss: Optional[float] = None) -> None:
+        """Starts writing `step`; `valid_loss` (this step's validation) ranks it for keep-best."""
         arrays = {'state': state, 'memory': memory}
-        meta = {'step': int(step), 'data_state': data_state, 'fingerprint': fingerprint(arrays)}
+        meta = {'step': int(step), 'data_state': data_state, 'fingerprint': fingerprint(arrays),
+                'config': config, VALID_LOSS: valid_loss}
         self._manager.save(step, args=ocp.args.Composite(
-            arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)))
+            arrays=ocp.args.StandardSave(_zero_size_to_none(arrays)), meta=ocp.args.JsonSave(meta)),
+            metrics=None if valid_loss is None else {VALID_LOSS: float(valid_loss)})
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -105,45 +175,113 @@ class Checkpointer:
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
-    def _restore_step(self, step: int, abstract: Any) -> Restored:
+    def meta(self, step: int) -> dict:
+        """The JSON item of `step` (config, data state, validation loss); raises if unreadable."""
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+
+    def saved_shapes(self, step: int) -> dict[str, tuple]:
+        metadata = self._manager.item_metadata(step)['arrays']
+        return _shapes_by_name(getattr(metadata, 'tree', metadata))
+
+    def check_shapes(self, step: int, abstract: Any, part: bool = False) -> None:
+        """Raises CheckpointMismatchError when `step` holds other arrays than `abstract` (with
+        `part`: other arrays under the names `abstract` has)."""
+        saved, expected = self.saved_shapes(step), _shapes_by_name(_zero_size_to_none(abstract))
+        if part:
+            saved = {name: shape for name, shape in saved.items() if name in expected}
+        if saved != expected:
+            raise CheckpointMismatchError(
+                f'{self.step_dir(step)} holds arrays of other shapes than this config makes '
+                f'({mismatch_message(saved, expected)})')
+
+    def restore_step(self, step: int, abstract_state: Any, abstract_memory: Any) -> Restored:
+        """Restores `step` into the given shapes and shardings, checking its fingerprint."""
+        abstract = {'state': abstract_state, 'memory': abstract_memory}
+        self.check_shapes(step, abstract)
         restored = self._manager.restore(step, args=ocp.args.Composite(
-            arrays=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-        arrays, meta = restored['arrays'], restored['meta']
+            arrays=ocp.args.StandardRestore(_zero_size_to_none(abstract)),
+            meta=ocp.args.JsonRestore()))
+        arrays = _refill_zero_size(restored['arrays'], abstract)
+        meta = restored['meta']
         if meta.get('fingerprint') != fingerprint(arrays):
             raise ValueError('array fingerprint differs from the one saved with the checkpoint')
         return Restored(int(meta['step']), arrays['state'], arrays['memory'], meta['data_state'])
 
-    def restore_latest(self, abstract_state: Any, abstract_memory: Any,
-                       quarantine: bool = False) -> Optional[Restored]:
-        """The newest checkpoint that reads back intact, or None when there is none.
+    def restore_part(self, step: int, abstract: Any) -> Any:
+        """Only the arrays of `abstract` (a subtree of {'state', 'memory'}), e.g. the parameters.
 
-        Damaged checkpoints are reported; with `quarantine` they are moved to
-        `<directory>_damaged/` so that the resumed run can save those steps again.
+        The fingerprint covers the whole checkpoint, so a part is checked by orbax alone.
         """
-        abstract = {'state': abstract_state, 'memory': abstract_memory}
+        self.check_shapes(step, abstract, part=True)
+        # A partial restore needs orbax's PyTree handler, which the named handlers would refuse.
+        manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            read_only=True, save_interval_steps=0))
+        try:
+            return manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.PyTreeRestore(
+                item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                partial_restore=True)))['arrays']
+        finally:
+            manager.close()
+
+    def latest_intact(self, read: Any, quarantine: bool = False) -> Any:
+        """`read(step)` of the newest step it succeeds on, or None when there is none.
+
+        A step whose `read` raises CheckpointMismatchError stops the search (a config problem,
+        reported to the user); any other error counts as damage: it is reported and, with
+        `quarantine`, moved to `<directory>_damaged/` so that the resumed run can save that
+        step again.
+        """
         damaged = []
         result = None
         for step in reversed(self.all_steps()):
             try:
-                result = self._restore_step(step, abstract)
+                result = read(step)
                 break
+            except CheckpointMismatchError:
+                raise
             except Exception as error:  # Orbax raises many types for damaged files.
                 logging.warning('Checkpoint %s is damaged or incomplete (%s: %s); falling back to '
                                 'the previous one.', self.step_dir(step), type(error).__name__,
-                                str(error)[:300])
+                                ' '.join(str(error).split())[:300])
                 damaged.append(step)
         if quarantine and damaged:
             self._quarantine(damaged)
         return result
 
+    def restore_latest(self, abstract_state: Any, abstract_memory: Any,
+                       quarantine: bool = False) -> Optional[Restored]:
+        """The newest checkpoint that reads back intact, or None when there is none."""
+        return self.latest_intact(
+            lambda step: self.restore_step(step, abstract_state, abstract_memory), quarantine)
+
+    def best(self) -> tuple[Optional[int], Optional[float]]:
+        """(step, validation loss) of the best validated checkpoint kept, or (None, None)."""
+        ranked = []
+        for step in self.all_steps():
+            try:
+                loss = self.meta(step).get(VALID_LOSS)
+            except Exception:  # pylint: disable=broad-except  (damage is reported on restore)
+                continue
+            if loss is not None:
+                ranked.append((loss, step))
+        return (min(ranked)[1], min(ranked)[0]) if ranked else (None, None)
+
     def _quarantine(self, steps: list[int]) -> None:
-        target_root = self.directory + '_damaged'
-        os.makedirs(target_root, exist_ok=True)
-        for step in steps:
-            target = os.path.join(target_root, str(step))
-            shutil.rmtree(target, ignore_errors=True)
-            shutil.move(self.step_dir(step), target)
-            logging.warning('Moved damaged checkpoint %s to %s.', self.step_dir(step), target)
+        """Moves damaged steps aside, never over an earlier quarantined copy of the same step."""
+        if jax.process_index() == 0:
+            target_root = self.directory + '_damaged'
+            os.makedirs(target_root, exist_ok=True)
+            for step in steps:
+                target = os.path.join(target_root, str(step))
+                suffix = 1
+                while os.path.exists(target):
+                    target = os.path.join(target_root, f'{step}.{suffix}')
+                    suffix += 1
+                os.rename(self.step_dir(step), target)
+                logging.warning('Moved damaged checkpoint %s to %s.', self.step_dir(step), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+            multihost_utils.sync_global_devices('memjax quarantine')
         self._manager.reload()
 
     def wait(self) -> None:

@@ -1,11 +1,23 @@
-"""What every memjax command line does around its job."""
+"""What every memjax command line does around its job.
 
+A user error (`memjax.errors.UserError`, a bad flag, a config file that does not load)
+ends the command with one line on stderr and the error's exit status; `--verbose` adds
+the traceback. Anything else is a bug and keeps its traceback.
+"""
+
+import signal
 import sys
-from typing import Any, Callable
+import threading
+import traceback
+from typing import Any, Callable, NoReturn, Sequence
 
+from absl import app
 from absl import flags
+import jax
+import ml_collections
 
 from memjax import distributed
+from memjax import errors
 from memjax import host_memory
 from memjax import metrics as metrics_lib
 
@@ -15,6 +27,56 @@ _HOST_MEMORY = flags.DEFINE_enum(
     'memjax/host_memory.py): on = transparent huge pages (a glibc tunable, set by re-executing the '
     'command once), auto = on when JAX runs on the CPU, reuse = one malloc heap that keeps them '
     'mapped (fastest for large steps, slower for small fast ones), off = glibc defaults.')
+_VERBOSE = flags.DEFINE_boolean(
+    'verbose', False, 'On an error, print the Python traceback after the one-line message.')
+
+
+def fail(error: BaseException, label: str, exit_code: int) -> NoReturn:
+    """Prints `label: error` as one line (plus the traceback under --verbose) and exits."""
+    if flags.FLAGS.is_parsed() and _VERBOSE.value:
+        traceback.print_exception(error, file=sys.stderr)
+    message = ' '.join(str(error).split())  # Library messages may span lines.
+    print(f'{label}: {message}', file=sys.stderr)
+    sys.exit(exit_code)
+
+
+def _parse_flags(argv: Sequence[str]) -> list[str]:
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as error:
+        fail(error, errors.UsageError.label, errors.UsageError.exit_code)
+
+
+def main(command: Callable[[list[str]], Any]) -> None:
+    """`absl.app.run(command)` where a bad flag or a user error ends with one line."""
+
+    def guarded(argv: list[str]) -> Any:
+        try:
+            return command(argv)
+        except errors.UserError as error:
+            fail(error, error.label, error.exit_code)
+
+    app.run(guarded, flags_parser=_parse_flags)
+
+
+def load_config(config_flag: flags.FlagHolder) -> ml_collections.ConfigDict:
+    """The value of a `config_flags.DEFINE_config_file` flag, or a ConfigError.
+
+    ml_collections loads the file and applies `--config.a.b=v` overrides on first access,
+    raising OSError for a file that does not load and KeyError/AttributeError (with a
+    did-you-mean) for an unknown field.
+    """
+    try:
+        return config_flag.value
+    except OSError as error:
+        raise errors.ConfigError(
+            f'--{config_flag.name}={flags.FLAGS[config_flag.name].config_filename}: '
+            f'{str(error).splitlines()[-1].strip()}'
+            ' (give the path of a configs/*.py file that defines get_config()).') from error
+    except (KeyError, AttributeError) as error:
+        detail = ' '.join(str(error.args[0] if error.args else error).strip('\'"').split())
+        raise errors.ConfigError(f'unknown config field: {detail.replace(chr(92) + "n", " ")} '
+                                 '(see memjax/config_lib.py for every field).') from error
 
 
 def prepare_host_memory() -> bool:
@@ -22,19 +84,29 @@ def prepare_host_memory() -> bool:
     return host_memory.keep_host_buffers(_HOST_MEMORY.value)
 
 
-def run(job: Callable[[], Any], expected_errors: tuple[type[Exception], ...], prefix: str = '') -> Any:
+def _stop_before_training(signum: int, frame: Any) -> NoReturn:
+    del signum, frame
+    print('Stopped by SIGTERM before training started: nothing to save.', file=sys.stderr)
+    sys.exit(0)
+
+
+def _exit_zero_on_early_sigterm() -> None:
+    """SIGTERM during start-up or compilation exits 0, as it does once the loop runs.
+
+    The training loop's PreemptionWatch takes SIGTERM over (and hands it back after). In
+    a multi-process run JAX's preemption service owns SIGTERM and must keep it.
+    """
+    if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
+        signal.signal(signal.SIGTERM, _stop_before_training)
+
+
+def run(job: Callable[[], Any]) -> Any:
     """Sets up host memory and joins the distributed run before anything touches a device, quiets
-    library logs, runs `job` so that a dead peer ends it, and turns an expected error into a
-    one-line exit."""
+    library logs and runs `job` so that a dead peer ends it and early SIGTERM exits 0."""
     prepare_host_memory()
-    try:
-        distributed.initialize_from_flags()
-    except distributed.DistributedSetupError as error:
-        sys.exit(f'Distributed setup error: {error}')
-    distributed.set_log_verbosity()
     metrics_lib.quiet_library_logs()
-    try:
-        with distributed.peer_failures_end_the_run():
-            return job()
-    except expected_errors as error:
-        sys.exit(f'{prefix}{error}')
+    distributed.initialize_from_flags()
+    distributed.set_log_verbosity()
+    _exit_zero_on_early_sigterm()
+    with distributed.peer_failures_end_the_run():
+        return job()

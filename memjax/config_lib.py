@@ -14,14 +14,14 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
+from memjax.errors import ConfigError  # re-exported: config_lib.ConfigError is public
+from memjax.model.config import ModelConfig
+
 DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text')
 TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece')
 SPLITS = ('train', 'validation', 'valid', 'test')
 MESH_AXES = ('data', 'fsdp', 'tensor')
-
-
-class ConfigError(ValueError):
-    """A config field has an unusable value; the message names the field and the fix."""
+INIT_FROM_STATES = ('params', 'params_and_optimizer')
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -91,7 +91,12 @@ def base_config() -> ml_collections.ConfigDict:
         eval_every=1000,  # 0: only the final validation.
         eval_batches=-1,  # -1: the whole validation split.
         checkpoint_every=1000,  # 0: only the final checkpoint.
-        keep_checkpoints=3,
+        keep_checkpoints=3,  # The newest N; the best validated checkpoint is kept beside them.
+        # A workdir, its checkpoints/ folder or one step's folder to start a new run from (read
+        # only while this workdir has no checkpoint); init_from_state = 'params' (fresh optimizer,
+        # step 0) or 'params_and_optimizer' (Adam moments and step carried over).
+        init_from='',
+        init_from_state='params',
     ))
 
     # -1 / None: as in training. clamp_len 0 at evaluation means "no clamping".
@@ -168,6 +173,8 @@ def _validate_train(t: Any, process_count: int, errors: list[str]) -> None:
                f'config.train.{name}={getattr(t, name)} must lie in [0, 1).')
     _check(errors, t.eps > 0, f'config.train.eps={t.eps} must be > 0.')
     _check(errors, t.weight_decay >= 0, f'config.train.weight_decay={t.weight_decay} must be >= 0.')
+    _check(errors, t.init_from_state in INIT_FROM_STATES,
+           f'config.train.init_from_state={t.init_from_state!r} must be one of {INIT_FROM_STATES}.')
     _check(errors, t.eval_batches == -1 or t.eval_batches >= 1,
            f'config.train.eval_batches={t.eval_batches} must be -1 (whole split) or >= 1.')
 
@@ -242,13 +249,24 @@ def _validate_mesh(config: Any, process_count: int, device_count: int | None,
            f'({process_count}): every process reads its own share of the streams.')
 
 
+def _validate_model(model_cfg: Any, errors: list[str]) -> None:
+    # The vocabulary size is known once the tokenizer is built; until then a stand-in that
+    # fits the cutoffs lets every other model field be checked in the same round.
+    stand_in = max([int(c) for c in model_cfg.cutoffs] + [1]) + 1
+    try:
+        ModelConfig.from_config_dict(
+            model_cfg, vocab_size=None if model_cfg.vocab_size > 0 else stand_in)
+    except ValueError as error:
+        errors.append(f'config.model: {error}')
+
+
 def validate_config(config: ml_collections.ConfigDict, process_count: int = 1,
                     device_count: int | None = None) -> None:
-    """Raises ConfigError listing every problem found in the non-model fields.
+    """Raises ConfigError listing every problem found in the config, model fields included.
 
-    Model fields are checked by `ModelConfig.from_config_dict`, which needs the vocabulary
-    size; `trainer.resolve_model_configs` calls it before compiling anything. The mesh is
-    checked against `device_count` when it is given.
+    The vocabulary size is checked again once the tokenizer is built
+    (`trainer.resolve_model_configs`). The mesh is checked against `device_count` when it is
+    given.
     """
     missing = [s for s in ('model', 'data', 'train', 'eval', 'mesh') if s not in config]
     if missing:
@@ -263,6 +281,7 @@ def validate_config(config: ml_collections.ConfigDict, process_count: int = 1,
     _validate_train(config.train, process_count, errors)
     _validate_eval(config.eval, process_count, errors)
     _validate_mesh(config, process_count, device_count, errors)
+    _validate_model(config.model, errors)
     if errors:
         raise ConfigError('invalid config:\n  ' + '\n  '.join(errors))
 

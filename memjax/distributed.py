@@ -27,6 +27,8 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from memjax import errors
+
 MODES = ('auto', 'on', 'off')
 ENV_COORDINATOR = 'MEMJAX_COORDINATOR_ADDRESS'
 ENV_NUM_PROCESSES = 'MEMJAX_NUM_PROCESSES'
@@ -61,8 +63,10 @@ _SHUTDOWN_TIMEOUT = flags.DEFINE_integer(
     'Seconds a finishing process waits for the others to finish too.')
 
 
-class DistributedSetupError(ValueError):
+class DistributedSetupError(errors.UserError, ValueError):
     """The coordinator settings are incomplete or inconsistent; the message says which."""
+    exit_code = errors.EXIT_USAGE
+    label = 'Distributed setup error'
 
 
 @dataclasses.dataclass(frozen=True)

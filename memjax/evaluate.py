@@ -7,7 +7,6 @@ evaluation overrides of config.eval (tgt_len, mem_len, clamp_len, same_length).
 
 import os
 
-from absl import app
 from absl import flags
 import ml_collections
 from ml_collections import config_flags
@@ -16,6 +15,7 @@ from memjax import checkpointing
 from memjax import cli
 from memjax import config_lib
 from memjax import distributed
+from memjax import errors
 from memjax import evaluation
 from memjax import metrics as metrics_lib
 from memjax import trainer
@@ -24,20 +24,33 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.p
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir holding checkpoints/.')
 flags.mark_flags_as_required(['config', 'workdir'])
+flags.adopt_module_key_flags(cli)
+flags.adopt_module_key_flags(distributed)
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Restores the newest intact checkpoint's params and scores config.eval.split.
 
-    The result is also written to `<workdir>/eval_<split>.json`.
+    The result is also written to `<workdir>/eval_<split>.json`; a workdir that does not
+    exist, holds no checkpoint or cannot take that file is an error before anything runs.
     """
-    exp = trainer.setup(config, workdir)
+    exp = trainer.setup(config, workdir, training=False)
+    out_path = os.path.join(workdir, f'eval_{exp.config.eval.split}.json')
+    if distributed.is_primary() and not os.access(
+            out_path if os.path.exists(out_path) else workdir, os.W_OK):
+        raise errors.WorkdirError(f'cannot write {out_path}: fix the permissions of the workdir '
+                                  'before spending the evaluation.')
     directory = trainer.checkpoint_dir(workdir)
-    restored = checkpointing.Checkpointer(directory, keep=1, read_only=True).restore_latest(
-        *trainer.abstract_state(exp))
+    restored = None
+    if checkpointing.has_checkpoints(directory):
+        ckpt = checkpointing.Checkpointer(directory, keep=1, read_only=True)
+        try:
+            restored = ckpt.restore_latest(*trainer.abstract_state(exp))
+        finally:
+            ckpt.close()
     if restored is None:
-        raise FileNotFoundError(f'no readable checkpoint in {directory}: train first with '
-                                f'python -m memjax.train --workdir={workdir} ...')
+        raise errors.CheckpointError(f'no readable checkpoint in {directory}: train first with '
+                                     f'python -m memjax.train --workdir={workdir} ...')
     split = exp.config.eval.split
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         streams = evaluation.eval_streams(exp.config, exp.tokenizer, split)
@@ -57,18 +70,17 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
                      for k in ('batch_size', 'tgt_len', 'mem_len', 'clamp_len', 'same_length')},
     }
     metrics_lib.log_eval(restored.step, split, result.mean_nll, result.num_tokens, exp.unit)
-    trainer.write_json(os.path.join(workdir, f'eval_{split}.json'), summary)
+    trainer.write_json(out_path, summary)
     return summary
 
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-    summary = cli.run(lambda: evaluate_checkpoint(_CONFIG.value, _WORKDIR.value),
-                      (config_lib.ConfigError, FileNotFoundError))
+        raise errors.UsageError(f'unexpected arguments: {argv[1:]}')
+    summary = cli.run(lambda: evaluate_checkpoint(cli.load_config(_CONFIG), _WORKDIR.value))
     if distributed.is_primary():
         print(summary)
 
 
 if __name__ == '__main__':
-    app.run(main)
+    cli.main(main)

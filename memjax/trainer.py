@@ -1,5 +1,6 @@
 """Training loop: setup, resume, jitted updates, logging, validation, checkpoints."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -16,6 +17,9 @@ import optax
 from memjax import checkpointing
 from memjax import config_lib
 from memjax import distributed
+from memjax import errors
+from memjax import resume
+from memjax import workdir as workdir_lib
 from memjax import evaluation
 from memjax import metrics as metrics_lib
 from memjax import model as model_lib
@@ -25,10 +29,6 @@ from memjax import sharding
 from memjax import train_step as train_step_lib
 from memjax.data import pipeline
 from memjax.data import tokenizers
-
-
-class NonFiniteLossError(FloatingPointError):
-    """Training produced a NaN/inf loss or gradient; nothing after the last good step is saved."""
 
 
 @dataclasses.dataclass
@@ -65,17 +65,47 @@ def resolve_model_configs(config: ml_collections.ConfigDict, vocab_size: int) ->
     return mcfg, eval_mcfg
 
 
-def setup(config: ml_collections.ConfigDict, workdir: str,
-          devices: Optional[list[jax.Device]] = None) -> Experiment:
-    """Validates the config, builds (or loads) the tokenizer and the model; compiles nothing.
+def check_saved_config(config: ml_collections.ConfigDict, workdir: str, training: bool) -> None:
+    """Compares `config` with the one the workdir's newest readable checkpoint was saved with.
 
-    The mesh spans `devices` (default: every device of every process).
+    Training refuses changes to fields that shape the saved state or the data stream;
+    evaluation refuses changes that shape the parameters (memjax/resume.py). Runs before
+    the tokenizer is built, anything is restored or compiled.
+    """
+    directory = checkpoint_dir(workdir)
+    if not checkpointing.has_checkpoints(directory):
+        return
+    ckpt = checkpointing.Checkpointer(directory, keep=1, read_only=True)
+    try:
+        found = ckpt.latest_intact(lambda step: (step, ckpt.meta(step)))
+    finally:
+        ckpt.close()
+    if found is None:
+        return
+    step, meta = found
+    saved = resume.saved_config(meta, read_json(os.path.join(workdir, CONFIG_FILE)))
+    if saved is None:
+        return
+    if training:
+        resume.check_resume(saved, config, workdir, source=ckpt.step_dir(step))
+    else:
+        resume.check_same_params(saved, config, ckpt.step_dir(step), 'Evaluation')
+
+
+def setup(config: ml_collections.ConfigDict, workdir: str,
+          devices: Optional[list[jax.Device]] = None, training: bool = True) -> Experiment:
+    """Validates the config and the workdir against its saved run, builds (or loads) the
+    tokenizer and the model; compiles nothing.
+
+    The mesh spans `devices` (default: every device of every process). For evaluation
+    (`training=False`) the workdir must exist and nothing is written into it.
     """
     devices = jax.devices() if devices is None else devices
     config_lib.validate_config(config, jax.process_count(), len(devices))
-    os.makedirs(workdir, exist_ok=True)
+    workdir_lib.check(workdir, create=training)
+    check_saved_config(config, workdir, training)
     with distributed.primary_first('tokenizer'):
-        tokenizer = tokenizers.build_tokenizer(config.data, workdir)
+        tokenizer = tokenizers.build_tokenizer(config.data, workdir, save=training)
     distributed.assert_same_on_all_processes(tokenizer.fingerprint, 'the tokenizer')
     mcfg, eval_mcfg = resolve_model_configs(config, tokenizer.vocab_size)
     config = ml_collections.ConfigDict(config.to_dict())
@@ -92,19 +122,19 @@ def setup(config: ml_collections.ConfigDict, workdir: str,
         memory_sharding=partitioner.memory(mcfg, config.train.batch_size))
 
 
-def init_state(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
-    """Fresh float32 parameters, optimizer state and an empty memory, created in their shards."""
+def init_state(exp: Experiment, params: Any = None) -> tuple[train_step_lib.TrainState, Any]:
+    """Step 0 with fresh (or the given) float32 parameters, fresh optimizer state and an empty
+    memory, created in their shards."""
 
-    def create():
+    def create(params):
         init_key, dropout_key = jax.random.split(jax.random.PRNGKey(exp.config.seed))
-        params = model_lib.init_params(exp.mcfg, init_key)
+        if params is None:
+            params = model_lib.init_params(exp.mcfg, init_key)
         return train_step_lib.TrainState(
             step=jnp.zeros((), jnp.int32), params=params, opt_state=exp.tx.init(params),
             rng=dropout_key)
 
-    # Outside the rules context: flax's DenseGeneral initialises a flattened kernel, which
-    # the logical constraint of the unflattened kernel cannot annotate.
-    state = jax.jit(create, out_shardings=exp.state_sharding)()
+    state = jax.jit(create, out_shardings=exp.state_sharding)(params)
     memory = exp.partitioner.init_memory(exp.mcfg, exp.config.train.batch_size)
     # bf16 compute must not leak into the master weights or Adam's moments.
     wrong = [leaf.dtype for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state))
@@ -147,6 +177,9 @@ def make_steps(exp: Experiment) -> tuple[Callable, Callable]:
     return train_step, eval_step
 
 
+CONFIG_FILE = 'config.json'
+
+
 def checkpoint_dir(workdir: str) -> str:
     return os.path.join(workdir, 'checkpoints')
 
@@ -155,6 +188,15 @@ def write_json(path: str, payload: Any) -> None:
     if jax.process_index() == 0:
         with open(path, 'w') as f:
             json.dump(payload, f, indent=2, sort_keys=True)
+
+
+def read_json(path: str) -> Optional[Any]:
+    """The JSON in `path`, or None when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 class _Interval:
@@ -176,7 +218,7 @@ class _Interval:
         bad = ~(np.isfinite(values['nll_sum']) & np.isfinite(values['grad_norm']))
         if bad.any():
             index = int(np.argmax(bad))
-            raise NonFiniteLossError(
+            raise errors.NonFiniteLossError(
                 f'non-finite loss or gradient at step {self.first_step + index + 1} '
                 f'(NLL sum {values["nll_sum"][index]}, gradient norm {values["grad_norm"][index]}, '
                 f'learning rate {values["learning_rate"][index]:.3e}). Nothing after it was saved; '
@@ -219,11 +261,63 @@ def _validate(exp: Experiment, eval_step: Callable, params: Any, streams: pipeli
     return scalars
 
 
+def _init_from(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
+    """A fresh start from the parameters (and optionally optimizer state and step) of
+    `config.train.init_from`: a workdir, its checkpoints/ folder or one step's folder.
+
+    The data stream and the memory start afresh, so the batch size, the segment length, the
+    data or the memory length may differ from the source run; the parameters must fit.
+    """
+    tcfg = exp.config.train
+    source = os.path.abspath(os.path.expanduser(tcfg.init_from))
+    step = None
+    if os.path.basename(source).isdigit():
+        source, step = os.path.dirname(source), int(os.path.basename(source))
+    elif os.path.isdir(checkpoint_dir(source)):
+        source = checkpoint_dir(source)
+    if not checkpointing.has_checkpoints(source):
+        raise errors.CheckpointError(
+            f'config.train.init_from={tcfg.init_from}: no checkpoints there; name a training '
+            'workdir, its checkpoints/ folder or one of its step folders.')
+    ckpt = checkpointing.Checkpointer(source, keep=1, read_only=True)
+    try:
+        if step is not None and step not in ckpt.all_steps():
+            raise errors.CheckpointError(f'config.train.init_from={tcfg.init_from}: {source} has '
+                                         f'no step {step} (it has {ckpt.all_steps()}).')
+        read = lambda s: (s, ckpt.meta(s))
+        found = read(step) if step is not None else ckpt.latest_intact(read)
+        if found is None:
+            raise errors.CheckpointError(f'config.train.init_from={tcfg.init_from}: no readable '
+                                         'checkpoint there.')
+        step, meta = found
+        saved = resume.saved_config(
+            meta, read_json(os.path.join(os.path.dirname(source), CONFIG_FILE)))
+        if saved is not None:
+            resume.check_same_params(saved, exp.config, ckpt.step_dir(step),
+                                     'config.train.init_from')
+        keep_optimizer = tcfg.init_from_state == 'params_and_optimizer'
+        abstract = abstract_state(exp)[0]
+        if keep_optimizer:
+            state = ckpt.restore_part(step, {'state': abstract})['state']
+        else:
+            params = ckpt.restore_part(step, {'state': {'params': abstract.params}})
+            state, _ = init_state(exp, params['state']['params'])
+    finally:
+        ckpt.close()
+    logging.info('Started from %s of %s (%s); fresh data stream and memory.',
+                 'parameters and optimizer state' if keep_optimizer else 'parameters',
+                 ckpt.step_dir(step), f'step {int(state.step)}')
+    return state, exp.partitioner.init_memory(exp.mcfg, tcfg.batch_size)
+
+
 def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer,
                      iterator: Any) -> tuple[train_step_lib.TrainState, Any, Optional[str]]:
-    """State, memory and data position of the newest intact checkpoint, else fresh ones."""
+    """State, memory and data position of the newest intact checkpoint, else a start from
+    config.train.init_from, else fresh ones."""
     restored = ckpt.restore_latest(*abstract_state(exp), quarantine=True)
     if restored is None:
+        if exp.config.train.init_from:
+            return *_init_from(exp), None
         return *init_state(exp), None
     iterator.set_state(restored.data_state)
     logging.info('Resumed from %s (step %d).', ckpt.step_dir(restored.step), restored.step)
@@ -238,10 +332,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     boundary and returns `{'step', 'preempted': True, 'checkpoint', 'wall_seconds'}`
     without the final validation, which the resumed run does.
     """
+    workdir_lib.check(workdir, create=True)
+    # One training run per workdir: process 0 holds the lock for all processes of a run.
+    lock = workdir_lib.RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+    with lock:
+        return _train(config, workdir)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     wall_start = time.time()
     exp = setup(config, workdir)
     tcfg = exp.config.train
-    write_json(os.path.join(workdir, 'config.json'), exp.config.to_dict())
+    saved_config = resume.to_plain(exp.config)
+    write_json(os.path.join(workdir, CONFIG_FILE), saved_config)
 
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         train_streams = pipeline.LMStreams(
@@ -254,6 +357,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     ckpt = checkpointing.Checkpointer(checkpoint_dir(workdir), tcfg.keep_checkpoints)
     state, memory, last_checkpoint = _restore_or_init(exp, ckpt, iterator)
     step = int(state.step)
+    best_loss = ckpt.best()[1]
 
     train_step, eval_step = make_steps(exp)
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
@@ -288,16 +392,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 # Before any save: a NaN state must never become a checkpoint.
                 interval.check_finite(values, last_checkpoint)
                 logged_tokens += _log_interval(exp, interval, values, step, writer)
+            valid_loss = None
+            if evaluate:
+                eval_start = time.time()
+                valid_loss = _validate(exp, eval_step, state.params, valid_streams,
+                                       tcfg.eval_batches, step, writer)['loss']
+                eval_seconds += time.time() - eval_start
+                # The best validated state is always kept, also between checkpoint steps.
+                save = save or best_loss is None or valid_loss < best_loss
+                best_loss = valid_loss if best_loss is None else min(best_loss, valid_loss)
             if save:
-                ckpt.save(step, state, memory, iterator.get_state())
+                ckpt.save(step, state, memory, iterator.get_state(), saved_config, valid_loss)
                 last_checkpoint = ckpt.step_dir(step)
             if preempted:
                 break
-            if evaluate:
-                eval_start = time.time()
-                _validate(exp, eval_step, state.params, valid_streams, tcfg.eval_batches, step,
-                          writer)
-                eval_seconds += time.time() - eval_start
             interval = _Interval(step)
         if not preempted:
             train_seconds = (time.time() - steady_start - eval_seconds) if steady_start else 0.0

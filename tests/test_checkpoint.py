@@ -23,26 +23,25 @@ class Interrupted(Exception):
 def run_recording(config, workdir, interrupt_at_step=None):
     """Trains; returns {(prefix, step): loss} of everything written to TensorBoard.
 
-    With `interrupt_at_step`, the run dies at its periodic validation of that step, i.e.
-    right after the checkpoint of that step was requested, like a preempted job.
+    With `interrupt_at_step`, the run dies right after the checkpoint of that step was
+    requested, like a preempted job.
     """
     recorded = {}
     original_write = metrics_lib.MetricWriter.write_scalars
-    original_validate = trainer._validate
+    original_save = checkpointing.Checkpointer.save
 
     def write_scalars(self, step, prefix, scalars):
         recorded[(prefix, step)] = scalars['loss']
         original_write(self, step, prefix, scalars)
 
-    def validate(exp, eval_step, params, streams, max_batches, step, writer, **kwargs):
+    def save(self, step, *args, **kwargs):
+        original_save(self, step, *args, **kwargs)
         if step == interrupt_at_step:
             raise Interrupted()
-        return original_validate(exp, eval_step, params, streams, max_batches, step, writer,
-                                 **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(metrics_lib.MetricWriter, 'write_scalars', write_scalars)
-        patch.setattr(trainer, '_validate', validate)
+        patch.setattr(checkpointing.Checkpointer, 'save', save)
         try:
             summary = trainer.train_and_evaluate(config, workdir)
         except Interrupted:

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from memjax import errors
 from memjax import evaluate
 from memjax import evaluation
 from memjax import model as model_lib
@@ -94,7 +95,7 @@ def test_evaluate_command_scores_test_split_from_checkpoint(corpus, tmp_path):
     workdir = str(tmp_path)
     config = training_fixtures.tiny_config(corpus, train__num_steps=2, train__eval_every=0,
                                            eval__split='test')
-    with pytest.raises(FileNotFoundError, match='no readable checkpoint'):
+    with pytest.raises(errors.CheckpointError, match='no readable checkpoint'):
         evaluate.evaluate_checkpoint(config, workdir)
     trainer.train_and_evaluate(config, workdir)
     summary = evaluate.evaluate_checkpoint(config, workdir)

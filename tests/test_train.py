@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from memjax import checkpointing
+from memjax import errors
 from memjax import model as model_lib
 from memjax import optim
 from memjax import train_step as train_step_lib
@@ -133,7 +134,7 @@ def test_non_finite_loss_stops_with_step_and_keeps_last_good_checkpoint(corpus, 
     trainer.train_and_evaluate(good, workdir)
     # Resume with an absurd learning rate: the parameters blow up within a few updates.
     bad = training_fixtures.tiny_config(corpus, train__learning_rate=1e30, train__eval_every=0)
-    with pytest.raises(trainer.NonFiniteLossError) as error:
+    with pytest.raises(errors.NonFiniteLossError) as error:
         trainer.train_and_evaluate(bad, workdir)
     message = str(error.value)
     step = int(re.search(r'at step (\d+)', message).group(1))

@@ -6,12 +6,11 @@ report (machine, versions, config, every figure) as JSON to --out. `--list` name
 
 import sys
 
-from absl import app
 from absl import flags
 from ml_collections import config_flags
 
 from memjax import cli
-from memjax import config_lib
+from memjax import errors
 from memjax.bench import harness
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -23,6 +22,7 @@ _OUT = flags.DEFINE_string('out', None, 'Write the JSON report here.')
 _WARMUP = flags.DEFINE_integer('warmup', None, 'Untimed runs before timing (default 2; tiny: 1).')
 _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed runs; the median is reported '
                                 '(default 5; tiny: 2).')
+flags.adopt_module_key_flags(cli)  # --host_memory, --verbose in --help.
 _LIST = flags.DEFINE_boolean('list', False, 'Print the available suites and exit.')
 
 
@@ -31,18 +31,15 @@ def main(argv):
         print('\n'.join(harness.available_suites()))
         return
     if len(argv) != 2:
-        raise app.UsageError(f'name exactly one suite (one of {harness.available_suites()}); '
+        raise errors.UsageError(f'name exactly one suite (one of {harness.available_suites()}); '
                              f'got {argv[1:]}.')
     cli.prepare_host_memory()
     tiny = _SIZE.value == 'tiny'
     ctx = harness.Context(
-        size=_SIZE.value, config=_CONFIG.value,
+        size=_SIZE.value, config=cli.load_config(_CONFIG),
         warmup=_WARMUP.value if _WARMUP.value is not None else (1 if tiny else 2),
         repeats=_REPEATS.value if _REPEATS.value is not None else (2 if tiny else 5))
-    try:
-        report = harness.run_suite(argv[1], ctx, command=['python', '-m', 'memjax.bench'] + sys.argv[1:])
-    except (harness.BenchError, config_lib.ConfigError) as error:
-        sys.exit(f'Benchmark error: {error}')
+    report = harness.run_suite(argv[1], ctx, command=['python', '-m', 'memjax.bench'] + sys.argv[1:])
     print(harness.report_text(report))
     if _OUT.value:
         harness.write_json(_OUT.value, report)
@@ -50,4 +47,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    app.run(main)
+    cli.main(main)

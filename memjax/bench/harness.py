@@ -29,12 +29,9 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import ml_collections
 
+from memjax.errors import BenchError  # re-exported for the suites
+
 SIZES = ('tiny', 'full')
-
-
-class BenchError(ValueError):
-    """Bad benchmark input (unknown suite, size, repeats): the message names the fix."""
-
 _SUITES: dict[str, Callable[['Context'], 'SuiteResult']] = {}
 
 

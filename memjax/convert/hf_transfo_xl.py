@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from flax import traverse_util
 
+from memjax import errors
 from memjax.model import ModelConfig, init_params
 
 CONFIG_FILE = 'config.json'
@@ -61,8 +62,9 @@ _REQUIRED_HF_FIELDS = ('vocab_size', 'd_model', 'd_embed', 'n_head', 'd_head', '
 HFConfig = Union[str, os.PathLike, Mapping[str, Any], Any]  # config.json path, dict, TransfoXLConfig.
 
 
-class CheckpointError(ValueError):
+class CheckpointError(errors.CheckpointError):
     """A checkpoint or config that cannot be imported; the message names the key or option."""
+    label = 'Import error'
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,8 +448,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         config, params = load_hf_checkpoint(args.checkpoint, args.config)
         save_imported(args.out, config, params)
-    except CheckpointError as e:
-        sys.exit(f'error: {e}')
+    except (CheckpointError, OSError) as e:  # OSError: --out not writable, say.
+        print(f'{CheckpointError.label}: {e}', file=sys.stderr)
+        sys.exit(errors.EXIT_RUNTIME)
     count = sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(params))
     print(f'Imported {count:,} parameters into {args.out} ({_config_summary(config)}, '
           f'memory_start={config.memory_start!r}).')

@@ -384,12 +384,14 @@ def train_tokenizer(kind: str, train_documents: Iterable[str],
 
 
 def build_tokenizer(data_cfg: Any,
-                    workdir: Optional[os.PathLike] = None) -> Tokenizer:
+                    workdir: Optional[os.PathLike] = None,
+                    save: bool = True) -> Tokenizer:
     """Loads the run's tokenizer, or builds it from the train split once.
 
     Order: `workdir`/tokenizer.json if present (resumed run, evaluation),
-    else data.vocab_path, else trained on the train split of data.name. The
-    result is saved into `workdir` so later commands reuse the same ids.
+    else data.vocab_path, else trained on the train split of data.name. With
+    `save` the result is saved into `workdir` so later commands reuse the
+    same ids.
     """
     kind = cfg_get(data_cfg, 'tokenizer', 'byte')
     if kind not in KINDS:
@@ -409,6 +411,6 @@ def build_tokenizer(data_cfg: Any,
         raise ValueError(
             f'data.tokenizer is {kind!r} but {origin} holds a {tok.kind!r} '
             'tokenizer; use a fresh workdir or the matching data.tokenizer.')
-    if saved is not None and not saved.exists():
+    if save and saved is not None and not saved.exists():
         tok.save(saved.parent)
     return tok

@@ -94,9 +94,12 @@ class ModelConfig:
         return self.d_embed // (self.div_val ** i)
 
     def validate(self) -> None:
+        """Raises ValueError naming every problem at once, so one round of fixes suffices."""
+        problems = []
+
         def need(ok: bool, message: str):
             if not ok:
-                raise ValueError(f'Invalid model config: {message}')
+                problems.append(message)
 
         for name in ('vocab_size', 'd_model', 'n_layer', 'n_head', 'd_head', 'd_inner', 'd_embed', 'div_val'):
             need(int(getattr(self, name)) >= 1, f'{name}={getattr(self, name)} must be a positive integer.')
@@ -118,6 +121,8 @@ class ModelConfig:
         need(len(self.tie_projs) == len(self.cutoffs) + 1,
              f'tie_projs has {len(self.tie_projs)} entries; it needs one per cluster '
              f'(len(cutoffs) + 1 = {len(self.cutoffs) + 1}) or none.')
-        need(self.cluster_dim(len(self.cutoffs)) >= 1,
+        need(self.div_val < 1 or self.cluster_dim(len(self.cutoffs)) >= 1,
              f'd_embed={self.d_embed} with div_val={self.div_val} leaves the last of '
              f'{len(self.cutoffs) + 1} clusters with no dimension; lower div_val or raise d_embed.')
+        if problems:
+            raise ValueError('Invalid model config: ' + ' '.join(problems))

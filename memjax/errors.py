@@ -1,0 +1,58 @@
+"""The errors a user can cause and fix, each printed by the command lines as one line.
+
+Anything else that escapes a command is a bug in memjax and keeps its traceback. The
+exit status tells a scheduler or a script which kind of problem ended the run: a
+usage error will fail again on a retry, a runtime error may not.
+"""
+
+EXIT_USAGE = 2  # The command line or the config: fix it and run again.
+EXIT_RUNTIME = 3  # Data, workdir, checkpoints, diverged training: the message says what to do.
+
+
+class UserError(Exception):
+    """Base of the errors whose message names the problem and the fix."""
+    exit_code = EXIT_RUNTIME
+    label = 'Error'
+
+
+class UsageError(UserError):
+    """The command line itself is wrong: a flag, a missing or extra argument."""
+    exit_code = EXIT_USAGE
+    label = 'Usage error'
+
+
+class ConfigError(UserError, ValueError):
+    """A config field has an unusable value, or the config differs from the run it resumes."""
+    exit_code = EXIT_USAGE
+    label = 'Config error'
+
+
+class DataError(UserError, ValueError):
+    """Input text, a tokenizer file or a token cache is unusable."""
+    label = 'Data error'
+
+
+class MissingFileError(UserError, FileNotFoundError):
+    """A file or folder the config names does not exist."""
+    label = 'Missing file'
+
+
+class WorkdirError(UserError):
+    """The workdir cannot be used: not a folder, not writable, or in use by another run."""
+    label = 'Workdir error'
+
+
+class CheckpointError(UserError, ValueError):
+    """A checkpoint cannot be used for what was asked (wrong shapes, nothing to restore)."""
+    label = 'Checkpoint error'
+
+
+class NonFiniteLossError(UserError, FloatingPointError):
+    """Training produced a NaN/inf loss or gradient; nothing after the last good step is saved."""
+    label = 'Training stopped'
+
+
+class BenchError(UserError, ValueError):
+    """A benchmark suite cannot run as asked (unknown suite, missing peer package)."""
+    exit_code = EXIT_USAGE
+    label = 'Benchmark error'
