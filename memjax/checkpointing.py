@@ -13,9 +13,10 @@ is ever deleted except an older checkpoint rotated out by keep-last-N; the check
 with the best periodic validation loss is kept beside those.
 """
 
+import contextlib
 import hashlib
 import os
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 from absl import logging
 import jax
@@ -165,9 +166,25 @@ class Checkpointer:
         arrays = {'state': state, 'memory': memory}
         meta = {'step': int(step), 'data_state': data_state, 'fingerprint': fingerprint(arrays),
                 'config': config, VALID_LOSS: valid_loss}
-        self._manager.save(step, args=ocp.args.Composite(
-            arrays=ocp.args.StandardSave(_zero_size_to_none(arrays)), meta=ocp.args.JsonSave(meta)),
-            metrics=None if valid_loss is None else {VALID_LOSS: float(valid_loss)})
+        # Orbax reports a failed background write of the previous step here too.
+        with self._failing_save_is_an_error(step):
+            self._manager.save(step, args=ocp.args.Composite(
+                arrays=ocp.args.StandardSave(_zero_size_to_none(arrays)),
+                meta=ocp.args.JsonSave(meta)),
+                metrics=None if valid_loss is None else {VALID_LOSS: float(valid_loss)})
+
+    @contextlib.contextmanager
+    def _failing_save_is_an_error(self, step: Optional[int]) -> Iterator[None]:
+        try:
+            yield
+        except Exception as error:  # pylint: disable=broad-except  (disk full, permissions, ...)
+            kept = [s for s in self.all_steps() if s != step]
+            raise errors.CheckpointError(
+                f'saving {"a checkpoint" if step is None else f"step {step}"} in '
+                f'{self.directory} failed ({type(error).__name__}: {error}). Check the free space '
+                'and permissions there, then run the same command to resume from '
+                f'{self.step_dir(kept[-1]) if kept else "the start (no checkpoint yet)"}.'
+            ) from error
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -285,7 +302,8 @@ class Checkpointer:
         self._manager.reload()
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._failing_save_is_an_error(None):
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         self._manager.close()

@@ -5,6 +5,8 @@ ends the command with one line on stderr and the error's exit status; `--verbose
 the traceback. Anything else is a bug and keeps its traceback.
 """
 
+import os
+import re
 import signal
 import sys
 import threading
@@ -31,13 +33,21 @@ _VERBOSE = flags.DEFINE_boolean(
     'verbose', False, 'On an error, print the Python traceback after the one-line message.')
 
 
+def _exit_now(exit_code: int) -> NoReturn:
+    """Exits without waiting for other threads: after a failed save, orbax's signalling
+    threads wait forever, and a process that never exits holds its cluster allocation."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)  # pylint: disable=protected-access
+
+
 def fail(error: BaseException, label: str, exit_code: int) -> NoReturn:
     """Prints `label: error` as one line (plus the traceback under --verbose) and exits."""
     if flags.FLAGS.is_parsed() and _VERBOSE.value:
         traceback.print_exception(error, file=sys.stderr)
     message = ' '.join(str(error).split())  # Library messages may span lines.
     print(f'{label}: {message}', file=sys.stderr)
-    sys.exit(exit_code)
+    _exit_now(exit_code)
 
 
 def _parse_flags(argv: Sequence[str]) -> list[str]:
@@ -45,6 +55,9 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
         return flags.FLAGS(argv)
     except flags.Error as error:
         fail(error, errors.UsageError.label, errors.UsageError.exit_code)
+    except (OSError, KeyError, AttributeError) as error:  # Raised by --config.a.b=v overrides.
+        config_error = _config_error(error, argv)
+        fail(config_error, config_error.label, config_error.exit_code)
 
 
 def main(command: Callable[[list[str]], Any]) -> None:
@@ -55,28 +68,49 @@ def main(command: Callable[[list[str]], Any]) -> None:
             return command(argv)
         except errors.UserError as error:
             fail(error, error.label, error.exit_code)
+        except Exception:  # A bug: keep its traceback, but do not hang on the way out.
+            traceback.print_exc()
+            _exit_now(1)
 
     app.run(guarded, flags_parser=_parse_flags)
+
+
+def _config_error(error: Exception, argv: Sequence[str] = ()) -> errors.ConfigError:
+    """The ConfigError for what ml_collections raises while loading a config file: OSError for
+    a file that does not load, KeyError/AttributeError (with a did-you-mean) for an unknown field."""
+    if isinstance(error, OSError):
+        given = [a.split('=', 1)[1] for a in argv if a.startswith('--config=')]
+        where = f'--config={given[-1]}' if given else 'the --config file'
+        return errors.ConfigError(
+            f'{where} does not load: {str(error).splitlines()[-1].strip()} (give the path of a '
+            'configs/*.py file that defines get_config()).')
+    detail = str(error.args[0] if error.args else error).replace('\\n', ' ').replace("\\'", "'")
+    name = re.match(r"""\W*(\w+)""", detail)
+    given = [a[2:].split('=', 1)[0] for a in argv
+             if name and re.match(rf'--config\.[\w.]*\b{name.group(1)}=', a)]
+    hint = re.search(r'Did you mean[^?]*\?', detail)
+    return errors.ConfigError(
+        f'unknown config field {given[0] if given else detail.split()[0]}'
+        f'{". " + hint.group(0) if hint else ""} (every field and its default: '
+        'memjax/config_lib.py).')
 
 
 def load_config(config_flag: flags.FlagHolder) -> ml_collections.ConfigDict:
     """The value of a `config_flags.DEFINE_config_file` flag, or a ConfigError.
 
-    ml_collections loads the file and applies `--config.a.b=v` overrides on first access,
-    raising OSError for a file that does not load and KeyError/AttributeError (with a
-    did-you-mean) for an unknown field.
+    ml_collections loads the file on first access (or while parsing overrides).
     """
     try:
-        return config_flag.value
-    except OSError as error:
-        raise errors.ConfigError(
-            f'--{config_flag.name}={flags.FLAGS[config_flag.name].config_filename}: '
-            f'{str(error).splitlines()[-1].strip()}'
-            ' (give the path of a configs/*.py file that defines get_config()).') from error
-    except (KeyError, AttributeError) as error:
-        detail = ' '.join(str(error.args[0] if error.args else error).strip('\'"').split())
-        raise errors.ConfigError(f'unknown config field: {detail.replace(chr(92) + "n", " ")} '
-                                 '(see memjax/config_lib.py for every field).') from error
+        config = config_flag.value
+        if config is not None:
+            config['model']  # pylint: disable=pointless-statement  (a file that failed raises here)
+        return config
+    except (OSError, KeyError, AttributeError) as error:
+        if isinstance(error, KeyError) and error.args == ('model',):
+            raise errors.ConfigError(f'{flags.FLAGS[config_flag.name].config_filename} has no '
+                                     'model section: start from memjax.config_lib.base_config().'
+                                     ) from error
+        raise _config_error(error, sys.argv) from error
 
 
 def prepare_host_memory() -> bool:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from memjax import model as model_lib
+from memjax.model.transformer import ids_in_range
 
 BATCH_KEYS = ('inputs', 'targets', 'mask', 'reset')
 # Memory leaves without a batch axis (none today) are carried unsplit.
@@ -83,6 +84,13 @@ def _nll_sum(target_logprobs: jax.Array, mask: jax.Array) -> jax.Array:
     return -jnp.sum(jnp.where(mask > 0, target_logprobs.astype(jnp.float32), 0.0))
 
 
+def out_of_range_ids(segment: dict, vocab_size: int) -> jax.Array:
+    """Input ids, and target ids of scored positions, outside [0, vocab_size)."""
+    bad_inputs = ~ids_in_range(segment['inputs'], vocab_size)
+    bad_targets = (segment['mask'] > 0) & ~ids_in_range(segment['targets'], vocab_size)
+    return jnp.sum(bad_inputs) + jnp.sum(bad_targets)
+
+
 def train_step_fn(model: Any, tx: optax.GradientTransformation,
                   schedule: optax.Schedule, memory_axes: Any,
                   grad_accum_steps: int) -> Callable:
@@ -127,6 +135,8 @@ def train_step_fn(model: Any, tx: optax.GradientTransformation,
             'num_tokens': jnp.sum(segment['mask']),
             'grad_norm': optax.tree.norm(grads),
             'learning_rate': schedule(state.step),
+            # Such ids make the loss NaN; counting them lets the NaN stop name its cause.
+            'out_of_range_ids': out_of_range_ids(segment, model.config.vocab_size),
         }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return (new_state, _merge_memory(new_memory, memory_axes)), metrics

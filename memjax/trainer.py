@@ -218,6 +218,14 @@ class _Interval:
         bad = ~(np.isfinite(values['nll_sum']) & np.isfinite(values['grad_norm']))
         if bad.any():
             index = int(np.argmax(bad))
+            out_of_range = int(values['out_of_range_ids'][index])
+            if out_of_range:
+                raise errors.NonFiniteLossError(
+                    f'non-finite loss at step {self.first_step + index + 1}: its batch holds '
+                    f'{out_of_range} token ids outside [0, config.model.vocab_size). The data '
+                    'was tokenized with another vocabulary: rebuild it with the run\'s tokenizer '
+                    'or set config.model.vocab_size to match. Nothing after it was saved; the '
+                    f'last good checkpoint is {last_checkpoint or "none (no checkpoint yet)"}.')
             raise errors.NonFiniteLossError(
                 f'non-finite loss or gradient at step {self.first_step + index + 1} '
                 f'(NLL sum {values["nll_sum"][index]}, gradient norm {values["grad_norm"][index]}, '
@@ -412,9 +420,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             final = _validate(exp, eval_step, state.params, valid_streams, -1, step, writer)
     finally:
         watch.close()
-        ckpt.wait()
-        ckpt.close()
         writer.close()
+        try:
+            ckpt.wait()  # Raises CheckpointError if the last write failed.
+        finally:
+            ckpt.close()
     if preempted:
         logging.warning('Preempted: saved %s; run the same command again to resume.',
                         last_checkpoint)

@@ -25,6 +25,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 from tensorflow_datasets.core import utils as tfds_utils
 
+from memjax import errors
 from memjax.data import embedded_corpus
 from memjax.data.tokenizers import cfg_get
 
@@ -42,7 +43,7 @@ Documents = Dict[str, Iterable[bytes]]
 def canonical_split(split: str) -> str:
     split = SPLIT_ALIASES.get(split, split)
     if split not in SPLITS:
-        raise ValueError(f'Unknown split {split!r}; expected one of {SPLITS} '
+        raise errors.DataError(f'Unknown split {split!r}; expected one of {SPLITS} '
                          f'(or {sorted(SPLIT_ALIASES)}).')
     return split
 
@@ -52,7 +53,7 @@ def check_utf8(data: bytes, path: os.PathLike) -> None:
     try:
         data.decode('utf-8')
     except UnicodeDecodeError as e:
-        raise ValueError(
+        raise errors.DataError(
             f'{path} is not valid UTF-8 (byte offset {e.start}); convert it, '
             f'e.g. `iconv -f latin1 -t utf-8 {path} > fixed.txt`.') from None
 
@@ -78,8 +79,8 @@ def chunk_document(data: bytes,
     return chunks
 
 
-def _missing(path: Path, fix: str) -> FileNotFoundError:
-    return FileNotFoundError(f'{path} not found. {fix}')
+def _missing(path: Path, fix: str) -> errors.MissingFileError:
+    return errors.MissingFileError(f'{path} not found. {fix}')
 
 
 def _read_maybe_zipped(folder: Path, name: str, fix: str) -> bytes:
@@ -89,7 +90,7 @@ def _read_maybe_zipped(folder: Path, name: str, fix: str) -> bytes:
     if (folder / f'{name}.zip').is_file():
         with zipfile.ZipFile(folder / f'{name}.zip') as archive:
             if name not in archive.namelist():
-                raise ValueError(f'{folder / name}.zip has no member {name!r}; '
+                raise errors.DataError(f'{folder / name}.zip has no member {name!r}; '
                                  f'{fix}')
             return archive.read(name)
     raise _missing(folder / name, fix)
@@ -152,7 +153,7 @@ class _MemjaxTextBuilder(tfds.core.GeneratorBasedBuilder,
                 yield key, {'text': chunk, 'doc_start': i == 0}
                 key += 1
         if key == 0:
-            raise ValueError(
+            raise errors.DataError(
                 f'Split {split!r} of {self.name} is empty; check that its raw '
                 f'files hold text ({self.MANUAL_DOWNLOAD_INSTRUCTIONS or ""}).')
 
@@ -182,7 +183,7 @@ def wikitext_articles(path: Path) -> Iterator[bytes]:
             try:
                 line.decode('utf-8')
             except UnicodeDecodeError:
-                raise ValueError(f'{path}:{line_no} is not valid UTF-8; use the '
+                raise errors.DataError(f'{path}:{line_no} is not valid UTF-8; use the '
                                  'original WikiText-103 files.') from None
             if (_WIKITEXT_TITLE.fullmatch(line.rstrip(b'\r\n'))
                     and any(x.strip() for x in article)):
@@ -238,12 +239,12 @@ class _SingleFileBuilder(_MemjaxTextBuilder, skip_registration=True):
                                   self.MANUAL_DOWNLOAD_INSTRUCTIONS)
         held = self.builder_config.heldout_size
         if held == STANDARD_HELDOUT and len(data) != STANDARD_TOTAL:
-            raise ValueError(
+            raise errors.DataError(
                 f'{manual_dir / self.FILE_NAME} has {len(data):,} bytes; the '
                 f'standard {self.FILE_NAME} has {STANDARD_TOTAL:,}. Replace it '
                 'with an intact copy.')
         if len(data) < 3 * held:
-            raise ValueError(f'{manual_dir / self.FILE_NAME} has {len(data):,} '
+            raise errors.DataError(f'{manual_dir / self.FILE_NAME} has {len(data):,} '
                              f'bytes, fewer than 3 x heldout_size ({held:,}).')
         n = len(data)
         return {'train': [data[:n - 2 * held]],
@@ -296,7 +297,7 @@ class MemjaxPg19(_MemjaxTextBuilder):
                 raise _missing(folder, cls.MANUAL_DOWNLOAD_INSTRUCTIONS)
             books[split] = sorted(folder.glob('*.txt'), key=_book_key)
             if not books[split]:
-                raise ValueError(f'{folder} has no .txt books. '
+                raise errors.DataError(f'{folder} has no .txt books. '
                                  f'{cls.MANUAL_DOWNLOAD_INSTRUCTIONS}')
         return books
 
@@ -345,7 +346,7 @@ def _single_file_splits(path: Path) -> Documents:
             'test': data[cuts[1]:]}
     for split, doc in docs.items():
         if not doc.strip():
-            raise ValueError(
+            raise errors.DataError(
                 f'{path}: the {split} part (cut at line starts, 90/5/5 %) is '
                 'empty; give a longer file with more lines, or a folder with '
                 'train.txt, valid.txt and test.txt.')
@@ -376,7 +377,7 @@ class MemjaxText(_MemjaxTextBuilder):
                     for s, paths in explicit.items()}
         files = _sorted_files(path)
         if len(files) < 3:
-            raise ValueError(
+            raise errors.DataError(
                 f'{path} holds {len(files)} files; a folder needs at least 3 '
                 'documents for train/validation/test, or explicit train.txt, '
                 'valid.txt and test.txt.')
@@ -403,7 +404,7 @@ def _text_config(text_path: str) -> TextConfig:
     """A config named after the path and its files' sizes and mtimes, so
     changed files get prepared afresh instead of reusing stale records."""
     if not text_path:
-        raise ValueError("data.text_path must name a file or folder for "
+        raise errors.DataError("data.text_path must name a file or folder for "
                          "data.name='text'.")
     path = Path(text_path).expanduser().resolve()
     files = [path] if path.is_file() else (
@@ -431,7 +432,7 @@ def make_builder(data_cfg: Any) -> _MemjaxTextBuilder:
     """The TFDS builder for data.name, configured from data_cfg."""
     name = cfg_get(data_cfg, 'name', '')
     if name not in _BUILDERS:
-        raise ValueError(f'Unknown data.name {name!r}; expected one of '
+        raise errors.DataError(f'Unknown data.name {name!r}; expected one of '
                          f'{sorted(_BUILDERS)}.')
     cls = _BUILDERS[name]
     config = None
@@ -492,7 +493,7 @@ def iter_documents(builder: _MemjaxTextBuilder, split: str) -> Iterator[str]:
     split = canonical_split(split)
     source = builder.as_data_source(split=split)
     if not len(source):
-        raise ValueError(f'Split {split!r} of {builder.info.full_name} in '
+        raise errors.DataError(f'Split {split!r} of {builder.info.full_name} in '
                          f'{builder.data_dir} is empty; delete that folder and '
                          'prepare again from complete raw files.')
     parts = []

@@ -22,6 +22,8 @@ import sysconfig
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from memjax import errors
+
 SPLITS = ('train', 'validation', 'test')
 CORPUS_DIR = Path(__file__).resolve().parent / 'corpus'
 MANIFEST_NAME = 'manifest.json'
@@ -152,11 +154,11 @@ def read_manifest(corpus_dir: Path = CORPUS_DIR) -> dict:
 def read_split_text(split: str, corpus_dir: Path = CORPUS_DIR) -> str:
     """The raw text of a split (documents joined by DOC_SEPARATOR)."""
     if split not in SPLITS:
-        raise ValueError(f'Unknown embedded corpus split {split!r}; '
+        raise errors.DataError(f'Unknown embedded corpus split {split!r}; '
                          f'expected one of {SPLITS}.')
     path = split_file(split, corpus_dir)
     if not path.exists():
-        raise FileNotFoundError(
+        raise errors.MissingFileError(
             f'Embedded corpus file {path} is missing; reinstall memjax or run '
             '`python -m memjax.data.embedded_corpus --rebuild`.')
     return lzma.decompress(path.read_bytes()).decode('utf-8')

@@ -17,9 +17,11 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from absl import logging
 import grain
 import numpy as np
 
+from memjax import errors
 from memjax.data import builders
 from memjax.data.tokenizers import Tokenizer, cfg_get
 
@@ -123,6 +125,33 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def _load_cache(tokens_path: Path, docs_path: Path, vocab_size: int
+                ) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """The cached ids and offsets, or None when missing or damaged.
+
+    A cache is derived data: one cut short or garbled (a full disk, a copy
+    interrupted by hand) is rebuilt rather than trusted.
+    """
+    if not (tokens_path.exists() and docs_path.exists()):
+        return None
+    try:
+        tokens = np.load(tokens_path, mmap_mode='r', allow_pickle=False)
+        offsets = np.load(docs_path, allow_pickle=False)
+        ok = (tokens.dtype == np.int32 and tokens.ndim == 1 and offsets.ndim == 1
+              and offsets.size >= 1 and offsets[0] == 0
+              and offsets[-1] == tokens.size and np.all(np.diff(offsets) >= 0)
+              and (tokens.size == 0 or 0 <= tokens.min() <= tokens.max() < vocab_size))
+    except (ValueError, OSError, EOFError) as e:
+        ok, reason = False, f'{type(e).__name__}: {e}'
+    else:
+        reason = f'ids outside [0, {vocab_size}) or offsets that do not fit them'
+    if not ok:
+        logging.warning('Token cache %s is damaged (%s); building it again.',
+                        tokens_path, reason)
+        return None
+    return tokens, offsets
+
+
 def load_token_ids(data_cfg: Any, split: str, tokenizer: Tokenizer,
                    cache_dir: Optional[os.PathLike] = None
                    ) -> Tuple[np.ndarray, np.ndarray]:
@@ -139,24 +168,20 @@ def load_token_ids(data_cfg: Any, split: str, tokenizer: Tokenizer,
     builder = builders.prepare(data_cfg)
     tokens_path, docs_path = _cache_paths(data_cfg, builder, split, tokenizer,
                                           cache_dir)
-    if not (tokens_path.exists() and docs_path.exists()):
+    cached = _load_cache(tokens_path, docs_path, tokenizer.vocab_size)
+    if cached is None:
         encoded = [tokenizer.encode(doc) for doc in
                    builders.iter_documents(builder, split)]
         offsets = np.cumsum([0] + [len(x) for x in encoded], dtype=np.int64)
         tokens_path.parent.mkdir(parents=True, exist_ok=True)
         _save_npy(docs_path, offsets)
         _save_npy(tokens_path, np.concatenate(encoded).astype(np.int32))
-    tokens = np.load(tokens_path, mmap_mode='r', allow_pickle=False)
-    offsets = np.load(docs_path, allow_pickle=False)
-    if tokens.size and (tokens.min() < 0
-                        or tokens.max() >= tokenizer.vocab_size):
-        raise ValueError(
-            f'Split {split!r} of {builder.info.full_name} has token ids in '
-            f'[{tokens.min()}, {tokens.max()}] but the tokenizer has '
-            f'vocab_size {tokenizer.vocab_size} ({tokens_path}); the cache or '
-            'tokenizer is stale: delete that file and the run\'s '
-            'tokenizer.json, then rerun.')
-    return tokens, offsets
+        cached = _load_cache(tokens_path, docs_path, tokenizer.vocab_size)
+        if cached is None:
+            raise errors.DataError(
+                f'the token cache {tokens_path} does not read back as written: check the '
+                'free space there, or set data.cache_dir to another folder.')
+    return cached
 
 
 class LMStreams:
@@ -183,13 +208,13 @@ class LMStreams:
                             ('segments_per_batch', segments_per_batch),
                             ('process_count', process_count)):
             if int(value) < 1:
-                raise ValueError(f'{name} must be >= 1, got {value}.')
+                raise errors.DataError(f'{name} must be >= 1, got {value}.')
         if batch_size % process_count:
-            raise ValueError(
+            raise errors.DataError(
                 f'batch_size {batch_size} is not divisible by the process '
                 f'count {process_count}; use a multiple of {process_count}.')
         if not 0 <= process_index < process_count:
-            raise ValueError(f'process_index {process_index} is outside '
+            raise errors.DataError(f'process_index {process_index} is outside '
                              f'[0, {process_count}).')
         self.split = builders.canonical_split(split)
         self.batch_size, self.tgt_len = batch_size, tgt_len
@@ -222,12 +247,12 @@ class LMStreams:
             lengths = np.diff(self.doc_offsets)
             usable = int((lengths >= 2).sum())
             if usable < b:
-                raise ValueError(
+                raise errors.DataError(
                     f'{where} has {usable} documents with at least 2 tokens, '
                     f'fewer than batch_size={b} streams; lower the batch '
                     'size or set data.reset_at_doc_boundary=False.')
         elif len(self.tokens) - 1 < b * t:
-            raise ValueError(
+            raise errors.DataError(
                 f'{where} has {len(self.tokens)} tokens, too few for '
                 f'{b} streams of at least one {t}-token segment (needs '
                 f'{b * t + 1}); lower batch_size or tgt_len.')

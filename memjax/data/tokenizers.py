@@ -15,6 +15,8 @@ from typing import Any, Iterable, List, Optional, Sequence
 
 import numpy as np
 
+from memjax import errors
+
 TOKENIZER_FILE = 'tokenizer.json'
 SENTENCEPIECE_FILE = 'tokenizer.model'
 EOS = '<eos>'
@@ -86,7 +88,7 @@ class Tokenizer(abc.ABC):
     def _check_ids(self, ids: Iterable[int]) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            raise ValueError(
+            raise errors.DataError(
                 f'{self.kind} tokenizer got ids in [{ids.min()}, {ids.max()}] '
                 f'but its vocabulary has {self.vocab_size} entries.')
         return ids
@@ -136,10 +138,10 @@ class CharTokenizer(Tokenizer):
 
     def __init__(self, chars: Sequence[str]):
         if not chars:
-            raise ValueError('Char vocabulary is empty (no text in the train '
+            raise errors.DataError('Char vocabulary is empty (no text in the train '
                              'split?).')
         if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
-            raise ValueError('Char vocabulary must hold distinct single '
+            raise errors.DataError('Char vocabulary must hold distinct single '
                              'characters.')
         self.chars = sorted(chars)
         self._points = _code_points(''.join(self.chars)).astype(np.int64)
@@ -184,12 +186,12 @@ class WordTokenizer(Tokenizer):
 
     def __init__(self, tokens: Sequence[str]):
         if list(tokens[:2]) != [EOS, UNK]:
-            raise ValueError(f'Word vocabulary must start with {EOS!r}, '
+            raise errors.DataError(f'Word vocabulary must start with {EOS!r}, '
                              f'{UNK!r}; got {list(tokens[:2])}.')
         self.tokens = list(tokens)
         self._index = {tok: i for i, tok in enumerate(self.tokens)}
         if len(self._index) != len(self.tokens):
-            raise ValueError('Word vocabulary has duplicate tokens.')
+            raise errors.DataError('Word vocabulary has duplicate tokens.')
         self.eos_id = 0
         self.unk_id = 1
 
@@ -214,7 +216,7 @@ class WordTokenizer(Tokenizer):
         tokens = [EOS, UNK] + words
         if max_size is not None:
             if max_size < 2:
-                raise ValueError(f'word max_size must be >= 2, got {max_size}.')
+                raise errors.DataError(f'word max_size must be >= 2, got {max_size}.')
             tokens = tokens[:max_size]
         return cls(tokens)
 
@@ -258,10 +260,15 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_proto: bytes, source: str = '<memory>'):
         import sentencepiece as spm  # Only needed for this tokenizer.
         self.model_proto = bytes(model_proto)
-        self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        except (RuntimeError, OSError) as e:
+            raise errors.DataError(
+                f'{source} is not a sentencepiece model ({e}); point data.vocab_path at a '
+                '.model file written by sentencepiece, or leave it empty to train one.') from e
         self.eos_id = self._sp.eos_id()
         if self.eos_id < 0:
-            raise ValueError(
+            raise errors.DataError(
                 f'Sentencepiece model {source} has no eos piece, which memjax '
                 'uses to mark line ends; train it with eos_id >= 0 (the '
                 'default) or let memjax train one (leave data.vocab_path empty).')
@@ -279,7 +286,7 @@ class SentencePieceTokenizer(Tokenizer):
         lines = [line for doc in documents for line in split_lines(doc)
                  if line.strip()]
         if not lines:
-            raise ValueError('Cannot train sentencepiece: the train split has '
+            raise errors.DataError('Cannot train sentencepiece: the train split has '
                              'no non-empty lines.')
         # Deterministic subsampling instead of sentencepiece's random one.
         stride = -(-len(lines) // SP_MAX_TRAIN_LINES)
@@ -294,7 +301,7 @@ class SentencePieceTokenizer(Tokenizer):
                 hard_vocab_limit=False, shuffle_input_sentence=False,
                 num_threads=min(os.cpu_count() or 1, 16), minloglevel=2)
         except RuntimeError as e:
-            raise ValueError(
+            raise errors.DataError(
                 f'Sentencepiece training failed for data.sp_vocab_size='
                 f'{vocab_size} (byte fallback needs more than 256 + the '
                 f'number of distinct characters): {e}') from e
@@ -336,7 +343,7 @@ def load_tokenizer(path: os.PathLike) -> Tokenizer:
     if path.is_dir():
         path = path / TOKENIZER_FILE
     if not path.exists():
-        raise FileNotFoundError(
+        raise errors.MissingFileError(
             f'Tokenizer file {path} does not exist; point data.vocab_path at a '
             f'{TOKENIZER_FILE} written by memjax or at a sentencepiece .model.')
     if path.suffix == '.model':
@@ -345,22 +352,31 @@ def load_tokenizer(path: os.PathLike) -> Tokenizer:
         spec = json.loads(path.read_text())
         kind = spec['kind']
     except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f'{path} is not a memjax tokenizer file '
+        raise errors.DataError(f'{path} is not a memjax tokenizer file '
                          f'(JSON with a "kind" field): {e}') from e
-    if kind == 'byte':
-        return ByteTokenizer()
-    if kind == 'char':
-        return CharTokenizer(spec['chars'])
-    if kind == 'word':
-        return WordTokenizer(spec['tokens'])
-    if kind == 'sentencepiece':
-        model_path = path.parent / spec['model_file']
-        model = SentencePieceTokenizer.load(model_path)
-        if model.to_json()['model_sha256'] != spec.get('model_sha256'):
-            raise ValueError(f'{model_path} does not match the model hash '
-                             f'recorded in {path}; the pair was mixed up.')
-        return model
-    raise ValueError(f'{path}: unknown tokenizer kind {kind!r}; expected one '
+    try:
+        if kind == 'byte':
+            return ByteTokenizer()
+        if kind == 'char':
+            return CharTokenizer(spec['chars'])
+        if kind == 'word':
+            return WordTokenizer(spec['tokens'])
+        if kind == 'sentencepiece':
+            model_path = path.parent / spec['model_file']
+            if not model_path.is_file():
+                raise errors.MissingFileError(
+                    f'{model_path}, named by {path}, does not exist; keep the two files '
+                    'together.')
+            model = SentencePieceTokenizer.load(model_path)
+            if model.to_json()['model_sha256'] != spec.get('model_sha256'):
+                raise errors.DataError(f'{model_path} does not match the model hash '
+                                       f'recorded in {path}; the pair was mixed up.')
+            return model
+    except (KeyError, TypeError) as e:
+        raise errors.DataError(f'{path} is a damaged memjax tokenizer file (no valid {e} for '
+                               f'kind {kind!r}); restore it from a backup, or delete it to build '
+                               'it again from the same data (the build is deterministic).') from e
+    raise errors.DataError(f'{path}: unknown tokenizer kind {kind!r}; expected one '
                      f'of {KINDS}.')
 
 
@@ -379,7 +395,7 @@ def train_tokenizer(kind: str, train_documents: Iterable[str],
     if kind == 'sentencepiece':
         return SentencePieceTokenizer.train(
             train_documents, cfg_get(data_cfg, 'sp_vocab_size', 8000))
-    raise ValueError(f'Unknown data.tokenizer {kind!r}; expected one of '
+    raise errors.DataError(f'Unknown data.tokenizer {kind!r}; expected one of '
                      f'{KINDS}.')
 
 
@@ -395,7 +411,7 @@ def build_tokenizer(data_cfg: Any,
     """
     kind = cfg_get(data_cfg, 'tokenizer', 'byte')
     if kind not in KINDS:
-        raise ValueError(f'Unknown data.tokenizer {kind!r}; expected one of '
+        raise errors.DataError(f'Unknown data.tokenizer {kind!r}; expected one of '
                          f'{KINDS}.')
     saved = Path(workdir).expanduser() / TOKENIZER_FILE if workdir else None
     vocab_path = cfg_get(data_cfg, 'vocab_path', '')
@@ -408,7 +424,7 @@ def build_tokenizer(data_cfg: Any,
         docs = builders.iter_documents(builders.prepare(data_cfg), 'train')
         tok, origin = train_tokenizer(kind, docs, data_cfg), 'train split'
     if tok.kind != kind:
-        raise ValueError(
+        raise errors.DataError(
             f'data.tokenizer is {kind!r} but {origin} holds a {tok.kind!r} '
             'tokenizer; use a fresh workdir or the matching data.tokenizer.')
     if save and saved is not None and not saved.exists():

@@ -12,6 +12,7 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
@@ -26,6 +27,27 @@ from memjax.model.relative import attention_mask, key_distances, sinusoid_encodi
 class ModelOutput:
     hidden: jax.Array  # [B, T, d_model] final hidden states, input of the softmax.
     target_logprobs: Optional[jax.Array] = None  # [B, T] float32 log p(target); None without targets.
+
+
+def ids_in_range(ids: jax.Array, vocab_size: int) -> jax.Array:
+    return (ids >= 0) & (ids < vocab_size)
+
+
+def check_ids(ids: jax.Array, vocab_size: int, name: str) -> None:
+    """Raises ValueError for ids outside [0, vocab_size) when they are concrete (eager calls).
+
+    Under `jit` the ids are abstract: there, an out-of-range input makes the hidden states
+    NaN and an out-of-range target its log-prob NaN (gathers would clamp them into a finite,
+    wrong answer), so a training loop's non-finite check stops on them.
+    """
+    if isinstance(ids, jax.core.Tracer):
+        return
+    ids = np.asarray(ids)
+    bad = ids[~((ids >= 0) & (ids < vocab_size))]
+    if bad.size:
+        raise ValueError(f'{bad.size} {name} ids lie outside [0, {vocab_size}) (e.g. '
+                         f'{sorted(set(bad.tolist()))[:5]}): the ids come from another tokenizer '
+                         'than the one config.vocab_size was set for.')
 
 
 class TransformerXL(nn.Module):
@@ -49,8 +71,11 @@ class TransformerXL(nn.Module):
                              'build it with init_memory(config, batch_size).')
         if reset is not None:
             memory = memory.reset(reset, start_valid=cfg.memory_start == 'zeros')
+        check_ids(tokens, cfg.vocab_size, 'tokens')
         qlen = tokens.shape[1]
-        h = self.dropout(self.io.embed(tokens), deterministic=deterministic)
+        h = self.io.embed(tokens)
+        h = jnp.where(ids_in_range(tokens, cfg.vocab_size)[..., None], h, jnp.nan)
+        h = self.dropout(h, deterministic=deterministic)
         h = nn.with_logical_constraint(h, BTE)
         pos_enc = sinusoid_encoding(key_distances(memory.length + qlen, cfg.clamp_len), cfg.d_model)
         pos_enc = self.dropout(pos_enc, deterministic=deterministic)
@@ -61,7 +86,11 @@ class TransformerXL(nn.Module):
         h = self.dropout(h, deterministic=deterministic)
 
         new_memory = memory.push(layer_inputs)
-        logprobs = None if targets is None else self.io.target_logprobs(h, targets)
+        logprobs = None
+        if targets is not None:
+            check_ids(targets, cfg.vocab_size, 'targets')
+            logprobs = jnp.where(ids_in_range(targets, cfg.vocab_size),
+                                 self.io.target_logprobs(h, targets), jnp.nan)
         return ModelOutput(hidden=h, target_logprobs=logprobs), new_memory
 
     def logprobs(self, hidden: jax.Array) -> jax.Array:
