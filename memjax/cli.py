@@ -7,9 +7,7 @@ the traceback. Anything else is a bug and keeps its traceback.
 
 import os
 import re
-import signal
 import sys
-import threading
 import traceback
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -118,29 +116,12 @@ def prepare_host_memory() -> bool:
     return host_memory.keep_host_buffers(_HOST_MEMORY.value)
 
 
-def _stop_before_training(signum: int, frame: Any) -> NoReturn:
-    del signum, frame
-    print('Stopped by SIGTERM before training started: nothing to save.', file=sys.stderr)
-    sys.exit(0)
-
-
-def _exit_zero_on_early_sigterm() -> None:
-    """SIGTERM during start-up or compilation exits 0, as it does once the loop runs.
-
-    The training loop's PreemptionWatch takes SIGTERM over (and hands it back after). In
-    a multi-process run JAX's preemption service owns SIGTERM and must keep it.
-    """
-    if threading.current_thread() is threading.main_thread() and jax.process_count() == 1:
-        signal.signal(signal.SIGTERM, _stop_before_training)
-
-
 def run(job: Callable[[], Any]) -> Any:
     """Sets up host memory and joins the distributed run before anything touches a device, quiets
-    library logs and runs `job` so that a dead peer ends it and early SIGTERM exits 0."""
+    library logs and runs `job` so that a dead peer ends it."""
     prepare_host_memory()
     metrics_lib.quiet_library_logs()
     distributed.initialize_from_flags()
     distributed.set_log_verbosity()
-    _exit_zero_on_early_sigterm()
     with distributed.peer_failures_end_the_run():
         return job()

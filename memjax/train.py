@@ -6,6 +6,11 @@ and exits 0. Multi-process runs add `--coordinator_address=HOST:PORT --num_proce
 --process_id=I` (or nothing on a Cloud TPU VM): see memjax/distributed.py.
 """
 
+from memjax import early_sigterm
+
+early_sigterm.install()  # Before the imports below, which take seconds.
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from ml_collections import config_flags
 

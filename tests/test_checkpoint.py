@@ -1,13 +1,16 @@
-"""Checkpoints: exact resume, and fallback past a damaged newest checkpoint."""
+"""Checkpoints: exact resume, fallback past damage, what a changed config may do to a run."""
 
 import logging
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
 from memjax import checkpointing
+from memjax import errors
+from memjax import evaluate
 from memjax import metrics as metrics_lib
 from memjax import trainer
 import training_fixtures
@@ -158,3 +161,133 @@ def test_fingerprint_sees_every_byte():
         {k: v.copy() for k, v in tree.items()})
     assert checkpointing.fingerprint(tree) != checkpointing.fingerprint(changed)
     assert checkpointing.fingerprint(tree) != checkpointing.fingerprint(reshaped)
+
+
+def tiny_tree(value):
+    return {'w': np.full((2, 3), value, np.float32)}, {'m': np.zeros((2, 0), np.float32)}
+
+
+def abstract_of(tree):
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def test_best_validated_checkpoint_outlives_keep_last_n(tmp_path):
+    ckpt = checkpointing.Checkpointer(str(tmp_path), keep=2)
+    losses = {2: 3.0, 4: 5.0, 6: 7.0}  # A run that validates at 2, 4, 6 and then diverges.
+    for step in range(1, 8):
+        state, memory = tiny_tree(step)
+        ckpt.save(step, state, memory, {'pos': step}, {'seed': 0}, losses.get(step))
+        ckpt.wait()
+    assert ckpt.all_steps() == [2, 6, 7]  # The newest two and the best.
+    assert ckpt.best() == (2, 3.0)
+    restored = ckpt.restore_latest(*map(abstract_of, tiny_tree(0)))
+    assert restored.step == 7 and float(restored.state['w'][0, 0]) == 7.0
+    assert restored.memory['m'].shape == (2, 0)  # Zero-size arrays round-trip (mem_len = 0).
+    ckpt.close()
+
+
+def test_quarantine_never_overwrites_an_earlier_damaged_copy(tmp_path):
+    directory = str(tmp_path / 'checkpoints')
+    abstract = list(map(abstract_of, tiny_tree(0)))
+    for _ in range(2):
+        ckpt = checkpointing.Checkpointer(directory, keep=3)
+        for step in (1, 2):
+            if step not in ckpt.all_steps():
+                ckpt.save(step, *tiny_tree(step), {}, {})
+                ckpt.wait()
+        flip_byte_in_largest_array_file(os.path.join(directory, '2'))
+        assert ckpt.restore_latest(*abstract, quarantine=True).step == 1
+        ckpt.close()
+    assert sorted(os.listdir(directory + '_damaged')) == ['2', '2.1']
+    for name in ('2', '2.1'):
+        assert os.path.isdir(os.path.join(directory + '_damaged', name, 'arrays')), name
+
+
+def test_mismatched_shapes_are_reported_not_quarantined(tmp_path):
+    ckpt = checkpointing.Checkpointer(str(tmp_path), keep=3)
+    ckpt.save(1, *tiny_tree(1), {}, {})
+    ckpt.wait()
+    other = ({'w': jax.ShapeDtypeStruct((4, 3), np.float32)}, abstract_of(tiny_tree(0)[1]))
+    with pytest.raises(checkpointing.CheckpointMismatchError, match=r'w: \(2, 3\) -> \(4, 3\)'):
+        ckpt.restore_latest(*other, quarantine=True)
+    assert ckpt.all_steps() == [1] and not os.path.exists(str(tmp_path) + '_damaged')
+    ckpt.close()
+
+
+def listing(directory):
+    return sorted((os.path.relpath(os.path.join(root, name), directory),
+                   os.path.getsize(os.path.join(root, name)))
+                  for root, _, files in os.walk(directory) for name in files)
+
+
+def test_changed_model_or_batch_size_on_resume_stops_before_touching_checkpoints(
+        config, baseline, tmp_path):
+    workdir = str(tmp_path / 'run')
+    shutil.copytree(baseline[0], workdir)
+    before = listing(workdir)
+    changed = training_fixtures.tiny_config(config.data.text_path, train__num_steps=12,
+                                            train__batch_size=8, model__d_model=64)
+    with pytest.raises(errors.ConfigError) as error:
+        trainer.train_and_evaluate(changed, workdir)
+    message = str(error.value)
+    assert 'model.d_model 32 -> 64' in message and 'train.batch_size 4 -> 8' in message
+    assert f'--config.train.init_from={workdir}' in message
+    assert listing(workdir) == before  # Nothing moved, rewritten or deleted.
+    assert not os.path.exists(trainer.checkpoint_dir(workdir) + '_damaged')
+    # The original config (with more steps, a safe change) resumes from step 8.
+    recorded, summary = run_recording(
+        training_fixtures.tiny_config(config.data.text_path, train__num_steps=12), workdir)
+    assert min(step for _, step in recorded) == 10 and summary['step'] == 12
+
+
+def test_evaluation_with_another_model_is_refused_before_computing(config, baseline):
+    changed = training_fixtures.tiny_config(config.data.text_path, model__n_layer=3,
+                                            model__mem_len=16)  # mem_len alone would be fine.
+    with pytest.raises(errors.ConfigError, match=r'model\.n_layer 2 -> 3\. '):
+        evaluate.evaluate_checkpoint(changed, baseline[0])
+
+
+def source_params(workdir, step, exp):
+    ckpt = checkpointing.Checkpointer(trainer.checkpoint_dir(workdir), keep=3, read_only=True)
+    restored = ckpt.restore_step(step, *trainer.abstract_state(exp))
+    ckpt.close()
+    return restored.state
+
+
+@pytest.mark.parametrize('keep', ['params', 'params_and_optimizer'])
+def test_init_from_starts_a_new_batch_size_from_saved_parameters(config, baseline, tmp_path, keep):
+    source = baseline[0]
+    new = training_fixtures.tiny_config(config.data.text_path, train__batch_size=8,
+                                        train__init_from=source, train__init_from_state=keep)
+    exp = trainer.setup(new, str(tmp_path))
+    state, memory = trainer._init_from(exp)
+    saved = source_params(source, 8, trainer.setup(config, str(tmp_path / 'old')))
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(
+        jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    assert same(state.params, saved.params)
+    assert memory.hidden.shape[1] == 8 and not np.asarray(memory.valid).any()
+    if keep == 'params':
+        assert int(state.step) == 0
+        assert all(not np.asarray(x).any() for x in jax.tree_util.tree_leaves(state.opt_state))
+    else:
+        assert int(state.step) == 8 and same(state.opt_state, saved.opt_state)
+
+
+def test_init_from_refuses_other_parameter_shapes(config, baseline, tmp_path):
+    new = training_fixtures.tiny_config(config.data.text_path, model__d_inner=128,
+                                        train__init_from=os.path.join(baseline[0], 'checkpoints'))
+    with pytest.raises(errors.ConfigError, match=r'model\.d_inner 64 -> 128'):
+        trainer._init_from(trainer.setup(new, str(tmp_path)))
+
+
+def test_transformer_without_memory_trains_checkpoints_and_resumes(config, tmp_path):
+    """mem_len = 0 (the relative-position baseline): its empty memory is saved and restored."""
+    no_memory = training_fixtures.tiny_config(config.data.text_path, train__num_steps=NUM_STEPS,
+                                              model__mem_len=0)
+    workdir = str(tmp_path)
+    first, summary = run_recording(no_memory, workdir, interrupt_at_step=4)
+    assert summary is None and os.path.isdir(os.path.join(trainer.checkpoint_dir(workdir), '4'))
+    recorded, summary = run_recording(no_memory, workdir)
+    assert min(step for _, step in recorded) == 6 and summary['step'] == NUM_STEPS

@@ -1,0 +1,140 @@
+"""Which config changes a resumed run or an evaluation accepts (memjax/resume.py), and the lock
+that keeps two training runs out of one workdir (memjax/workdir.py)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from memjax import config_lib
+from memjax import errors
+from memjax import resume
+from memjax import workdir as workdir_lib
+
+
+def saved_and_requested(**changes):
+    """The base config as a checkpoint stores it (vocab resolved) and a requested copy with
+    `changes` like train__batch_size=8 applied."""
+    saved = resume.to_plain(config_lib.base_config())
+    saved['model']['vocab_size'] = 256
+    requested = config_lib.base_config()
+    for key, value in changes.items():
+        if '__' in key:
+            section, field = key.split('__')
+            requested[section][field] = value
+        else:
+            requested[key] = value
+    return saved, requested
+
+
+@pytest.mark.parametrize('changes', [
+    dict(train__num_steps=5000, train__learning_rate=1e-3, train__warmup_steps=10),
+    dict(eval__mem_len=640, eval__same_length=True, eval__split='test'),
+    dict(mesh__data=2, mesh__tensor=4, train__grad_accum_steps=2),
+    dict(model__dropout=0.3, model__compute_dtype='bfloat16', model__remat='full'),
+    dict(train__keep_checkpoints=10, train__log_every=1, data__data_dir='/elsewhere'),
+    dict(train__clip_norm=1.0, train__weight_decay=0.0),  # Clipping stays on, decay stays off.
+])
+def test_schedule_logging_evaluation_and_placement_may_change_on_resume(changes, caplog):
+    saved, requested = saved_and_requested(**changes)
+    resume.check_resume(saved, requested, '/run', 'checkpoints/8')
+    logged = ' '.join(r.getMessage() for r in caplog.records)
+    for key in changes:
+        name = key.replace('__', '.')
+        if name not in ('train.clip_norm', 'train.weight_decay') or changes[key] != 0.0:
+            assert name in logged
+
+
+@pytest.mark.parametrize('changes, fields', [
+    (dict(model__d_model=64), ['model.d_model 128 -> 64']),
+    (dict(train__batch_size=32, train__tgt_len=128),
+     ['train.batch_size 16 -> 32', 'train.tgt_len 64 -> 128']),
+    (dict(model__mem_len=0), ['model.mem_len 64 -> 0']),
+    (dict(data__tokenizer='char'), ["data.tokenizer 'byte' -> 'char'"]),
+    (dict(seed=1), ['seed 0 -> 1']),
+    # Switching an optimizer term on or off changes the optimizer state's structure.
+    (dict(train__clip_norm=0.0), ['train.clip_norm 0.25 -> 0.0']),
+    (dict(train__weight_decay=0.1), ['train.weight_decay 0.0 -> 0.1']),
+])
+def test_state_shaping_changes_are_refused_with_every_field_and_the_ways_forward(changes, fields):
+    saved, requested = saved_and_requested(**changes)
+    with pytest.raises(errors.ConfigError) as error:
+        resume.check_resume(saved, requested, '/run', '/run/checkpoints/8')
+    message = str(error.value)
+    for field in fields:
+        assert field in message
+    assert '--config.train.init_from=/run' in message and '\n' not in message
+
+
+def test_vocab_size_from_the_tokenizer_and_fields_unknown_to_one_side_are_not_changes():
+    saved, requested = saved_and_requested()
+    del saved['train']['init_from']  # A checkpoint written before the field existed.
+    saved['model']['retired_field'] = 1
+    assert requested.model.vocab_size == -1 and saved['model']['vocab_size'] == 256
+    assert resume.differences(saved, requested) == []
+
+
+def test_evaluation_compares_only_what_shapes_the_parameters():
+    saved, requested = saved_and_requested(model__mem_len=640, model__same_length=True,
+                                           model__dropout=0.0, train__batch_size=1,
+                                           data__name='text')
+    resume.check_same_params(saved, requested, 'ckpt/8', 'Evaluation')
+    saved, requested = saved_and_requested(model__n_layer=2, data__sp_vocab_size=100)
+    with pytest.raises(errors.ConfigError, match=r'data\.sp_vocab_size 8000 -> 100, model\.n_layer 4 -> 2'):
+        resume.check_same_params(saved, requested, 'ckpt/8', 'Evaluation')
+
+
+def test_second_run_on_a_workdir_is_refused_while_the_first_holds_it(tmp_path):
+    first = workdir_lib.RunLock(str(tmp_path)).acquire()
+    try:
+        with pytest.raises(errors.WorkdirError, match=f'process {os.getpid()}'):
+            workdir_lib.RunLock(str(tmp_path)).acquire()
+    finally:
+        first.release()
+    assert not os.path.exists(first.path)
+    with workdir_lib.RunLock(str(tmp_path)):  # Free again.
+        pass
+
+
+def test_lock_of_a_dead_process_or_with_an_old_heartbeat_is_taken_over(tmp_path):
+    dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
+                          capture_output=True, text=True, check=True)
+    lock = workdir_lib.RunLock(str(tmp_path))
+    with open(lock.path, 'w') as f:
+        json.dump({'host': lock._owner['host'], 'pid': int(dead.stdout), 'started': 'then'}, f)
+    with lock:
+        assert json.load(open(lock.path))['pid'] == os.getpid()
+    # A live holder on another host whose heartbeat stopped long ago (a lost node).
+    with open(lock.path, 'w') as f:
+        json.dump({'host': 'other-host', 'pid': os.getpid(), 'started': 'then'}, f)
+    with pytest.raises(errors.WorkdirError, match='other-host'):
+        workdir_lib.RunLock(str(tmp_path)).acquire()
+    old = time.time() - workdir_lib.STALE_AFTER_S - 5
+    os.utime(lock.path, (old, old))
+    with workdir_lib.RunLock(str(tmp_path)):
+        pass
+
+
+def test_workdir_that_is_a_file_or_missing_for_evaluation_is_an_error(tmp_path):
+    a_file = tmp_path / 'file'
+    a_file.write_text('x')
+    with pytest.raises(errors.WorkdirError, match='is a file'):
+        workdir_lib.check(str(a_file), create=True)
+    with pytest.raises(errors.WorkdirError, match='cannot create'):
+        workdir_lib.check(str(a_file / 'run'), create=True)
+    with pytest.raises(errors.WorkdirError, match='does not exist'):
+        workdir_lib.check(str(tmp_path / 'missing'), create=False)
+    assert not os.path.exists(tmp_path / 'missing')
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason='root may write into read-only folders')
+def test_read_only_workdir_is_an_error(tmp_path):
+    os.chmod(tmp_path, 0o555)
+    try:
+        with pytest.raises(errors.WorkdirError, match='not writable'):
+            workdir_lib.check(str(tmp_path), create=True)
+    finally:
+        os.chmod(tmp_path, 0o755)
