@@ -19,6 +19,7 @@ from memjax import errors
 from memjax import evaluation
 from memjax import metrics as metrics_lib
 from memjax import trainer
+from memjax import workdir as workdir_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file.',
                                           lock_config=True)
@@ -36,10 +37,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     """
     exp = trainer.setup(config, workdir, training=False)
     out_path = os.path.join(workdir, f'eval_{exp.config.eval.split}.json')
-    if distributed.is_primary() and not os.access(
-            out_path if os.path.exists(out_path) else workdir, os.W_OK):
-        raise errors.WorkdirError(f'cannot write {out_path}: fix the permissions of the workdir '
-                                  'before spending the evaluation.')
+    if distributed.is_primary():
+        workdir_lib.check_writable_file(out_path)  # Before spending the evaluation.
     directory = trainer.checkpoint_dir(workdir)
     restored = None
     if checkpointing.has_checkpoints(directory):

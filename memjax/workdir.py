@@ -45,6 +45,16 @@ def check(workdir: str, create: bool) -> None:
                                   'choose another folder.')
 
 
+def check_writable_file(path: str) -> None:
+    """Raises WorkdirError unless `path` can be (over)written as a file."""
+    if os.path.isdir(path):
+        raise errors.WorkdirError(f'{path} is a folder, so the result cannot be written there: '
+                                  'move it away.')
+    target = path if os.path.exists(path) else os.path.dirname(path) or '.'
+    if not os.access(target, os.W_OK):
+        raise errors.WorkdirError(f'cannot write {path}: fix the permissions of {target}.')
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

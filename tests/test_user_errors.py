@@ -1,0 +1,195 @@
+"""Every user error of the command lines is one line on stderr with a distinct exit status,
+before anything is compiled; the traceback only comes with --verbose."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from memjax import errors
+from memjax import trainer
+import cli_fixtures
+import training_fixtures
+
+# Start-up failures come within seconds; this only bounds a run that would hang.
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
+
+
+@pytest.fixture(scope='module')
+def trained(corpus, tmp_path_factory):
+    """A finished tiny run: (workdir, data_dir)."""
+    workdir = str(tmp_path_factory.mktemp('trained'))
+    trainer.train_and_evaluate(training_fixtures.tiny_config(corpus, train__eval_every=0), workdir)
+    return workdir, os.path.join(corpus, 'tfds')
+
+
+@pytest.fixture(scope='module')
+def env(tmp_path_factory):
+    return cli_fixtures.cpu_env(1, str(tmp_path_factory.mktemp('compilation_cache')))
+
+
+def run(command, env, **kwargs):
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+                            cwd=training_fixtures.REPO, **kwargs)
+    return result.returncode, result.stderr
+
+
+def error_lines(stderr):
+    """stderr without the log lines (absl's 'I1123 ...' prefix) and TFDS's progress."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and not (line[:1] in 'IWE' and line[1:5].isdigit())]
+
+
+def assert_one_line(code, stderr, expected_code, *fragments):
+    lines = error_lines(stderr)
+    assert code == expected_code, stderr[-3000:]
+    assert len(lines) == 1, stderr[-3000:]
+    assert 'Traceback' not in stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_unknown_field_unloadable_config_and_bad_flag_value(env):
+    train = [sys.executable, '-m', 'memjax.train', '--workdir=/nonexistent/never-created']
+    code, stderr = run(train + [f'--config={training_fixtures.TINY}',
+                                '--config.train.lerning_rate=1e-3'], env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, 'config.train.lerning_rate',
+                    'Did you mean "learning_rate"')
+    code, stderr = run(train + ['--config=configs/no_such_config.py'], env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, 'configs/no_such_config.py does not load')
+    code, stderr = run(train + [f'--config={training_fixtures.TINY}',
+                                '--config.train.batch_size=four'], env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, 'Usage error', 'batch_size')
+    code, stderr = run([sys.executable, '-m', 'memjax.bench', 'no-such-suite'], env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, "unknown benchmark suite 'no-such-suite'")
+    assert not os.path.exists('/nonexistent/never-created')
+
+
+def test_every_model_and_train_problem_is_reported_in_one_round(corpus, env, tmp_path):
+    command = cli_fixtures.tiny_command(str(tmp_path / 'w'), corpus, str(tmp_path / 'tfds'),
+                                        '--config.model.d_model=33', '--config.model.dropout=1.5',
+                                        '--config.train.batch_size=0')
+    code, stderr = run(command, env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, 'd_model=33', 'dropout=1.5', 'batch_size=0')
+
+
+def test_resume_with_another_batch_size_is_refused_and_verbose_adds_the_traceback(trained, corpus,
+                                                                                  env):
+    workdir, data_dir = trained
+    before = sorted(os.listdir(trainer.checkpoint_dir(workdir)))
+    command = cli_fixtures.tiny_command(workdir, corpus, data_dir, '--config.train.batch_size=8')
+    code, stderr = run(command, env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, 'train.batch_size 4 -> 8',
+                    f'--config.train.init_from={workdir}')
+    assert sorted(os.listdir(trainer.checkpoint_dir(workdir))) == before
+    code, stderr = run(command + ['--verbose'], env)
+    assert code == errors.EXIT_USAGE and 'Traceback' in stderr
+
+
+def test_evaluate_refuses_other_parameters_and_never_creates_a_workdir(trained, corpus, env,
+                                                                       tmp_path):
+    workdir, data_dir = trained
+    evaluate = lambda w, *extra: cli_fixtures.tiny_command(w, corpus, data_dir, *extra,
+                                                           module='memjax.evaluate')
+    code, stderr = run(evaluate(workdir, '--config.model.d_model=64'), env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, 'model.d_model 32 -> 64')
+    missing = str(tmp_path / 'typo')
+    code, stderr = run(evaluate(missing), env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'does not exist')
+    assert not os.path.exists(missing)
+    os.makedirs(os.path.join(workdir, 'eval_test.json'))  # Where the result would go.
+    try:
+        code, stderr = run(evaluate(workdir, '--config.eval.split=test'), env)
+        assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'eval_test.json')
+        assert 'tokens scored' not in stderr  # Refused before evaluating.
+    finally:
+        os.rmdir(os.path.join(workdir, 'eval_test.json'))
+
+
+def test_bad_data_and_tokenizer_files_are_one_line(corpus, env, tmp_path):
+    binary = tmp_path / 'binary'
+    binary.mkdir()
+    for name in ('valid.txt', 'test.txt'):
+        (binary / name).write_bytes(open(os.path.join(corpus, name), 'rb').read())
+    (binary / 'train.txt').write_bytes(bytes(range(128, 256)) * 40)
+    code, stderr = run(cli_fixtures.tiny_command(str(tmp_path / 'w1'), str(binary),
+                                                 str(tmp_path / 'tfds')), env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'not valid UTF-8', 'iconv')
+    garbage = tmp_path / 'tokenizer.json'
+    garbage.write_bytes(b'\x00\xff not json')
+    code, stderr = run(cli_fixtures.tiny_command(
+        str(tmp_path / 'w2'), corpus, str(tmp_path / 'tfds'),
+        f'--config.data.vocab_path={garbage}'), env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'is not a memjax tokenizer file')
+    model = tmp_path / 'garbage.model'
+    model.write_bytes(b'not a sentencepiece model')
+    code, stderr = run(cli_fixtures.tiny_command(
+        str(tmp_path / 'w3'), corpus, str(tmp_path / 'tfds'), '--config.data.tokenizer=sentencepiece',
+        f'--config.data.vocab_path={model}'), env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'is not a sentencepiece model')
+
+
+# Runs memjax.train with orbax's array writer failing, as a full disk would make it fail.
+_FAILING_SAVE = textwrap.dedent('''
+    import runpy, sys
+    from orbax.checkpoint._src.serialization import jax_array_handlers
+    def refuse(*args, **kwargs):
+        raise OSError(28, 'No space left on device')
+    jax_array_handlers.check_array_values = refuse
+    sys.argv = ['memjax.train'] + sys.argv[1:]
+    runpy.run_module('memjax.train', run_name='__main__', alter_sys=True)
+''')
+
+
+def test_failed_save_ends_the_process_with_a_message(corpus, env, tmp_path):
+    command = cli_fixtures.tiny_command(str(tmp_path / 'w'), corpus, str(tmp_path / 'tfds'),
+                                        '--host_memory=off')
+    code, stderr = run([sys.executable, '-c', _FAILING_SAVE] + command[3:], env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'saving step 4', 'No space left',
+                    'resume from the start')
+
+
+# Runs memjax.train and pauses it before the train step is built, to be stopped there.
+_PAUSED_START = textwrap.dedent('''
+    import runpy, sys, time
+    from memjax import trainer
+    def pause(*args):
+        print('PAUSED', flush=True)
+        time.sleep(600)
+    trainer.make_steps = pause
+    sys.argv = ['memjax.train'] + sys.argv[1:]
+    runpy.run_module('memjax.train', run_name='__main__', alter_sys=True)
+''')
+
+
+def test_sigterm_during_start_up_exits_zero(corpus, env, tmp_path):
+    command = cli_fixtures.tiny_command(str(tmp_path / 'w'), corpus, str(tmp_path / 'tfds'),
+                                        '--host_memory=off')
+    process = subprocess.Popen([sys.executable, '-c', _PAUSED_START] + command[3:], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=training_fixtures.REPO)
+    for line in process.stdout:  # TFDS prints its progress on stdout first.
+        if line.strip() == 'PAUSED':
+            break
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=TIMEOUT_S)
+    assert process.returncode == 0, stderr[-3000:]
+    assert 'nothing new to save' in stderr
+    assert not os.listdir(trainer.checkpoint_dir(str(tmp_path / 'w')))
+
+
+def test_help_lists_the_flags_users_set(env):
+    for module in ('memjax.train', 'memjax.evaluate'):
+        result = subprocess.run([sys.executable, '-m', module, '--help'], env=env,
+                                capture_output=True, text=True, timeout=TIMEOUT_S)
+        for flag in ('config', 'workdir', 'host_memory', 'verbose', 'coordinator_address',
+                     'num_processes', 'process_id'):
+            assert f'--{flag}:' in result.stdout or f'--[no]{flag}:' in result.stdout, (module, flag)
