@@ -1,6 +1,7 @@
 """LMStreams layout, resets, exact coverage, process split and resumption."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -175,6 +176,22 @@ class _TooSmallVocab(tokenizers.ByteTokenizer):
     @property
     def vocab_size(self):
         return 100
+
+
+@pytest.mark.parametrize('damage', ['truncate', 'garble'])
+def test_damaged_token_cache_is_rebuilt(corpus, tmp_path, damage):
+    cfg, tok, ids = corpus
+    cache_dir = str(tmp_path)
+    pipeline.load_token_ids(cfg, 'test', tok, cache_dir=cache_dir)
+    (path,) = [os.path.join(cache_dir, n) for n in os.listdir(cache_dir) if 'tokens' in n]
+    if damage == 'truncate':  # A copy or a full disk cut it short.
+        with open(path, 'r+b') as f:
+            f.truncate(os.path.getsize(path) - 7)
+    else:  # Same size, ids out of range: not these tokens.
+        np.save(path, np.full(np.load(path).shape, 10_000, np.int32))
+    tokens, offsets = pipeline.load_token_ids(cfg, 'test', tok, cache_dir=cache_dir)
+    np.testing.assert_array_equal(tokens, np.concatenate(ids['test']))
+    np.testing.assert_array_equal(np.diff(offsets), [len(d) for d in ids['test']])
 
 
 def test_out_of_range_ids_name_the_split_and_fix(corpus):

@@ -219,3 +219,22 @@ def test_bfloat16_compute_tracks_float32_and_keeps_float32_gradients():
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype('float32')}
     np.testing.assert_allclose(out16.target_logprobs, out32.target_logprobs, atol=0.05)
     assert not np.array_equal(out16.target_logprobs, out32.target_logprobs)
+
+
+def test_out_of_range_ids_raise_eagerly_and_poison_under_jit():
+    cfg, model, params = setup(mem_len=4)
+    memory = init_memory(cfg, 2)
+    tokens = random_tokens(0, (2, 4))
+    bad_target = tokens.at[1, 2].set(VOCAB)  # One past the vocabulary.
+    bad_input = tokens.at[0, 1].set(-1)
+    with pytest.raises(ValueError, match=rf'1 targets ids lie outside \[0, {VOCAB}\)'):
+        model.apply({'params': params}, tokens, memory, targets=bad_target)
+    with pytest.raises(ValueError, match='1 tokens ids'):
+        model.apply({'params': params}, bad_input, memory, targets=tokens)
+    apply = jax.jit(model.apply)
+    out, _ = apply({'params': params}, tokens, memory, targets=bad_target)
+    nan = np.isnan(np.asarray(out.target_logprobs))
+    assert nan[1, 2] and nan.sum() == 1  # Only that target; gathers alone would clamp it.
+    out, new_memory = apply({'params': params}, bad_input, memory, targets=tokens)
+    assert np.isnan(np.asarray(lm_loss(out.target_logprobs)))
+    assert np.isfinite(np.asarray(out.hidden[1])).all()  # The other stream is untouched.

@@ -15,6 +15,7 @@ from memjax import model as model_lib
 from memjax import optim
 from memjax import train_step as train_step_lib
 from memjax import trainer
+from memjax import workdir as workdir_lib
 from memjax.data import embedded_corpus
 import training_fixtures
 
@@ -188,3 +189,28 @@ def test_more_training_steps_compile_nothing_more(corpus, tmp_path):
     finally:
         jax.monitoring.unregister_event_duration_listener(on_duration)
     assert counts[0] > 0 and counts[1] == counts[0], counts
+
+
+def test_non_finite_loss_from_out_of_range_ids_names_them():
+    values = {'nll_sum': np.array([3.0, np.nan]), 'grad_norm': np.array([1.0, np.nan]),
+              'learning_rate': np.array([1e-3, 1e-3]), 'out_of_range_ids': np.array([0, 5])}
+    with pytest.raises(errors.NonFiniteLossError, match=r'step 12: its batch holds 5 token ids '
+                       r'outside \[0, config.model.vocab_size\)'):
+        trainer._Interval(10).check_finite(values, '/run/checkpoints/10')
+    values['out_of_range_ids'] = np.array([0, 0])
+    with pytest.raises(errors.NonFiniteLossError, match='Lower config.train.learning_rate'):
+        trainer._Interval(10).check_finite(values, '/run/checkpoints/10')
+
+
+def test_train_step_counts_out_of_range_ids_of_inputs_and_scored_targets():
+    segment = {'inputs': np.array([[0, 5, 9], [3, -1, 2]]),
+               'targets': np.array([[5, 9, 10], [11, 2, 2]]),
+               'mask': np.array([[1, 1, 1], [0, 1, 1]], np.float32)}
+    # Inputs: -1. Targets: 10 (scored), 11 is padding (mask 0) and does not count.
+    assert int(train_step_lib.out_of_range_ids(segment, vocab_size=10)) == 2
+
+
+def test_second_training_run_on_a_workdir_is_refused(corpus, tmp_path):
+    with workdir_lib.RunLock(str(tmp_path)):
+        with pytest.raises(errors.WorkdirError, match='in use by another training run'):
+            trainer.train_and_evaluate(training_fixtures.tiny_config(corpus), str(tmp_path))

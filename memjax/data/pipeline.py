@@ -144,7 +144,7 @@ def _load_cache(tokens_path: Path, docs_path: Path, vocab_size: int
     except (ValueError, OSError, EOFError) as e:
         ok, reason = False, f'{type(e).__name__}: {e}'
     else:
-        reason = f'ids outside [0, {vocab_size}) or offsets that do not fit them'
+        reason = f'ids outside [0, {vocab_size}) or offsets that do not fit the ids'
     if not ok:
         logging.warning('Token cache %s is damaged (%s); building it again.',
                         tokens_path, reason)
@@ -178,6 +178,13 @@ def load_token_ids(data_cfg: Any, split: str, tokenizer: Tokenizer,
         _save_npy(tokens_path, np.concatenate(encoded).astype(np.int32))
         cached = _load_cache(tokens_path, docs_path, tokenizer.vocab_size)
         if cached is None:
+            ids = np.concatenate(encoded) if encoded else np.zeros(0, np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+                raise errors.DataError(
+                    f'Split {split!r} of {builder.info.full_name} has token ids in '
+                    f'[{ids.min()}, {ids.max()}] but the tokenizer has vocab_size '
+                    f'{tokenizer.vocab_size}: the tokenizer file is inconsistent; delete the '
+                    "run's tokenizer.json to build it again, or fix data.vocab_path.")
             raise errors.DataError(
                 f'the token cache {tokens_path} does not read back as written: check the '
                 'free space there, or set data.cache_dir to another folder.')
