@@ -406,8 +406,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 valid_loss = _validate(exp, eval_step, state.params, valid_streams,
                                        tcfg.eval_batches, step, writer)['loss']
                 eval_seconds += time.time() - eval_start
-                # The best validated state is always kept, also between checkpoint steps.
-                save = save or best_loss is None or valid_loss < best_loss
+                # The best validated state is kept, also between checkpoint steps (unless the
+                # run asked for its final checkpoint only).
+                save = save or (tcfg.checkpoint_every > 0
+                                and (best_loss is None or valid_loss < best_loss))
                 best_loss = valid_loss if best_loss is None else min(best_loss, valid_loss)
             if save:
                 ckpt.save(step, state, memory, iterator.get_state(), saved_config, valid_loss)

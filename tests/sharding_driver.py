@@ -114,7 +114,7 @@ def cross_mesh_resume(workdir: str, experiments: dict, batches: list) -> dict:
     saver, saver_steps = experiments['data8']
     ckpt = checkpointing.Checkpointer(os.path.join(workdir, 'ckpt'), keep=2)
     state, memory, _ = train(saver, saver_steps, batches[:1])
-    ckpt.save(int(state.step), state, memory, {'batches_read': 1})
+    ckpt.save(int(state.step), state, memory, {'batches_read': 1}, saver.config.to_dict())
     saved_leaf = jax.tree_util.tree_leaves(state.params)[0]
     # The next step donates the buffers the asynchronous save was given.
     train(saver, saver_steps, batches[1:], state, memory)

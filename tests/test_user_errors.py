@@ -137,43 +137,48 @@ def test_bad_data_and_tokenizer_files_are_one_line(corpus, env, tmp_path):
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'is not a sentencepiece model')
 
 
-# Runs memjax.train with orbax's array writer failing, as a full disk would make it fail.
-_FAILING_SAVE = textwrap.dedent('''
-    import runpy, sys
+def patched_train(patch: str) -> list[str]:
+    """`python -c` running memjax.train after `patch` (Python source) faked a fault or a pause."""
+    script = textwrap.dedent(patch) + textwrap.dedent('''
+        import runpy, sys
+        sys.argv = ['memjax.train'] + sys.argv[1:]
+        runpy.run_module('memjax.train', run_name='__main__', alter_sys=True)
+    ''')
+    return [sys.executable, '-c', script]
+
+
+# orbax's array writer fails, as a full disk would make it fail.
+_FAILING_SAVE = '''
     from orbax.checkpoint._src.serialization import jax_array_handlers
     def refuse(*args, **kwargs):
         raise OSError(28, 'No space left on device')
     jax_array_handlers.check_array_values = refuse
-    sys.argv = ['memjax.train'] + sys.argv[1:]
-    runpy.run_module('memjax.train', run_name='__main__', alter_sys=True)
-''')
+'''
 
 
 def test_failed_save_ends_the_process_with_a_message(corpus, env, tmp_path):
     command = cli_fixtures.tiny_command(str(tmp_path / 'w'), corpus, str(tmp_path / 'tfds'),
                                         '--host_memory=off')
-    code, stderr = run([sys.executable, '-c', _FAILING_SAVE] + command[3:], env)
+    code, stderr = run(patched_train(_FAILING_SAVE) + command[3:], env)
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'saving step 4', 'No space left',
                     'resume from the start')
 
 
-# Runs memjax.train and pauses it before the train step is built, to be stopped there.
-_PAUSED_START = textwrap.dedent('''
-    import runpy, sys, time
+# A pause before the train step is built, to stop the run there.
+_PAUSED_START = '''
+    import time
     from memjax import trainer
     def pause(*args):
         print('PAUSED', flush=True)
         time.sleep(600)
     trainer.make_steps = pause
-    sys.argv = ['memjax.train'] + sys.argv[1:]
-    runpy.run_module('memjax.train', run_name='__main__', alter_sys=True)
-''')
+'''
 
 
 def test_sigterm_during_start_up_exits_zero(corpus, env, tmp_path):
     command = cli_fixtures.tiny_command(str(tmp_path / 'w'), corpus, str(tmp_path / 'tfds'),
                                         '--host_memory=off')
-    process = subprocess.Popen([sys.executable, '-c', _PAUSED_START] + command[3:], env=env,
+    process = subprocess.Popen(patched_train(_PAUSED_START) + command[3:], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                cwd=training_fixtures.REPO)
     for line in process.stdout:  # TFDS prints its progress on stdout first.
@@ -184,6 +189,12 @@ def test_sigterm_during_start_up_exits_zero(corpus, env, tmp_path):
     assert process.returncode == 0, stderr[-3000:]
     assert 'nothing new to save' in stderr
     assert not os.listdir(trainer.checkpoint_dir(str(tmp_path / 'w')))
+
+
+def test_converter_errors_are_one_line(env, tmp_path):
+    code, stderr = run([sys.executable, '-m', 'memjax.convert.hf_transfo_xl',
+                        f'--checkpoint={tmp_path / "missing"}', f'--out={tmp_path / "out"}'], env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'does not exist')
 
 
 def test_help_lists_the_flags_users_set(env):
