@@ -13,7 +13,6 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from absl import app
 from absl import flags
-import jax
 import ml_collections
 
 from memjax import distributed

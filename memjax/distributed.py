@@ -17,7 +17,6 @@ import dataclasses
 import glob
 import importlib.util
 import os
-import sys
 import threading
 from typing import Iterator, Mapping, Optional
 
@@ -67,6 +66,11 @@ class DistributedSetupError(errors.UserError, ValueError):
     """The coordinator settings are incomplete or inconsistent; the message says which."""
     exit_code = errors.EXIT_USAGE
     label = 'Distributed setup error'
+
+
+class PeerFailureError(errors.UserError):
+    """Another process of the run died; this one stops too (exit status 3)."""
+    label = 'memjax'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +311,8 @@ def peer_failures_end_the_run() -> Iterator[None]:
     except jax.errors.JaxRuntimeError as error:
         if jax.process_count() == 1:
             raise
-        sys.exit(f'memjax: process {jax.process_index()} of {jax.process_count()} stops: an '
-                 f'operation across processes failed ({str(error)[:500]}). Usually another '
-                 'process died or was stopped: see its log. Restart all processes with the same '
-                 'command to resume from the last checkpoint.')
+        raise PeerFailureError(
+            f'process {jax.process_index()} of {jax.process_count()} stops: an operation across '
+            f'processes failed ({str(error)[:500]}). Usually another process died or was '
+            'stopped: see its log. Restart all processes with the same command to resume from '
+            'the last checkpoint.') from error
