@@ -30,6 +30,8 @@ define_flag account '' 'SLURM account; empty uses your default account.'
 define_flag time '' 'Time limit (e.g. 24:00:00); empty uses the partition default.'
 define_flag cpus-per-task '' 'CPU cores per process (data loading); empty uses the cluster default.'
 define_flag job-name memjax 'SLURM job name.'
+define_flag term-before-end 300 \
+  'Seconds before the time limit at which Slurm sends SIGTERM to the training processes (sbatch --signal=TERM@N; Slurm may send it up to 60 s earlier), so that they save a checkpoint and exit 0 instead of being killed; 0: no early signal.'
 define_flag output 'logs/slurm-%x-%j.out' 'Job log, relative to the checkout (%x: job name, %j: job id).'
 define_flag sbatch-flags '' 'Space-separated extra flags for sbatch (e.g. "--exclusive --qos=high").'
 define_train_flags
@@ -42,8 +44,10 @@ main() {
   local repo config_file output_dir name var cmd extra=() forwarded=()
   ((${#POSITIONAL[@]} == 0)) || die "unexpected argument '${POSITIONAL[0]}'; flags for memjax.train go after --"
   require_int nodes gpus-per-node
+  [[ $MEMJAX_TERM_BEFORE_END =~ ^[0-9]+$ ]] ||
+    die "--term-before-end must be a number of seconds (0: off), got '$MEMJAX_TERM_BEFORE_END'"
   # Fail here rather than after the job waited in the queue.
-  require config workdir
+  require_train_settings
   repo=$(cd "$SCRIPT_DIR/.." && pwd)
   config_file=${MEMJAX_CONFIG%%:*}
   [[ $config_file == /* ]] || config_file="$repo/$config_file"
@@ -52,6 +56,10 @@ main() {
   cmd=(sbatch "--job-name=$MEMJAX_JOB_NAME" "--nodes=$MEMJAX_NODES"
     "--ntasks-per-node=$MEMJAX_GPUS_PER_NODE" "--gpus-per-node=$MEMJAX_GPUS_PER_NODE"
     "--chdir=$repo" "--output=$MEMJAX_OUTPUT")
+  if ((MEMJAX_TERM_BEFORE_END > 0)); then
+    # Without "B:" Slurm signals the job steps, i.e. the srun-started training processes.
+    cmd+=("--signal=TERM@$MEMJAX_TERM_BEFORE_END")
+  fi
   for name in partition account time cpus-per-task; do
     var=$(flag_var "$name")
     if [[ -n ${!var} ]]; then

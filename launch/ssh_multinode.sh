@@ -36,9 +36,12 @@ define_flag hosts '' 'Hosts separated by commas or spaces ([user@]host); the fir
 define_flag hosts-file '' 'File with one [user@]host per line (blank lines and # comments are skipped).'
 define_flag procs-per-host 1 'Training processes per host: 1 (one process drives all local GPUs) or the number of GPUs (one process per GPU).'
 define_flag port 8476 'Coordinator port on the first host; must be free and reachable from all hosts.'
+define_flag coordinator-address '' \
+  'Host name or IP (optionally HOST:PORT) at which every host reaches the coordinator on the first host, e.g. its address on the cluster network; empty: the first host name, which must then resolve on every host.'
 define_flag remote-dir "$(cd "$SCRIPT_DIR/.." && pwd)" 'memjax checkout on the hosts (default: this checkout, assuming a shared filesystem).'
 define_flag log-dir logs 'Log and pid directory, relative to --remote-dir.'
-define_flag ssh-flags '-o BatchMode=yes' 'Space-separated flags for ssh (e.g. "-o BatchMode=yes -p 2222").'
+define_flag ssh-flags '-o BatchMode=yes -o StrictHostKeyChecking=accept-new' \
+  'Space-separated flags for ssh (e.g. "-p 2222"). accept-new records the key of a host seen for the first time instead of prompting (BatchMode would fail there), and still refuses a changed key.'
 define_flag signal TERM '"stop" sends this signal (TERM: checkpoint and exit; KILL: immediately).'
 define_flag process 0 'Process whose log "logs" and "tail" show.'
 define_flag lines 100 'Number of log lines "logs" and "tail" print first.'
@@ -82,6 +85,11 @@ cmd_start() {
   num=$((${#HOSTS[@]} * MEMJAX_PROCS_PER_HOST))
   # The coordinator address is dialled by every host, so drop any "user@".
   coordinator="${HOSTS[0]##*@}:$MEMJAX_PORT"
+  if [[ $MEMJAX_COORDINATOR_ADDRESS == *:* ]]; then
+    coordinator=$MEMJAX_COORDINATOR_ADDRESS
+  elif [[ -n $MEMJAX_COORDINATOR_ADDRESS ]]; then
+    coordinator="$MEMJAX_COORDINATOR_ADDRESS:$MEMJAX_PORT"
+  fi
   for h in "${!HOSTS[@]}"; do
     snippets="mkdir -p $(shell_quote "$MEMJAX_LOG_DIR")"
     for ((j = 0; j < MEMJAX_PROCS_PER_HOST; j++)); do

@@ -4,6 +4,8 @@
 # every worker, follow logs, stop, delete. Single-host slices (v5litepod-8) and
 # pod slices (v4-32, v5p-64) are handled alike: every command addresses all
 # workers with --worker=all, and on TPU memjax.train finds its peers itself.
+# It drives the TPU VM API of "gcloud compute tpus" (v4, v5e, v5p, v6e), which
+# Google keeps for fixes only and which does not offer TPU7x (Ironwood) or later.
 set -euo pipefail
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -20,22 +22,36 @@ Subcommands (several run in order, e.g. "sync setup run"):
   status   Describe the TPU VM (or the queued resource with --queued).
   sync     Copy the code (git archive of --git-ref, by default the current
            tracked files including uncommitted changes) to --remote-dir on all
-           workers.
-  setup    pip install memjax and jax[tpu] on all workers (after sync).
+           workers, unpacked into a fresh directory that replaces the old one
+           (files deleted from the repository do not linger; --log-dir moves
+           over).
+  setup    Create a Python >= 3.11 virtualenv (--venv) on all workers with uv
+           (installed if missing; it fetches --python-version when the image
+           has an older Python, as tpu-ubuntu2204-base with 3.10 does), then
+           pip install memjax and jax[tpu] into it (after sync).
   run      Start python -m memjax.train on all workers in the background;
-           worker N logs to --remote-dir/--log-dir/worker-N.log.
+           worker N logs to --remote-dir/--log-dir/worker-N.log. A worker whose
+           TPU is held by another process, or that has a stale
+           /tmp/libtpu_lockfile, is reported with the fix; --clear-tpu kills
+           such processes and removes the lock file first.
   logs     Print the last --lines lines of worker --worker's log.
   tail     Follow worker --worker's log.
   stop     Send --signal to the training process on all workers (SIGTERM: the
            run saves a checkpoint at the next step and exits; "run" resumes).
   delete   Delete the TPU VM (with --queued: the queued resource and its VM).
 
+Supported: v4, v5e (v5litepod), v5p, v6e through the Cloud TPU VM API of
+"gcloud compute tpus". That API is in maintenance (fixes only) and does not
+create TPU7x (Ironwood) or later generations: those run as TPU node pools of
+Google Kubernetes Engine (GKE 1.34 or later; multi-host slices take a workload
+placement policy), which this script does not drive.
+
 Example:
   launch/tpu_vm.sh --tpu-name=memjax-v4 --zone=us-central2-b \\
       --accelerator-type=v4-32 create sync setup
   launch/tpu_vm.sh --tpu-name=memjax-v4 --zone=us-central2-b \\
       --config=configs/transformer_xl_wt103_base.py \\
-      --workdir=gs://my-bucket/memjax/wt103 run -- --config.train.num_steps=200000
+      --workdir=/mnt/shared/memjax/wt103 run -- --config.train.num_steps=200000
 EOF
   print_settings
 }
@@ -56,12 +72,21 @@ define_flag log-dir logs 'Log and pid directory on the workers, relative to --re
 define_flag git-ref '' 'Git revision to sync; empty syncs the tracked files of the local working tree.'
 define_flag pip-find-links '' \
   'Extra pip -f page for "setup". jax[tpu] takes libtpu from PyPI; set https://storage.googleapis.com/jax-releases/libtpu_releases.html for libtpu builds that are only there.'
+define_flag venv memjax-venv \
+  'Virtualenv on the workers (relative to the remote home, or absolute) that "setup" creates and "run" uses, unless --python names an interpreter.'
+define_flag python-version 3.12 'Python that uv puts into --venv (memjax needs >= 3.11).'
+define_switch clear-tpu 'Before "run": kill processes that hold the TPU and remove a stale /tmp/libtpu_lockfile.'
+define_flag strict-host-key-checking no \
+  'Passed to gcloud ssh/scp: "no" accepts each worker'"'"'s host key on first connection instead of asking once per worker; "yes" or "ask" to verify; empty: gcloud'"'"'s default.'
 define_flag worker 0 'Worker whose log "logs" and "tail" show.'
 define_flag lines 100 'Number of log lines "logs" and "tail" print first.'
 define_flag signal TERM 'Signal "stop" sends (TERM: checkpoint and exit; KILL: immediately).'
-define_train_flags
+define_train_flags ''
 
 parse_flags "$@"
+
+# "run" and "setup" name the interpreter as a word the worker's shell expands.
+readonly VENV_PYTHON=@VENV_PYTHON@
 
 # Prints the worker index of the TPU VM it runs on (the metadata attribute that
 # JAX itself reads), falling back to the "-w-N" suffix of the host name.
@@ -73,10 +98,49 @@ gcloud_location_flags() {
   if [[ -n $MEMJAX_PROJECT ]]; then
     GCLOUD_FLAGS+=("--project=$MEMJAX_PROJECT")
   fi
+  SSH_FLAGS=()
+  if [[ -n $MEMJAX_STRICT_HOST_KEY_CHECKING ]]; then
+    SSH_FLAGS=("--strict-host-key-checking=$MEMJAX_STRICT_HOST_KEY_CHECKING")
+  fi
 }
 
 ssh_worker() {  # WORKER COMMAND
-  run gcloud compute tpus tpu-vm ssh "$MEMJAX_TPU_NAME" "${GCLOUD_FLAGS[@]}" "--worker=$1" "--command=$2"
+  run gcloud compute tpus tpu-vm ssh "$MEMJAX_TPU_NAME" "${GCLOUD_FLAGS[@]}" ${SSH_FLAGS[@]+"${SSH_FLAGS[@]}"} \
+    "--worker=$1" "--command=$2"
+}
+
+# --venv as a shell word for the workers (a relative path is under the remote home).
+remote_venv() {
+  # shellcheck disable=SC2153  # set by define_flag
+  if [[ $MEMJAX_VENV == /* ]]; then
+    shell_quote "$MEMJAX_VENV"
+  else
+    # shellcheck disable=SC2016  # expanded on the worker
+    printf '"$HOME"/%s' "$(shell_quote "$MEMJAX_VENV")"
+  fi
+}
+
+# The interpreter on the workers, as a shell word: --python, or the python of --venv.
+remote_python() {
+  if [[ -n $MEMJAX_PYTHON ]]; then
+    shell_quote "$MEMJAX_PYTHON"
+  else
+    printf '%s/bin/python' "$(remote_venv)"
+  fi
+}
+
+# Prints the worker snippet that unpacks ARCHIVE into a fresh DIR (files deleted from the
+# repository must not linger in the old copy), keeping DIR's LOG_DIR (logs, pid files).
+fresh_unpack_snippet() {  # ARCHIVE DIR LOG_DIR
+  local dir new old keep=''
+  dir=$(shell_quote "$2")
+  new=$(shell_quote "$2.new")
+  old=$(shell_quote "$2.old")
+  if [[ $3 != /* ]]; then
+    keep=" && { [ ! -d $(shell_quote "$2/$3") ] || mv $(shell_quote "$2/$3") $(shell_quote "$2.new/$3"); }"
+  fi
+  printf '%s' "rm -rf $new $old && mkdir -p $new && tar -xzf $1 -C $new && rm -f $1$keep" \
+    " && { [ ! -d $dir ] || mv $dir $old; } && mv $new $dir && rm -rf $old"
 }
 
 ssh_worker_in_dir() {  # WORKER COMMAND, run in --remote-dir
@@ -135,25 +199,73 @@ cmd_sync() {
   fi
   archive="${TMPDIR:-/tmp}/memjax-src-$MEMJAX_TPU_NAME.tar.gz"
   run git -C "$repo" archive --format=tar.gz -o "$archive" "$ref"
-  run gcloud compute tpus tpu-vm scp "$archive" "$MEMJAX_TPU_NAME:$remote_archive" "${GCLOUD_FLAGS[@]}" --worker=all
-  ssh_worker all "mkdir -p $(shell_quote "$MEMJAX_REMOTE_DIR") && tar -xzf $remote_archive -C $(shell_quote "$MEMJAX_REMOTE_DIR") && rm -f $remote_archive"
+  run gcloud compute tpus tpu-vm scp "$archive" "$MEMJAX_TPU_NAME:$remote_archive" "${GCLOUD_FLAGS[@]}" \
+    ${SSH_FLAGS[@]+"${SSH_FLAGS[@]}"} --worker=all
+  ssh_worker all "$(fresh_unpack_snippet "$remote_archive" "$MEMJAX_REMOTE_DIR" "$MEMJAX_LOG_DIR")"
   run rm -f "$archive"
 }
 
+# Prints the worker snippet that makes --venv a Python >= 3.11 virtualenv, with uv.
+venv_snippet() {
+  local venv py uv_dir
+  # shellcheck disable=SC2016  # expanded on the worker
+  uv_dir='"$HOME"/.local/bin'
+  venv=$(remote_venv)
+  py="$venv/bin/python"
+  printf '%s' "if [ ! -x $py ] || ! $py -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then" \
+    " uv=\$(command -v uv || echo $uv_dir/uv);" \
+    " if [ ! -x \"\$uv\" ]; then curl -LsSf https://astral.sh/uv/install.sh | env UV_INSTALL_DIR=$uv_dir UV_NO_MODIFY_PATH=1 sh >/dev/null ||" \
+    " { echo \"\$(hostname): cannot install uv (https://astral.sh/uv/install.sh), which provides Python >= 3.11 here; install Python >= 3.11 and pass --python\" >&2; exit 1; }; fi;" \
+    " \"\$uv\" venv --seed --clear --python $(shell_quote "$MEMJAX_PYTHON_VERSION") $venv ||" \
+    " { echo \"\$(hostname): uv could not create $venv with Python $(shell_quote "$MEMJAX_PYTHON_VERSION")\" >&2; exit 1; };" \
+    " fi"
+}
+
+# Prints the worker snippet that stops unless PYTHON (a shell word) is Python >= 3.11.
+python_check_snippet() {
+  printf '%s' "$1 -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||" \
+    " { echo \"\$(hostname): memjax needs Python >= 3.11 but $1 is \$($1 -V 2>&1); run setup without --python (it builds --venv with uv), or name another interpreter\" >&2; exit 1; }"
+}
+
 cmd_setup() {
-  local pip_cmd
-  pip_cmd=("$MEMJAX_PYTHON" -m pip install -e . 'jax[tpu]')
+  local pip_cmd python prepare=''
+  python=$(remote_python)
+  pip_cmd=(-m pip install -e . 'jax[tpu]')
   if [[ -n $MEMJAX_PIP_FIND_LINKS ]]; then
     pip_cmd+=(-f "$MEMJAX_PIP_FIND_LINKS")
   fi
-  ssh_worker_in_dir all "$(shell_quote "$MEMJAX_PYTHON" -m pip install --upgrade pip) && $(shell_quote "${pip_cmd[@]}")"
+  if [[ -z $MEMJAX_PYTHON ]]; then
+    prepare="$(venv_snippet); "
+  fi
+  ssh_worker_in_dir all "$prepare$(python_check_snippet "$python") && $python -m pip install --upgrade pip && $python $(shell_quote "${pip_cmd[@]}")"
 }
 
 cmd_run() {
-  local log pidfile
+  local log pidfile command body
   log="$(shell_quote "$MEMJAX_LOG_DIR")/worker-\$id.log"
   pidfile="$(shell_quote "$MEMJAX_LOG_DIR")/worker-\$id.pid"
-  ssh_worker_in_dir all "mkdir -p $(shell_quote "$MEMJAX_LOG_DIR"); $WORKER_ID_SNIPPET; $(detached_start_snippet "$log" "$pidfile" "$(shell_quote "${TRAIN_CMD[@]}")")"
+  command=$(shell_quote "${TRAIN_CMD[@]}")
+  command=${command//$VENV_PYTHON/$(remote_python)}
+  # Our own run holding the TPU is reported as "already running" by the start snippet.
+  body="mkdir -p $(shell_quote "$MEMJAX_LOG_DIR"); $WORKER_ID_SNIPPET;"
+  body+=" if [ -f $pidfile ] && kill -0 \"\$(cat $pidfile)\" 2>/dev/null; then :; else $(tpu_free_snippet "$MEMJAX_CLEAR_TPU"); fi;"
+  body+=" $(detached_start_snippet "$log" "$pidfile" "$command")"
+  ssh_worker_in_dir all "$body"
+}
+
+# Prints the worker snippet that checks that no other process holds the TPU (its device
+# files, or libtpu's lock file left by a process that died) and, with CLEAR=1, frees it.
+tpu_free_snippet() {  # CLEAR
+  local lock=/tmp/libtpu_lockfile
+  if (($1)); then
+    printf '%s' "holders=\$(lsof -t /dev/accel* /dev/vfio/[0-9]* 2>/dev/null | sort -u | xargs);" \
+      " if [ -n \"\$holders\" ]; then echo \"\$(hostname): killing TPU holders \$holders\"; kill -9 \$holders; sleep 2; fi;" \
+      " rm -f $lock"
+  else
+    printf '%s' "holders=\$(lsof -t /dev/accel* /dev/vfio/[0-9]* 2>/dev/null | sort -u | xargs);" \
+      " if [ -n \"\$holders\" ]; then echo \"\$(hostname): the TPU is held by process(es) \$holders (\$(ps -o comm= -p \"\$(echo \$holders | tr ' ' ',')\" | xargs)): stop them (launch/tpu_vm.sh stop, or kill them), or run again with --clear-tpu to kill them\" >&2; exit 1; fi;" \
+      " if [ -e $lock ]; then echo \"\$(hostname): $lock is left over from a process that no longer holds the TPU; run again with --clear-tpu to remove it (or rm $lock)\" >&2; exit 1; fi"
+  fi
 }
 
 cmd_logs() {  # TAIL_FLAGS...
@@ -184,12 +296,21 @@ main() {
       create | status | sync | setup | run | logs | tail | stop | delete) ;;
       *) die "unknown subcommand '$sub' (create, status, sync, setup, run, logs, tail, stop, delete); see --help" ;;
     esac
+    if [[ $sub == create && $MEMJAX_ACCELERATOR_TYPE =~ ^(tpu|v)([7-9]|[1-9][0-9]) ]]; then
+      die "--accelerator-type='$MEMJAX_ACCELERATOR_TYPE': TPU7x (Ironwood) and later are not offered by the 'gcloud compute tpus' API this script drives; create them as a GKE TPU node pool (see --help)"
+    fi
     if [[ $sub == create && ! $MEMJAX_ACCELERATOR_TYPE =~ ^v[0-9]+[a-z]*-[0-9]+$ ]]; then
       die "--accelerator-type='$MEMJAX_ACCELERATOR_TYPE' is not a TPU type like v5litepod-8, v4-32 or v5p-64"
     fi
     if [[ $sub == run ]]; then
-      # shellcheck disable=SC2119  # on TPU, memjax.train needs no coordinator flags
-      build_train_command
+      # On TPU, memjax.train needs no coordinator flags.
+      if [[ -z $MEMJAX_PYTHON ]]; then
+        # shellcheck disable=SC2119
+        MEMJAX_PYTHON=$VENV_PYTHON build_train_command
+      else
+        # shellcheck disable=SC2119
+        build_train_command
+      fi
     fi
   done
   require tpu-name zone

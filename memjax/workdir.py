@@ -29,6 +29,11 @@ def check(workdir: str, create: bool) -> None:
 
     Without `create` (evaluation) a missing workdir is an error and nothing is created.
     """
+    if '://' in workdir:
+        raise errors.WorkdirError(
+            f'--workdir={workdir}: memjax writes its workdir with file-system calls and does not '
+            'speak to object stores by URL yet; give a path every process sees (an NFS share such '
+            'as Filestore, or the bucket mounted with Cloud Storage FUSE).')
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise errors.WorkdirError(f'--workdir={workdir} is a file, not a folder: name a folder.')
     if not os.path.exists(workdir):

@@ -273,7 +273,7 @@ def test_tpu_settings_come_from_the_environment_and_flags_win(fake):
 
 def test_tpu_every_worker_command_addresses_all_workers_in_the_zone(fake):
     out = fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, '--project=proj', '--config=configs/tiny.py',
-                   '--workdir=gs://bucket/run', '--git-ref=HEAD', 'sync', 'setup', 'run', 'stop').stdout
+                   '--workdir=/mnt/shared/run', '--git-ref=HEAD', 'sync', 'setup', 'run', 'stop').stdout
     gcloud = [argv for argv in commands(out) if argv[0] == 'gcloud']
     assert [argv[4] for argv in gcloud] == ['scp', 'ssh', 'ssh', 'ssh', 'ssh']
     for argv in gcloud:
@@ -281,9 +281,11 @@ def test_tpu_every_worker_command_addresses_all_workers_in_the_zone(fake):
         assert flag_value(argv, 'worker') == 'all'
         assert flag_value(argv, 'zone') == 'us-central2-b'
         assert flag_value(argv, 'project') == 'proj'
+        assert flag_value(argv, 'strict-host-key-checking') == 'no'  # No prompt per worker.
     setup, run = flag_value(gcloud[2], 'command'), flag_value(gcloud[3], 'command')
-    assert setup.endswith("python3 -m pip install -e . 'jax[tpu]'; }")
-    assert 'nohup python3 -m memjax.train --config=configs/tiny.py --workdir=gs://bucket/run' in run
+    assert setup.endswith('"$HOME"/memjax-venv/bin/python -m pip install -e . \'jax[tpu]\'; }')
+    assert ('nohup "$HOME"/memjax-venv/bin/python -m memjax.train --config=configs/tiny.py '
+            '--workdir=/mnt/shared/run') in run
     assert 'logs/worker-$id.log' in run
 
 
@@ -291,8 +293,13 @@ def test_tpu_setup_uses_the_given_python_and_package_page(fake):
     [argv] = commands(fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, '--python=/opt/venv/bin/python',
                                '--pip-find-links=https://example.org/libtpu.html', '--remote-dir=code dir',
                                'setup').stdout)
-    assert flag_value(argv, 'command') == (
-        "cd 'code dir' && { /opt/venv/bin/python -m pip install --upgrade pip && "
+    command = flag_value(argv, 'command')
+    # No virtualenv is built for a given interpreter, but its version is checked first.
+    assert command.startswith("cd 'code dir' && { /opt/venv/bin/python -c 'import sys; "
+                              "sys.exit(sys.version_info < (3, 11))' || {")
+    assert 'uv' not in command.split()
+    assert command.endswith(
+        "&& /opt/venv/bin/python -m pip install --upgrade pip && "
         "/opt/venv/bin/python -m pip install -e . 'jax[tpu]' -f https://example.org/libtpu.html; }")
 
 
@@ -309,7 +316,7 @@ def test_tpu_sync_run_stop_on_simulated_pod_workers(fake):
     workers = 2
     env = {'FAKE_TPU_ROOT': str(fake.root / 'pod'), 'FAKE_TPU_WORKERS': str(workers)}
     settings = [*TPU_FLAGS, '--accelerator-type=v4-16', '--git-ref=HEAD', f'--python={fake.python}',
-                '--config=configs/tiny.py', '--workdir=gs://bucket/run']
+                '--config=configs/tiny.py', '--workdir=/mnt/shared/run']
     homes = [fake.root / 'pod' / f'worker-{w}' for w in range(workers)]
     pid_files = [home / 'memjax' / 'logs' / f'worker-{w}.pid' for w, home in enumerate(homes)]
     try:
@@ -320,7 +327,7 @@ def test_tpu_sync_run_stop_on_simulated_pod_workers(fake):
             assert wait_for(lambda: 'GPU' in log.read_text()), log.read_text()
             args = log.read_text().split('\n')[0].split()
             assert args == ['ARGS', '-m', 'memjax.train', '--config=configs/tiny.py',
-                            '--workdir=gs://bucket/run', '--config.seed=3']
+                            '--workdir=/mnt/shared/run', '--config.seed=3']
         again = fake.run('tpu_vm.sh', *settings, 'run', env=env, check=False)
         assert again.returncode != 0 and 'already running' in again.stderr
         pids = [int(p.read_text()) for p in pid_files]
@@ -330,6 +337,121 @@ def test_tpu_sync_run_stop_on_simulated_pod_workers(fake):
             assert 'got SIGTERM' in (home / 'memjax' / 'logs' / f'worker-{w}.log').read_text()
     finally:
         kill_leftovers([p for p in pid_files if p.exists()])
+
+
+# Stands in for uv on the workers: "uv venv ... --python V DIR" makes DIR/bin/python, the
+# fake trainer, or with FAKE_OLD_PYTHON an interpreter that is too old for memjax.
+FAKE_UV = '''
+import os, shutil, sys
+with open(os.environ['FAKE_LOG'], 'a') as f:
+    f.write('\\x1f'.join(['uv'] + sys.argv[1:]) + '\\x1e')
+venv = sys.argv[-1]
+os.makedirs(os.path.join(venv, 'bin'), exist_ok=True)
+python = os.path.join(venv, 'bin', 'python')
+if os.environ.get('FAKE_OLD_PYTHON'):
+    with open(python, 'w') as f:
+        f.write('#!/bin/sh\\n[ "$1" = -V ] && echo "Python 3.10.12"; exit 1\\n')
+    os.chmod(python, 0o755)
+else:
+    shutil.copy(os.environ['FAKE_TRAINER'], python)
+'''
+
+
+def simulated_pod(fake, workers=2, **extra_env):
+    env = {'FAKE_TPU_ROOT': str(fake.root / 'pod'), 'FAKE_TPU_WORKERS': str(workers),
+           'FAKE_TRAINER': fake.python, **extra_env}
+    return env, [fake.root / 'pod' / f'worker-{w}' for w in range(workers)]
+
+
+@pytest.mark.skipif(not (REPO / '.git').exists(), reason='sync archives the git checkout')
+def test_tpu_setup_builds_a_python_311_virtualenv_with_uv_and_run_uses_it(fake):
+    _write_executable(fake.root / 'bin' / 'uv', FAKE_UV)
+    env, homes = simulated_pod(fake)
+    settings = [*TPU_FLAGS, '--git-ref=HEAD', '--python-version=3.12', '--config=configs/tiny.py',
+                '--workdir=/mnt/shared/run']
+    pid_files = [home / 'memjax' / 'logs' / f'worker-{w}.pid' for w, home in enumerate(homes)]
+    try:
+        fake.run('tpu_vm.sh', *settings, 'sync', 'setup', 'run', env=env)
+        uv_calls = [c for c in fake.calls() if c[0] == 'uv']
+        assert [c[:5] for c in uv_calls] == [['uv', 'venv', '--seed', '--clear', '--python']] * 2
+        assert sorted(c[5:] for c in uv_calls) == [['3.12', str(h / 'memjax-venv')] for h in homes]
+        for w, home in enumerate(homes):
+            log = home / 'memjax' / 'logs' / f'worker-{w}.log'
+            assert wait_for(lambda: 'GPU' in log.read_text()), log.read_text()
+            assert log.read_text().split()[1:3] == ['-m', 'memjax.train']
+        # A second setup finds a good virtualenv and builds nothing.
+        fake.run('tpu_vm.sh', *settings, 'setup', env=env)
+        assert len([c for c in fake.calls() if c[0] == 'uv']) == 2
+    finally:
+        kill_leftovers([p for p in pid_files if p.exists()])
+
+
+def test_tpu_setup_stops_with_one_line_when_python_311_cannot_be_had(fake):
+    _write_executable(fake.root / 'bin' / 'uv', FAKE_UV)
+    env, _ = simulated_pod(fake, workers=1, FAKE_OLD_PYTHON='1')
+    (fake.root / 'pod' / 'worker-0' / 'memjax').mkdir(parents=True)
+    proc = fake.run('tpu_vm.sh', *TPU_FLAGS, 'setup', env=env, check=False)
+    assert proc.returncode != 0
+    assert 'memjax needs Python >= 3.11 but' in proc.stderr and 'is Python 3.10.12' in proc.stderr
+    proc = fake.run('tpu_vm.sh', *TPU_FLAGS, f'--python={fake.root / "pod" / "worker-0" / "memjax-venv" / "bin" / "python"}',
+                    'setup', env=env, check=False)
+    assert proc.returncode != 0 and 'memjax needs Python >= 3.11' in proc.stderr
+
+
+@pytest.mark.skipif(not (REPO / '.git').exists(), reason='sync archives the git checkout')
+def test_tpu_sync_unpacks_into_a_fresh_directory_and_keeps_the_logs(fake):
+    env, homes = simulated_pod(fake, workers=1)
+    code = homes[0] / 'memjax'
+    (code / 'logs').mkdir(parents=True)
+    (code / 'removed_from_repo.py').write_text('stale')
+    (code / 'logs' / 'worker-0.log').write_text('earlier run')
+    fake.run('tpu_vm.sh', *TPU_FLAGS, '--git-ref=HEAD', 'sync', env=env)
+    assert not (code / 'removed_from_repo.py').exists()
+    assert (code / 'memjax' / 'train.py').exists()
+    assert (code / 'logs' / 'worker-0.log').read_text() == 'earlier run'
+    assert sorted(p.name for p in homes[0].iterdir()) == ['memjax']  # No .new / .old / archive.
+
+
+def test_tpu_run_refuses_a_busy_tpu_and_clear_tpu_frees_it(fake):
+    holder = subprocess.Popen(['sleep', '60'])
+    try:
+        _write_executable(fake.root / 'bin' / 'lsof', f'echo {holder.pid}\n', python=False)
+        env, homes = simulated_pod(fake, workers=1)
+        (homes[0] / 'memjax').mkdir(parents=True)
+        settings = [*TPU_FLAGS, f'--python={fake.python}', '--config=configs/tiny.py',
+                    '--workdir=/mnt/shared/run']
+        proc = fake.run('tpu_vm.sh', *settings, 'run', env=env, check=False)
+        assert proc.returncode != 0
+        assert f'the TPU is held by process(es) {holder.pid} (sleep' in proc.stderr
+        assert '--clear-tpu' in proc.stderr and holder.poll() is None
+        pid_file = homes[0] / 'memjax' / 'logs' / 'worker-0.pid'
+        # Holds the TPU until it is killed.
+        _write_executable(fake.root / 'bin' / 'lsof', f'kill -0 {holder.pid} 2>/dev/null && echo {holder.pid}\n',
+                          python=False)
+        out = fake.run('tpu_vm.sh', *settings, '--clear-tpu', 'run', env=env).stdout
+        assert f'killing TPU holders {holder.pid}' in out
+        assert wait_for(lambda: holder.poll() is not None)
+        assert pid_file.exists()
+    finally:
+        holder.kill()
+        kill_leftovers([p for p in [homes[0] / 'memjax' / 'logs' / 'worker-0.pid'] if p.exists()])
+
+
+@pytest.mark.parametrize('script, extra', [('tpu_vm.sh', [*TPU_FLAGS, 'run']),
+                                           ('ssh_multinode.sh', ['--hosts=a', 'start']),
+                                           ('slurm_submit.sh', [])])
+def test_object_store_workdir_is_refused_before_anything_runs(fake, script, extra):
+    proc = fake.run(script, '--dry-run', '--config=configs/tiny.py', '--workdir=gs://bucket/run', *extra,
+                    check=False)
+    assert proc.returncode == 2 and 'Cloud Storage FUSE' in proc.stderr and not proc.stdout
+
+
+def test_tpu_create_refuses_tpu7x_and_points_to_gke(fake):
+    for accelerator in ('tpu7x-128', 'v7x-64'):
+        proc = fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, f'--accelerator-type={accelerator}', 'create',
+                        check=False)
+        assert proc.returncode == 2 and 'GKE TPU node pool' in proc.stderr, proc.stderr
+    assert 'TPU7x (Ironwood)' in fake.run('tpu_vm.sh', '--help').stdout
 
 
 # --- SLURM --------------------------------------------------------------------------------
@@ -377,7 +499,7 @@ def test_slurm_submit_shapes_the_job_and_forwards_settings_to_the_batch_script(f
     assert sbatch[0] == 'sbatch'
     for name, value in [('nodes', '2'), ('ntasks-per-node', '4'), ('gpus-per-node', '4'), ('partition', 'gpu'),
                         ('time', '1:00:00'), ('cpus-per-task', '12'), ('chdir', str(REPO)),
-                        ('output', str(output))]:
+                        ('output', str(output)), ('signal', 'TERM@300')]:
         assert flag_value(sbatch, name) == value
     script_at = sbatch.index(str(LAUNCH / 'slurm_gpu.sbatch'))
     # The batch script accepts what submit hands it and derives the same job.
@@ -386,6 +508,16 @@ def test_slurm_submit_shapes_the_job_and_forwards_settings_to_the_batch_script(f
     task = commands(out)[0][-1]
     assert '--workdir=/shared/run' in task and '--coordinator_address=gpu07:23456' in task
     assert '--num_processes=8' in task and task.endswith('--config.seed=9 --process_id=$SLURM_PROCID')
+
+
+def test_slurm_submit_signal_before_the_time_limit_is_configurable(fake):
+    args = ['--dry-run', '--config=configs/tiny.py', '--workdir=/shared/run']
+    _, sbatch = commands(fake.run('slurm_submit.sh', *args, '--term-before-end=900').stdout)
+    assert flag_value(sbatch, 'signal') == 'TERM@900'
+    _, sbatch = commands(fake.run('slurm_submit.sh', *args, '--term-before-end=0').stdout)
+    assert not any(a.startswith('--signal') for a in sbatch)
+    proc = fake.run('slurm_submit.sh', *args, '--term-before-end=5min', check=False)
+    assert proc.returncode == 2 and '--term-before-end must be a number of seconds' in proc.stderr
 
 
 # --- ssh multi-node -----------------------------------------------------------------------
@@ -415,6 +547,16 @@ def test_ssh_assigns_consecutive_process_ids_per_host_with_the_coordinator_on_th
     assert list(found) == ['alice@node-a', 'node-b', 'node-c']
     for h, host in enumerate(found):
         assert found[host] == [(h * 2 + j, 6, 'node-a:9999', str(j)) for j in range(2)]
+
+
+def test_ssh_coordinator_address_can_differ_from_the_first_host_name(fake):
+    args = ['--dry-run', '--hosts=login-a,login-b', '--port=9999', '--config=c.py', '--workdir=/w', 'start']
+    for given, expected in [('10.0.0.5', '10.0.0.5:9999'), ('ib-a:7000', 'ib-a:7000')]:
+        out = fake.run('ssh_multinode.sh', f'--coordinator-address={given}', *args).stdout
+        assert all(f'--coordinator_address={expected}' in argv[-1] for argv in commands(out))
+    out = fake.run('ssh_multinode.sh', *args).stdout
+    assert all('--coordinator_address=login-a:9999' in argv[-1] for argv in commands(out))
+    assert all(['-o', 'StrictHostKeyChecking=accept-new'] == argv[3:5] for argv in commands(out))
 
 
 def test_ssh_one_process_per_host_sees_all_gpus(fake):

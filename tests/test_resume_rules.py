@@ -118,7 +118,7 @@ def test_lock_of_a_dead_process_or_with_an_old_heartbeat_is_taken_over(tmp_path)
         pass
 
 
-def test_workdir_that_is_a_file_or_missing_for_evaluation_is_an_error(tmp_path):
+def test_workdir_that_is_a_file_a_url_or_missing_for_evaluation_is_an_error(tmp_path, monkeypatch):
     a_file = tmp_path / 'file'
     a_file.write_text('x')
     with pytest.raises(errors.WorkdirError, match='is a file'):
@@ -128,6 +128,10 @@ def test_workdir_that_is_a_file_or_missing_for_evaluation_is_an_error(tmp_path):
     with pytest.raises(errors.WorkdirError, match='does not exist'):
         workdir_lib.check(str(tmp_path / 'missing'), create=False)
     assert not os.path.exists(tmp_path / 'missing')
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(errors.WorkdirError, match='Cloud Storage FUSE'):
+        workdir_lib.check('gs://bucket/run', create=True)
+    assert not os.path.exists(tmp_path / 'gs:')  # No local look-alike folder.
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason='root may write into read-only folders')
