@@ -22,18 +22,18 @@ Subcommands (several run in order, e.g. "sync setup run"):
   status   Describe the TPU VM (or the queued resource with --queued).
   sync     Copy the code (git archive of --git-ref, by default the current
            tracked files including uncommitted changes) to --remote-dir on all
-           workers, unpacked into a fresh directory that replaces the old one
-           (files deleted from the repository do not linger; --log-dir moves
-           over).
+           workers; files that the previous sync brought and the repository no
+           longer has are deleted there (nothing else: logs, workdirs and
+           virtualenvs in --remote-dir stay).
   setup    Create a Python >= 3.11 virtualenv (--venv) on all workers with uv
            (installed if missing; it fetches --python-version when the image
            has an older Python, as tpu-ubuntu2204-base with 3.10 does), then
            pip install memjax and jax[tpu] into it (after sync).
   run      Start python -m memjax.train on all workers in the background;
-           worker N logs to --remote-dir/--log-dir/worker-N.log. A worker whose
-           TPU is held by another process, or that has a stale
-           /tmp/libtpu_lockfile, is reported with the fix; --clear-tpu kills
-           such processes and removes the lock file first.
+           worker N logs to --remote-dir/--log-dir/worker-N.log. Every worker
+           is checked first: one whose TPU is held by another process stops the
+           run with the fix (--clear-tpu kills such processes); a stale
+           /tmp/libtpu_lockfile (no process holds the TPU) is removed.
   logs     Print the last --lines lines of worker --worker's log.
   tail     Follow worker --worker's log.
   stop     Send --signal to the training process on all workers (SIGTERM: the
@@ -75,7 +75,7 @@ define_flag pip-find-links '' \
 define_flag venv memjax-venv \
   'Virtualenv on the workers (relative to the remote home, or absolute) that "setup" creates and "run" uses, unless --python names an interpreter.'
 define_flag python-version 3.12 'Python that uv puts into --venv (memjax needs >= 3.11).'
-define_switch clear-tpu 'Before "run": kill processes that hold the TPU and remove a stale /tmp/libtpu_lockfile.'
+define_switch clear-tpu 'Before "run": kill the processes that hold the TPU of a worker.'
 define_flag strict-host-key-checking no \
   'Passed to gcloud ssh/scp: "no" accepts each worker'"'"'s host key on first connection instead of asking once per worker; "yes" or "ask" to verify; empty: gcloud'"'"'s default.'
 define_flag worker 0 'Worker whose log "logs" and "tail" show.'
@@ -129,18 +129,17 @@ remote_python() {
   fi
 }
 
-# Prints the worker snippet that unpacks ARCHIVE into a fresh DIR (files deleted from the
-# repository must not linger in the old copy), keeping DIR's LOG_DIR (logs, pid files).
-fresh_unpack_snippet() {  # ARCHIVE DIR LOG_DIR
-  local dir new old keep=''
-  dir=$(shell_quote "$2")
-  new=$(shell_quote "$2.new")
-  old=$(shell_quote "$2.old")
-  if [[ $3 != /* ]]; then
-    keep=" && { [ ! -d $(shell_quote "$2/$3") ] || mv $(shell_quote "$2/$3") $(shell_quote "$2.new/$3"); }"
-  fi
-  printf '%s' "rm -rf $new $old && mkdir -p $new && tar -xzf $1 -C $new && rm -f $1$keep" \
-    " && { [ ! -d $dir ] || mv $dir $old; } && mv $new $dir && rm -rf $old"
+# Prints the worker snippet that unpacks ARCHIVE into DIR and then deletes the files that
+# the previous sync brought but this archive no longer has (each sync records its file list
+# in DIR/.memjax-sync-files), so deleted sources do not linger. Nothing else in DIR is touched:
+# logs, a workdir or a virtualenv kept there survive.
+sync_snippet() {  # ARCHIVE DIR
+  local list=.memjax-sync-files
+  printf '%s' "mkdir -p $(shell_quote "$2") && cd $(shell_quote "$2") &&" \
+    " tar -tzf ~/$1 | LC_ALL=C sort > $list.new &&" \
+    " if [ -f $list ]; then LC_ALL=C comm -23 $list $list.new | while IFS= read -r f; do" \
+    " case \"\$f\" in */) ;; *) rm -f -- \"\$f\" ;; esac; done; fi &&" \
+    " tar -xzf ~/$1 && mv $list.new $list && rm -f ~/$1"
 }
 
 ssh_worker_in_dir() {  # WORKER COMMAND, run in --remote-dir
@@ -201,7 +200,7 @@ cmd_sync() {
   run git -C "$repo" archive --format=tar.gz -o "$archive" "$ref"
   run gcloud compute tpus tpu-vm scp "$archive" "$MEMJAX_TPU_NAME:$remote_archive" "${GCLOUD_FLAGS[@]}" \
     ${SSH_FLAGS[@]+"${SSH_FLAGS[@]}"} --worker=all
-  ssh_worker all "$(fresh_unpack_snippet "$remote_archive" "$MEMJAX_REMOTE_DIR" "$MEMJAX_LOG_DIR")"
+  ssh_worker all "$(sync_snippet "$remote_archive" "$MEMJAX_REMOTE_DIR")"
   run rm -f "$archive"
 }
 
@@ -241,31 +240,32 @@ cmd_setup() {
 }
 
 cmd_run() {
-  local log pidfile command body
+  local log pidfile command check
   log="$(shell_quote "$MEMJAX_LOG_DIR")/worker-\$id.log"
   pidfile="$(shell_quote "$MEMJAX_LOG_DIR")/worker-\$id.pid"
   command=$(shell_quote "${TRAIN_CMD[@]}")
   command=${command//$VENV_PYTHON/$(remote_python)}
-  # Our own run holding the TPU is reported as "already running" by the start snippet.
-  body="mkdir -p $(shell_quote "$MEMJAX_LOG_DIR"); $WORKER_ID_SNIPPET;"
-  body+=" if [ -f $pidfile ] && kill -0 \"\$(cat $pidfile)\" 2>/dev/null; then :; else $(tpu_free_snippet "$MEMJAX_CLEAR_TPU"); fi;"
-  body+=" $(detached_start_snippet "$log" "$pidfile" "$command")"
-  ssh_worker_in_dir all "$body"
+  # Every worker is checked before any starts: a pod where some workers started would wait
+  # for the others until the coordinator's timeout.
+  check="$WORKER_ID_SNIPPET; if [ -f $pidfile ] && kill -0 \"\$(cat $pidfile)\" 2>/dev/null; then"
+  check+=" echo \"\$(hostname): already running (pid \$(cat $pidfile)); stop it first\" >&2; exit 1; fi;"
+  check+=" $(tpu_free_snippet "$MEMJAX_CLEAR_TPU")"
+  ssh_worker_in_dir all "$check"
+  ssh_worker_in_dir all "mkdir -p $(shell_quote "$MEMJAX_LOG_DIR"); $WORKER_ID_SNIPPET; $(detached_start_snippet "$log" "$pidfile" "$command")"
 }
 
-# Prints the worker snippet that checks that no other process holds the TPU (its device
-# files, or libtpu's lock file left by a process that died) and, with CLEAR=1, frees it.
+# Prints the worker snippet that stops unless the TPU is free: another process holding its
+# device files is reported (with CLEAR=1: killed); libtpu's lock file, left behind by a
+# process that ended without cleaning up, is removed once no process holds the TPU.
 tpu_free_snippet() {  # CLEAR
-  local lock=/tmp/libtpu_lockfile
+  local lock=/tmp/libtpu_lockfile holders
+  holders="holders=\$(lsof -t /dev/accel* /dev/vfio/[0-9]* 2>/dev/null | sort -u | xargs);"
   if (($1)); then
-    printf '%s' "holders=\$(lsof -t /dev/accel* /dev/vfio/[0-9]* 2>/dev/null | sort -u | xargs);" \
-      " if [ -n \"\$holders\" ]; then echo \"\$(hostname): killing TPU holders \$holders\"; kill -9 \$holders; sleep 2; fi;" \
-      " rm -f $lock"
+    printf '%s' "$holders if [ -n \"\$holders\" ]; then echo \"\$(hostname): killing TPU holders \$holders\"; kill -9 \$holders; sleep 2; fi;"
   else
-    printf '%s' "holders=\$(lsof -t /dev/accel* /dev/vfio/[0-9]* 2>/dev/null | sort -u | xargs);" \
-      " if [ -n \"\$holders\" ]; then echo \"\$(hostname): the TPU is held by process(es) \$holders (\$(ps -o comm= -p \"\$(echo \$holders | tr ' ' ',')\" | xargs)): stop them (launch/tpu_vm.sh stop, or kill them), or run again with --clear-tpu to kill them\" >&2; exit 1; fi;" \
-      " if [ -e $lock ]; then echo \"\$(hostname): $lock is left over from a process that no longer holds the TPU; run again with --clear-tpu to remove it (or rm $lock)\" >&2; exit 1; fi"
+    printf '%s' "$holders if [ -n \"\$holders\" ]; then echo \"\$(hostname): the TPU is held by process(es) \$holders (\$(ps -o comm= -p \"\$(echo \$holders | tr ' ' ',')\" | xargs)): stop them (launch/tpu_vm.sh stop, or kill them), or run again with --clear-tpu to kill them\" >&2; exit 1; fi;"
   fi
+  printf '%s' " if [ -e $lock ]; then echo \"\$(hostname): removing $lock, left by a process that no longer holds the TPU\"; rm -f $lock; fi"
 }
 
 cmd_logs() {  # TAIL_FLAGS...

@@ -126,7 +126,10 @@ def _refill_zero_size(restored: Any, abstract: Any) -> Any:
 def mismatch_message(saved: dict[str, tuple], expected: dict[str, tuple], limit: int = 4) -> str:
     """'name: saved -> expected' for the first `limit` arrays that differ, missing or extra."""
     names = sorted(set(saved) | set(expected))
-    lines = [f'{n}: {saved.get(n, ("absent",))[0]} -> {expected.get(n, ("absent",))[0]}'
+    def describe(entry):
+        return 'absent' if entry is None else f'{entry[1]}{list(entry[0])}'
+
+    lines = [f'{n}: {describe(saved.get(n))} -> {describe(expected.get(n))}'
              for n in names if saved.get(n) != expected.get(n)]
     more = f' and {len(lines) - limit} more' if len(lines) > limit else ''
     return '; '.join(lines[:limit]) + more
@@ -153,9 +156,11 @@ class Checkpointer:
             preservation_policy.LatestN(n=keep),
             preservation_policy.BestN(get_metric_fn=lambda m: m[VALID_LOSS], reverse=True, n=1,
                                       keep_checkpoints_without_metrics=False)])
+        # best_fn also makes orbax write each step's metrics to disk, so that a manager opened
+        # by a resumed run still knows which checkpoint is the best.
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=policy, create=not read_only, read_only=read_only,
-            enable_async_checkpointing=True)
+            preservation_policy=policy, best_fn=lambda m: m[VALID_LOSS], best_mode='min',
+            create=not read_only, read_only=read_only, enable_async_checkpointing=True)
         # Named handlers let orbax read an item's metadata before anything was saved or restored.
         handlers = {'arrays': ocp.StandardCheckpointHandler(), 'meta': ocp.JsonCheckpointHandler()}
         self._manager = _Manager(self.directory, options=options, item_handlers=handlers)

@@ -40,27 +40,32 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     if distributed.is_primary():
         workdir_lib.check_writable_file(out_path)  # Before spending the evaluation.
     directory = trainer.checkpoint_dir(workdir)
-    restored = None
+    found = None
     if checkpointing.has_checkpoints(directory):
+        # Only the parameters: the memory and optimizer state may have other shapes here
+        # (another batch size or mem_len for evaluation) and are not needed.
+        wanted = {'state': {'params': trainer.abstract_state(exp)[0].params}}
         ckpt = checkpointing.Checkpointer(directory, keep=1, read_only=True)
         try:
-            restored = ckpt.restore_latest(*trainer.abstract_state(exp))
+            found = ckpt.latest_intact(
+                lambda step: (step, ckpt.restore_part(step, wanted)['state']['params']))
         finally:
             ckpt.close()
-    if restored is None:
+    if found is None:
         raise errors.CheckpointError(f'no readable checkpoint in {directory}: train first with '
                                      f'python -m memjax.train --workdir={workdir} ...')
+    step, params = found
     split = exp.config.eval.split
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         streams = evaluation.eval_streams(exp.config, exp.tokenizer, split)
     _, eval_step = trainer.make_steps(exp)  # Only the (mesh-sharded) evaluation step runs.
-    result = evaluation.evaluate_streams(eval_step, restored.state.params, exp.eval_mcfg, streams,
+    result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams,
                                          evaluation.local_eval_batch(exp.config),
                                          partitioner=exp.partitioner)
     name = metrics_lib.metric_name(exp.unit)
     summary = {
         'split': split,
-        'step': restored.step,
+        'step': step,
         'loss': result.mean_nll,
         name: metrics_lib.metric_value(result.mean_nll, exp.unit),
         'num_tokens': result.num_tokens,
@@ -68,7 +73,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
         'settings': {k: config_lib.eval_setting(exp.config, k)
                      for k in ('batch_size', 'tgt_len', 'mem_len', 'clamp_len', 'same_length')},
     }
-    metrics_lib.log_eval(restored.step, split, result.mean_nll, result.num_tokens, exp.unit)
+    metrics_lib.log_eval(step, split, result.mean_nll, result.num_tokens, exp.unit)
     trainer.write_json(out_path, summary)
     return summary
 

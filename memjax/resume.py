@@ -39,7 +39,6 @@ RESUME_SAFE = {
     'train.grad_accum_steps': 'the same update, computed in more or fewer chunks',
     'model.dropout': 'regularisation',
     'model.dropatt': 'regularisation',
-    'model.compute_dtype': 'precision of the computation, not of the state',
     'model.remat': 'recomputation in the backward pass',
     'data.data_dir': 'location of the prepared data, not its content',
     'data.manual_dir': 'location of the raw files, not their content',

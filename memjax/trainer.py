@@ -1,9 +1,9 @@
 """Training loop: setup, resume, jitted updates, logging, validation, checkpoints."""
 
-import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import time
 from typing import Any, Callable, Optional
 
@@ -277,12 +277,7 @@ def _init_from(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
     data or the memory length may differ from the source run; the parameters must fit.
     """
     tcfg = exp.config.train
-    source = os.path.abspath(os.path.expanduser(tcfg.init_from))
-    step = None
-    if os.path.basename(source).isdigit():
-        source, step = os.path.dirname(source), int(os.path.basename(source))
-    elif os.path.isdir(checkpoint_dir(source)):
-        source = checkpoint_dir(source)
+    source, step = _init_from_dir(tcfg.init_from)
     if not checkpointing.has_checkpoints(source):
         raise errors.CheckpointError(
             f'config.train.init_from={tcfg.init_from}: no checkpoints there; name a training '
@@ -341,10 +336,56 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     without the final validation, which the resumed run does.
     """
     workdir_lib.check(workdir, create=True)
-    # One training run per workdir: process 0 holds the lock for all processes of a run.
-    lock = workdir_lib.RunLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
-    with lock:
+    # One training run per workdir: process 0 holds the lock for all processes of a run, and
+    # all of them stop when it cannot (the others would wait for it at the next barrier).
+    lock = workdir_lib.RunLock(workdir) if jax.process_index() == 0 else None
+    refused = None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except errors.WorkdirError as error:
+            refused = error
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+        if not multihost_utils.broadcast_one_to_all(np.int32(refused is None)) and not refused:
+            refused = errors.WorkdirError(f'process 0 could not take the lock of {workdir}: '
+                                          'see its log.')
+    if refused is not None:
+        raise refused
+    try:
+        _adopt_tokenizer(config, workdir)
         return _train(config, workdir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _init_from_dir(init_from: str) -> tuple[str, Optional[int]]:
+    """(checkpoints folder, step or None) named by config.train.init_from."""
+    source = os.path.abspath(os.path.expanduser(init_from))
+    if os.path.isdir(checkpoint_dir(source)):
+        return checkpoint_dir(source), None
+    if os.path.basename(source).isdigit():
+        return os.path.dirname(source), int(os.path.basename(source))
+    return source, None
+
+
+def _adopt_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> None:
+    """A run started with init_from takes the source run's tokenizer: a tokenizer built afresh
+    could give the same vocabulary size with other ids, and the parameters would still load."""
+    if not config.train.init_from:
+        return
+    source = os.path.dirname(_init_from_dir(config.train.init_from)[0])
+    if (checkpointing.has_checkpoints(checkpoint_dir(workdir))
+            or os.path.exists(os.path.join(workdir, tokenizers.TOKENIZER_FILE))
+            or not os.path.exists(os.path.join(source, tokenizers.TOKENIZER_FILE))):
+        return
+    if jax.process_index() == 0:
+        for name in os.listdir(source):
+            if name.startswith('tokenizer.'):  # tokenizer.json, and tokenizer.model for sentencepiece.
+                shutil.copy2(os.path.join(source, name), os.path.join(workdir, name))
+        logging.info('Took the tokenizer of %s (config.train.init_from).', source)
+    distributed.barrier('init_from tokenizer')
 
 
 def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:

@@ -81,7 +81,10 @@ class RunLock:
         self._thread: Optional[threading.Thread] = None
 
     def _stale_reason(self, holder: dict) -> Optional[str]:
-        age = time.time() - os.path.getmtime(self.path)
+        try:
+            age = time.time() - os.path.getmtime(self.path)
+        except FileNotFoundError:
+            return 'it was just released'
         if age > STALE_AFTER_S:
             return f'its heartbeat is {age:.0f}s old'
         if holder.get('host') == self._owner['host'] and not _pid_alive(int(holder.get('pid', -1))):
@@ -110,7 +113,19 @@ class RunLock:
                         f'--workdir. If that run is gone, delete {self.path}.') from None
                 logging.warning('Taking over the stale lock %s of %s (%s).', self.path, holder,
                                 reason)
-                os.remove(self.path)
+                # Renamed, not removed: of two runs taking over at once, the second must not
+                # delete the lock the first has just created.
+                aside = f'{self.path}.stale.{os.getpid()}'
+                try:
+                    os.rename(self.path, aside)
+                except FileNotFoundError:
+                    continue
+                with open(aside) as f:
+                    taken = f.read()
+                if taken and taken != json.dumps(holder):
+                    os.rename(aside, self.path)  # Someone else's fresh lock: put it back.
+                    continue
+                os.remove(aside)
                 continue
             with os.fdopen(fd, 'w') as f:
                 json.dump(self._owner, f)

@@ -182,8 +182,14 @@ def test_best_validated_checkpoint_outlives_keep_last_n(tmp_path):
         ckpt.wait()
     assert ckpt.all_steps() == [2, 6, 7]  # The newest two and the best.
     assert ckpt.best() == (2, 3.0)
+    ckpt.close()
+    ckpt = checkpointing.Checkpointer(str(tmp_path), keep=2)  # A resumed run's manager.
+    for step in (8, 9):
+        ckpt.save(step, *tiny_tree(step), {'pos': step}, {'seed': 0})
+        ckpt.wait()
+    assert ckpt.all_steps() == [2, 8, 9]
     restored = ckpt.restore_latest(*map(abstract_of, tiny_tree(0)))
-    assert restored.step == 7 and float(restored.state['w'][0, 0]) == 7.0
+    assert restored.step == 9 and float(restored.state['w'][0, 0]) == 9.0
     assert restored.memory['m'].shape == (2, 0)  # Zero-size arrays round-trip (mem_len = 0).
     ckpt.close()
 
@@ -210,7 +216,7 @@ def test_mismatched_shapes_are_reported_not_quarantined(tmp_path):
     ckpt.save(1, *tiny_tree(1), {}, {})
     ckpt.wait()
     other = ({'w': jax.ShapeDtypeStruct((4, 3), np.float32)}, abstract_of(tiny_tree(0)[1]))
-    with pytest.raises(checkpointing.CheckpointMismatchError, match=r'w: \(2, 3\) -> \(4, 3\)'):
+    with pytest.raises(checkpointing.CheckpointMismatchError, match=r'w: float32\[2, 3\] -> float32\[4, 3\]'):
         ckpt.restore_latest(*other, quarantine=True)
     assert ckpt.all_steps() == [1] and not os.path.exists(str(tmp_path) + '_damaged')
     ckpt.close()
@@ -242,11 +248,18 @@ def test_changed_model_or_batch_size_on_resume_stops_before_touching_checkpoints
     assert min(step for _, step in recorded) == 10 and summary['step'] == 12
 
 
-def test_evaluation_with_another_model_is_refused_before_computing(config, baseline):
+def test_evaluation_with_another_model_is_refused_before_computing(config, baseline, tmp_path):
     changed = training_fixtures.tiny_config(config.data.text_path, model__n_layer=3,
                                             model__mem_len=16)  # mem_len alone would be fine.
     with pytest.raises(errors.ConfigError, match=r'model\.n_layer 2 -> 3\. '):
         evaluate.evaluate_checkpoint(changed, baseline[0])
+    # Fields that only shape the training state (its memory, its optimizer) do not matter.
+    workdir = str(tmp_path / 'run')
+    shutil.copytree(baseline[0], workdir)
+    other_state = training_fixtures.tiny_config(config.data.text_path, train__batch_size=8,
+                                                train__clip_norm=0.0)
+    assert evaluate.evaluate_checkpoint(other_state, workdir) == evaluate.evaluate_checkpoint(
+        config, workdir)
 
 
 def source_params(workdir, step, exp):
@@ -291,3 +304,19 @@ def test_transformer_without_memory_trains_checkpoints_and_resumes(config, tmp_p
     assert summary is None and os.path.isdir(os.path.join(trainer.checkpoint_dir(workdir), '4'))
     recorded, summary = run_recording(no_memory, workdir)
     assert min(step for _, step in recorded) == 6 and summary['step'] == NUM_STEPS
+
+
+def test_init_from_takes_the_source_tokenizer_and_reads_numbered_workdirs(config, baseline,
+                                                                         tmp_path):
+    new = training_fixtures.tiny_config(config.data.text_path, train__init_from=baseline[0])
+    workdir = str(tmp_path / 'new')
+    os.makedirs(workdir)
+    trainer._adopt_tokenizer(new, workdir)
+    with open(os.path.join(workdir, 'tokenizer.json')) as a, \
+            open(os.path.join(baseline[0], 'tokenizer.json')) as b:
+        assert a.read() == b.read()
+    numbered = tmp_path / '2024'  # A workdir named like a step folder.
+    (numbered / 'checkpoints' / '8').mkdir(parents=True)
+    assert trainer._init_from_dir(str(numbered)) == (str(numbered / 'checkpoints'), None)
+    assert trainer._init_from_dir(str(numbered / 'checkpoints' / '8')) == (
+        str(numbered / 'checkpoints'), 8)

@@ -275,14 +275,16 @@ def test_tpu_every_worker_command_addresses_all_workers_in_the_zone(fake):
     out = fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, '--project=proj', '--config=configs/tiny.py',
                    '--workdir=/mnt/shared/run', '--git-ref=HEAD', 'sync', 'setup', 'run', 'stop').stdout
     gcloud = [argv for argv in commands(out) if argv[0] == 'gcloud']
-    assert [argv[4] for argv in gcloud] == ['scp', 'ssh', 'ssh', 'ssh', 'ssh']
+    # sync: copy, unpack; setup; run: check every worker, then start; stop.
+    assert [argv[4] for argv in gcloud] == ['scp', 'ssh', 'ssh', 'ssh', 'ssh', 'ssh']
     for argv in gcloud:
         assert argv[:4] == ['gcloud', 'compute', 'tpus', 'tpu-vm']
         assert flag_value(argv, 'worker') == 'all'
         assert flag_value(argv, 'zone') == 'us-central2-b'
         assert flag_value(argv, 'project') == 'proj'
         assert flag_value(argv, 'strict-host-key-checking') == 'no'  # No prompt per worker.
-    setup, run = flag_value(gcloud[2], 'command'), flag_value(gcloud[3], 'command')
+    setup, run = flag_value(gcloud[2], 'command'), flag_value(gcloud[4], 'command')
+    assert 'lsof' in flag_value(gcloud[3], 'command') and 'nohup' not in flag_value(gcloud[3], 'command')
     assert setup.endswith('"$HOME"/memjax-venv/bin/python -m pip install -e . \'jax[tpu]\'; }')
     assert ('nohup "$HOME"/memjax-venv/bin/python -m memjax.train --config=configs/tiny.py '
             '--workdir=/mnt/shared/run') in run
@@ -399,17 +401,23 @@ def test_tpu_setup_stops_with_one_line_when_python_311_cannot_be_had(fake):
 
 
 @pytest.mark.skipif(not (REPO / '.git').exists(), reason='sync archives the git checkout')
-def test_tpu_sync_unpacks_into_a_fresh_directory_and_keeps_the_logs(fake):
+def test_tpu_sync_deletes_files_gone_from_the_repository_and_nothing_else(fake):
     env, homes = simulated_pod(fake, workers=1)
     code = homes[0] / 'memjax'
-    (code / 'logs').mkdir(parents=True)
-    (code / 'removed_from_repo.py').write_text('stale')
-    (code / 'logs' / 'worker-0.log').write_text('earlier run')
     fake.run('tpu_vm.sh', *TPU_FLAGS, '--git-ref=HEAD', 'sync', env=env)
-    assert not (code / 'removed_from_repo.py').exists()
-    assert (code / 'memjax' / 'train.py').exists()
-    assert (code / 'logs' / 'worker-0.log').read_text() == 'earlier run'
-    assert sorted(p.name for p in homes[0].iterdir()) == ['memjax']  # No .new / .old / archive.
+    # As if the previous sync had brought a file that the repository has since deleted.
+    listed = code / '.memjax-sync-files'
+    listed.write_text(''.join(f'{n}\n' for n in sorted(listed.read_text().split() + ['memjax/gone.py'])))
+    (code / 'memjax' / 'gone.py').write_text('stale')
+    for user_file in ('logs/worker-0.log', 'runs/x/checkpoints/8/data', 'memjax/local_notes.txt'):
+        (code / user_file).parent.mkdir(parents=True, exist_ok=True)
+        (code / user_file).write_text('keep')
+    fake.run('tpu_vm.sh', *TPU_FLAGS, '--git-ref=HEAD', 'sync', env=env)
+    assert not (code / 'memjax' / 'gone.py').exists()
+    assert (code / 'memjax' / 'train.py').read_bytes() == (REPO / 'memjax' / 'train.py').read_bytes()
+    for user_file in ('logs/worker-0.log', 'runs/x/checkpoints/8/data', 'memjax/local_notes.txt'):
+        assert (code / user_file).read_text() == 'keep', user_file
+    assert sorted(p.name for p in homes[0].iterdir()) == ['memjax']  # The archive is gone.
 
 
 def test_tpu_run_refuses_a_busy_tpu_and_clear_tpu_frees_it(fake):

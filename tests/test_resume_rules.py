@@ -34,7 +34,7 @@ def saved_and_requested(**changes):
     dict(train__num_steps=5000, train__learning_rate=1e-3, train__warmup_steps=10),
     dict(eval__mem_len=640, eval__same_length=True, eval__split='test'),
     dict(mesh__data=2, mesh__tensor=4, train__grad_accum_steps=2),
-    dict(model__dropout=0.3, model__compute_dtype='bfloat16', model__remat='full'),
+    dict(model__dropout=0.3, model__remat='full'),
     dict(train__keep_checkpoints=10, train__log_every=1, data__data_dir='/elsewhere'),
     dict(train__clip_norm=1.0, train__weight_decay=0.0),  # Clipping stays on, decay stays off.
 ])
@@ -55,6 +55,7 @@ def test_schedule_logging_evaluation_and_placement_may_change_on_resume(changes,
     (dict(model__mem_len=0), ['model.mem_len 64 -> 0']),
     (dict(data__tokenizer='char'), ["data.tokenizer 'byte' -> 'char'"]),
     (dict(seed=1), ['seed 0 -> 1']),
+    (dict(model__compute_dtype='bfloat16'), ["model.compute_dtype 'float32' -> 'bfloat16'"]),  # Memory dtype.
     # Switching an optimizer term on or off changes the optimizer state's structure.
     (dict(train__clip_norm=0.0), ['train.clip_norm 0.25 -> 0.0']),
     (dict(train__weight_decay=0.1), ['train.weight_decay 0.0 -> 0.1']),
