@@ -136,7 +136,7 @@ remote_python() {
 sync_snippet() {  # ARCHIVE DIR
   local list=.memjax-sync-files
   printf '%s' "mkdir -p $(shell_quote "$2") && cd $(shell_quote "$2") &&" \
-    " tar -tzf ~/$1 | LC_ALL=C sort > $list.new &&" \
+    " tar -tzf ~/$1 > $list.raw && LC_ALL=C sort $list.raw > $list.new && rm -f $list.raw &&" \
     " if [ -f $list ]; then LC_ALL=C comm -23 $list $list.new | while IFS= read -r f; do" \
     " case \"\$f\" in */) ;; *) rm -f -- \"\$f\" ;; esac; done; fi &&" \
     " tar -xzf ~/$1 && mv $list.new $list && rm -f ~/$1"

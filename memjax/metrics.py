@@ -96,14 +96,17 @@ def log_eval(step: int, split: str, mean_nll: float, num_tokens: int, unit: str)
 
 
 class _QuietLibraries(logging_std.Filter):
-    """Drops INFO chatter of orbax (several lines per save) and JAX's backend probing, and
-    orbax's notes on read-only managers (memjax opens those on purpose), so that progress lines
-    and one-line errors stay readable."""
+    """Drops INFO chatter of orbax (several lines per save), its notes on what memjax does on
+    purpose, and JAX's backend probing, so that progress lines and one-line errors stay
+    readable."""
 
     def filter(self, record: logging_std.LogRecord) -> bool:
         if '/orbax/' in record.pathname:
-            return record.levelno >= logging_std.WARNING and 'read only' not in record.getMessage() \
-                and 'read_only=True' not in record.getMessage()
+            # Also its notes on read-only managers and on saves without a validation loss.
+            message = record.getMessage()
+            return record.levelno >= logging_std.WARNING and not any(
+                quiet in message for quiet in ('read only', 'read_only=True',
+                                               'did not provide metrics'))
         if 'Using custom data configuration' in record.getMessage():  # TFDS, on every read.
             return False
         return record.levelno >= logging_std.WARNING or 'xla_bridge' not in record.pathname

@@ -344,15 +344,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         try:
             lock.acquire()
         except errors.WorkdirError as error:
-            refused = error
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-        if not multihost_utils.broadcast_one_to_all(np.int32(refused is None)) and not refused:
-            refused = errors.WorkdirError(f'process 0 could not take the lock of {workdir}: '
-                                          'see its log.')
-    if refused is not None:
-        raise refused
+            refused, lock = error, None
+        except OSError as error:
+            refused, lock = errors.WorkdirError(
+                f'cannot take the lock {os.path.join(workdir, workdir_lib.LOCK_FILE)} '
+                f'({error}): check the workdir\'s filesystem.'), None
     try:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+            if not multihost_utils.broadcast_one_to_all(np.int32(refused is None)) and not refused:
+                refused = errors.WorkdirError(f'process 0 could not take the lock of {workdir}: '
+                                              'see its log.')
+        if refused is not None:
+            raise refused
         _adopt_tokenizer(config, workdir)
         return _train(config, workdir)
     finally:
@@ -374,16 +378,18 @@ def _adopt_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> None:
     """A run started with init_from takes the source run's tokenizer: a tokenizer built afresh
     could give the same vocabulary size with other ids, and the parameters would still load."""
     if not config.train.init_from:
-        return
+        return  # The same on every process: the barrier below is reached by all or by none.
     source = os.path.dirname(_init_from_dir(config.train.init_from)[0])
-    if (checkpointing.has_checkpoints(checkpoint_dir(workdir))
-            or os.path.exists(os.path.join(workdir, tokenizers.TOKENIZER_FILE))
-            or not os.path.exists(os.path.join(source, tokenizers.TOKENIZER_FILE))):
-        return
-    if jax.process_index() == 0:
-        for name in os.listdir(source):
-            if name.startswith('tokenizer.'):  # tokenizer.json, and tokenizer.model for sentencepiece.
-                shutil.copy2(os.path.join(source, name), os.path.join(workdir, name))
+    if (jax.process_index() == 0 and not checkpointing.has_checkpoints(checkpoint_dir(workdir))
+            and not os.path.exists(os.path.join(workdir, tokenizers.TOKENIZER_FILE))
+            and os.path.exists(os.path.join(source, tokenizers.TOKENIZER_FILE))):
+        # tokenizer.model (sentencepiece) before tokenizer.json, each written then renamed, so
+        # that an interrupted copy never leaves a tokenizer.json without its model.
+        names = sorted((n for n in os.listdir(source) if n.startswith('tokenizer.')),
+                       key=lambda n: n == tokenizers.TOKENIZER_FILE)
+        for name in names:
+            shutil.copy2(os.path.join(source, name), os.path.join(workdir, name + '.tmp'))
+            os.replace(os.path.join(workdir, name + '.tmp'), os.path.join(workdir, name))
         logging.info('Took the tokenizer of %s (config.train.init_from).', source)
     distributed.barrier('init_from tokenizer')
 
@@ -449,8 +455,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 eval_seconds += time.time() - eval_start
                 # The best validated state is kept, also between checkpoint steps (unless the
                 # run asked for its final checkpoint only).
-                save = save or (tcfg.checkpoint_every > 0
-                                and (best_loss is None or valid_loss < best_loss))
+                is_best = best_loss is None or valid_loss < best_loss
+                save = save or (tcfg.checkpoint_every > 0 and is_best)
+                if is_best and save:
+                    logging.info('Checkpoint %s is the best so far (validation loss %.4f); it '
+                                 'is kept beside the newest %d.', ckpt.step_dir(step), valid_loss,
+                                 tcfg.keep_checkpoints)
                 best_loss = valid_loss if best_loss is None else min(best_loss, valid_loss)
             if save:
                 ckpt.save(step, state, memory, iterator.get_state(), saved_config, valid_loss)

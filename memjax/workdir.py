@@ -122,8 +122,13 @@ class RunLock:
                     continue
                 with open(aside) as f:
                     taken = f.read()
-                if taken and taken != json.dumps(holder):
-                    os.rename(aside, self.path)  # Someone else's fresh lock: put it back.
+                if holder and taken != json.dumps(holder):
+                    # Someone else's fresh lock: put it back, unless a third run took the name.
+                    try:
+                        os.link(aside, self.path)
+                    except FileExistsError:
+                        pass
+                    os.remove(aside)
                     continue
                 os.remove(aside)
                 continue
@@ -140,8 +145,8 @@ class RunLock:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 os.utime(self.path)
-            except OSError:
-                return
+            except OSError:  # A filesystem hiccup, or the file briefly set aside: try again.
+                continue
 
     def release(self) -> None:
         self._stop.set()
