@@ -170,7 +170,7 @@ class Checkpointer:
         """Starts writing `step`; `valid_loss` (this step's validation) ranks it for keep-best."""
         arrays = {'state': state, 'memory': memory}
         meta = {'step': int(step), 'data_state': data_state, 'fingerprint': fingerprint(arrays),
-                'config': config, VALID_LOSS: valid_loss}
+                'config': config}
         # Orbax reports a failed background write of the previous step here too.
         with self._failing_save_is_an_error(step):
             self._manager.save(step, args=ocp.args.Composite(
@@ -198,7 +198,7 @@ class Checkpointer:
         return os.path.join(self.directory, str(step))
 
     def meta(self, step: int) -> dict:
-        """The JSON item of `step` (config, data state, validation loss); raises if unreadable."""
+        """The JSON item of `step` (config, data state, fingerprint); raises if unreadable."""
         return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
 
     def saved_shapes(self, step: int) -> dict[str, tuple]:
@@ -278,15 +278,8 @@ class Checkpointer:
 
     def best(self) -> tuple[Optional[int], Optional[float]]:
         """(step, validation loss) of the best validated checkpoint kept, or (None, None)."""
-        ranked = []
-        for step in self.all_steps():
-            try:
-                loss = self.meta(step).get(VALID_LOSS)
-            except Exception:  # pylint: disable=broad-except  (damage is reported on restore)
-                continue
-            if loss is not None:
-                ranked.append((loss, step))
-        return (min(ranked)[1], min(ranked)[0]) if ranked else (None, None)
+        step = self._manager.best_step()  # Among the steps saved with a validation loss.
+        return (None, None) if step is None else (step, self._manager.metrics(step)[VALID_LOSS])
 
     def _quarantine(self, steps: list[int]) -> None:
         """Moves damaged steps aside, never over an earlier quarantined copy of the same step."""

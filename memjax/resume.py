@@ -13,7 +13,7 @@ Evaluation only needs the parameters to fit, so it compares the fields that shap
 """
 
 import json
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 from absl import logging
 import ml_collections
@@ -145,7 +145,3 @@ def check_same_params(saved: dict, requested: Any, source: str, purpose: str) ->
             + ('mem_len, clamp_len and same_length go in config.eval).' if purpose == 'Evaluation'
                else 'data, batch and segment sizes, mem_len, dropout, the optimizer).'))
 
-
-def saved_config(meta: dict, fallback: Optional[dict]) -> Optional[dict]:
-    """The config stored with a checkpoint; runs saved before configs were stored use `fallback`."""
-    return meta.get('config') or fallback

@@ -77,19 +77,29 @@ def check_saved_config(config: ml_collections.ConfigDict, workdir: str, training
         return
     ckpt = checkpointing.Checkpointer(directory, keep=1, read_only=True)
     try:
-        found = ckpt.latest_intact(lambda step: (step, ckpt.meta(step)))
+        step, saved = _saved_config(ckpt)
     finally:
         ckpt.close()
-    if found is None:
-        return
-    step, meta = found
-    saved = resume.saved_config(meta, read_json(os.path.join(workdir, CONFIG_FILE)))
     if saved is None:
         return
     if training:
         resume.check_resume(saved, config, workdir, source=ckpt.step_dir(step))
     else:
         resume.check_same_params(saved, config, ckpt.step_dir(step), 'Evaluation')
+
+
+def _saved_config(ckpt: checkpointing.Checkpointer,
+                  step: Optional[int] = None) -> tuple[Optional[int], Optional[dict]]:
+    """(step, the config saved with it) of `step`, else of the newest checkpoint whose JSON item
+    reads back; (None, None) when there is none. Checkpoints written before configs were
+    stored in them fall back to their workdir's config.json."""
+    read = lambda s: (s, ckpt.meta(s))
+    found = read(step) if step is not None else ckpt.latest_intact(read)
+    if found is None:
+        return None, None
+    step, meta = found
+    return step, meta.get('config') or read_json(
+        os.path.join(os.path.dirname(ckpt.directory), CONFIG_FILE))
 
 
 def setup(config: ml_collections.ConfigDict, workdir: str,
@@ -287,14 +297,10 @@ def _init_from(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
         if step is not None and step not in ckpt.all_steps():
             raise errors.CheckpointError(f'config.train.init_from={tcfg.init_from}: {source} has '
                                          f'no step {step} (it has {ckpt.all_steps()}).')
-        read = lambda s: (s, ckpt.meta(s))
-        found = read(step) if step is not None else ckpt.latest_intact(read)
-        if found is None:
+        step, saved = _saved_config(ckpt, step)
+        if step is None:
             raise errors.CheckpointError(f'config.train.init_from={tcfg.init_from}: no readable '
                                          'checkpoint there.')
-        step, meta = found
-        saved = resume.saved_config(
-            meta, read_json(os.path.join(os.path.dirname(source), CONFIG_FILE)))
         if saved is not None:
             resume.check_same_params(saved, exp.config, ckpt.step_dir(step),
                                      'config.train.init_from')

@@ -44,7 +44,7 @@ def canonical_split(split: str) -> str:
     split = SPLIT_ALIASES.get(split, split)
     if split not in SPLITS:
         raise errors.DataError(f'Unknown split {split!r}; expected one of {SPLITS} '
-                         f'(or {sorted(SPLIT_ALIASES)}).')
+                               f'(or {sorted(SPLIT_ALIASES)}).')
     return split
 
 
@@ -91,7 +91,7 @@ def _read_maybe_zipped(folder: Path, name: str, fix: str) -> bytes:
         with zipfile.ZipFile(folder / f'{name}.zip') as archive:
             if name not in archive.namelist():
                 raise errors.DataError(f'{folder / name}.zip has no member {name!r}; '
-                                 f'{fix}')
+                                       f'{fix}')
             return archive.read(name)
     raise _missing(folder / name, fix)
 
@@ -184,7 +184,7 @@ def wikitext_articles(path: Path) -> Iterator[bytes]:
                 line.decode('utf-8')
             except UnicodeDecodeError:
                 raise errors.DataError(f'{path}:{line_no} is not valid UTF-8; use the '
-                                 'original WikiText-103 files.') from None
+                                       'original WikiText-103 files.') from None
             if (_WIKITEXT_TITLE.fullmatch(line.rstrip(b'\r\n'))
                     and any(x.strip() for x in article)):
                 yield b''.join(article)
@@ -245,7 +245,7 @@ class _SingleFileBuilder(_MemjaxTextBuilder, skip_registration=True):
                 'with an intact copy.')
         if len(data) < 3 * held:
             raise errors.DataError(f'{manual_dir / self.FILE_NAME} has {len(data):,} '
-                             f'bytes, fewer than 3 x heldout_size ({held:,}).')
+                                   f'bytes, fewer than 3 x heldout_size ({held:,}).')
         n = len(data)
         return {'train': [data[:n - 2 * held]],
                 'validation': [data[n - 2 * held:n - held]],
@@ -298,7 +298,7 @@ class MemjaxPg19(_MemjaxTextBuilder):
             books[split] = sorted(folder.glob('*.txt'), key=_book_key)
             if not books[split]:
                 raise errors.DataError(f'{folder} has no .txt books. '
-                                 f'{cls.MANUAL_DOWNLOAD_INSTRUCTIONS}')
+                                       f'{cls.MANUAL_DOWNLOAD_INSTRUCTIONS}')
         return books
 
     def _documents(self, manual_dir):
@@ -405,7 +405,7 @@ def _text_config(text_path: str) -> TextConfig:
     changed files get prepared afresh instead of reusing stale records."""
     if not text_path:
         raise errors.DataError("data.text_path must name a file or folder for "
-                         "data.name='text'.")
+                               "data.name='text'.")
     path = Path(text_path).expanduser().resolve()
     files = [path] if path.is_file() else (
         _sorted_files(path) if path.is_dir() else [])
@@ -433,7 +433,7 @@ def make_builder(data_cfg: Any) -> _MemjaxTextBuilder:
     name = cfg_get(data_cfg, 'name', '')
     if name not in _BUILDERS:
         raise errors.DataError(f'Unknown data.name {name!r}; expected one of '
-                         f'{sorted(_BUILDERS)}.')
+                               f'{sorted(_BUILDERS)}.')
     cls = _BUILDERS[name]
     config = None
     if name == 'text':
@@ -494,8 +494,8 @@ def iter_documents(builder: _MemjaxTextBuilder, split: str) -> Iterator[str]:
     source = builder.as_data_source(split=split)
     if not len(source):
         raise errors.DataError(f'Split {split!r} of {builder.info.full_name} in '
-                         f'{builder.data_dir} is empty; delete that folder and '
-                         'prepare again from complete raw files.')
+                               f'{builder.data_dir} is empty; delete that folder and '
+                               'prepare again from complete raw files.')
     parts = []
     for i in range(len(source)):
         record = source[i]

@@ -155,7 +155,7 @@ def read_split_text(split: str, corpus_dir: Path = CORPUS_DIR) -> str:
     """The raw text of a split (documents joined by DOC_SEPARATOR)."""
     if split not in SPLITS:
         raise errors.DataError(f'Unknown embedded corpus split {split!r}; '
-                         f'expected one of {SPLITS}.')
+                               f'expected one of {SPLITS}.')
     path = split_file(split, corpus_dir)
     if not path.exists():
         raise errors.MissingFileError(

@@ -222,7 +222,7 @@ class LMStreams:
                 f'count {process_count}; use a multiple of {process_count}.')
         if not 0 <= process_index < process_count:
             raise errors.DataError(f'process_index {process_index} is outside '
-                             f'[0, {process_count}).')
+                                   f'[0, {process_count}).')
         self.split = builders.canonical_split(split)
         self.batch_size, self.tgt_len = batch_size, tgt_len
         self.segments_per_batch, self.repeat = segments_per_batch, repeat

@@ -139,10 +139,10 @@ class CharTokenizer(Tokenizer):
     def __init__(self, chars: Sequence[str]):
         if not chars:
             raise errors.DataError('Char vocabulary is empty (no text in the train '
-                             'split?).')
+                                   'split?).')
         if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):
             raise errors.DataError('Char vocabulary must hold distinct single '
-                             'characters.')
+                                   'characters.')
         self.chars = sorted(chars)
         self._points = _code_points(''.join(self.chars)).astype(np.int64)
         self.unk_id = len(self.chars)
@@ -187,7 +187,7 @@ class WordTokenizer(Tokenizer):
     def __init__(self, tokens: Sequence[str]):
         if list(tokens[:2]) != [EOS, UNK]:
             raise errors.DataError(f'Word vocabulary must start with {EOS!r}, '
-                             f'{UNK!r}; got {list(tokens[:2])}.')
+                                   f'{UNK!r}; got {list(tokens[:2])}.')
         self.tokens = list(tokens)
         self._index = {tok: i for i, tok in enumerate(self.tokens)}
         if len(self._index) != len(self.tokens):
@@ -287,7 +287,7 @@ class SentencePieceTokenizer(Tokenizer):
                  if line.strip()]
         if not lines:
             raise errors.DataError('Cannot train sentencepiece: the train split has '
-                             'no non-empty lines.')
+                                   'no non-empty lines.')
         # Deterministic subsampling instead of sentencepiece's random one.
         stride = -(-len(lines) // SP_MAX_TRAIN_LINES)
         model = io.BytesIO()
@@ -353,7 +353,7 @@ def load_tokenizer(path: os.PathLike) -> Tokenizer:
         kind = spec['kind']
     except (ValueError, KeyError, TypeError) as e:
         raise errors.DataError(f'{path} is not a memjax tokenizer file '
-                         f'(JSON with a "kind" field): {e}') from e
+                               f'(JSON with a "kind" field): {e}') from e
     try:
         if kind == 'byte':
             return ByteTokenizer()
@@ -377,7 +377,7 @@ def load_tokenizer(path: os.PathLike) -> Tokenizer:
                                f'kind {kind!r}); restore it from a backup, or delete it to build '
                                'it again from the same data (the build is deterministic).') from e
     raise errors.DataError(f'{path}: unknown tokenizer kind {kind!r}; expected one '
-                     f'of {KINDS}.')
+                           f'of {KINDS}.')
 
 
 def train_tokenizer(kind: str, train_documents: Iterable[str],
@@ -396,7 +396,7 @@ def train_tokenizer(kind: str, train_documents: Iterable[str],
         return SentencePieceTokenizer.train(
             train_documents, cfg_get(data_cfg, 'sp_vocab_size', 8000))
     raise errors.DataError(f'Unknown data.tokenizer {kind!r}; expected one of '
-                     f'{KINDS}.')
+                           f'{KINDS}.')
 
 
 def build_tokenizer(data_cfg: Any,
@@ -412,7 +412,7 @@ def build_tokenizer(data_cfg: Any,
     kind = cfg_get(data_cfg, 'tokenizer', 'byte')
     if kind not in KINDS:
         raise errors.DataError(f'Unknown data.tokenizer {kind!r}; expected one of '
-                         f'{KINDS}.')
+                               f'{KINDS}.')
     saved = Path(workdir).expanduser() / TOKENIZER_FILE if workdir else None
     vocab_path = cfg_get(data_cfg, 'vocab_path', '')
     if saved is not None and saved.exists():
