@@ -18,5 +18,6 @@ def get_config():
         batch_size=22, tgt_len=512, num_steps=400_000, learning_rate=2.5e-4, warmup_steps=0,
         min_lr_ratio=0.0, clip_norm=0.25, log_every=200, eval_every=4000, eval_batches=-1,
         checkpoint_every=4000)
-    config.eval.update(tgt_len=80, mem_len=2100, clamp_len=820, same_length=True)
+    config.eval.tgt_len = 80
+    config.eval.model.update(mem_len=2100, clamp_len=820, same_length=True)
     return config

@@ -15,5 +15,6 @@ def get_config():
         d_model=1024, n_layer=24, n_head=8, d_head=128, d_inner=3072, dropout=0.15,
         dropatt=0.15, mem_len=768, init_std=0.005)
     config.train.update(batch_size=64, tgt_len=768, warmup_steps=4000)
-    config.eval.update(tgt_len=128, mem_len=3800, clamp_len=1000, same_length=True)
+    config.eval.tgt_len = 128
+    config.eval.model.update(mem_len=3800, clamp_len=1000, same_length=True)
     return config

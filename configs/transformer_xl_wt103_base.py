@@ -21,5 +21,6 @@ def get_config():
         batch_size=60, tgt_len=150, num_steps=200_000, learning_rate=2.5e-4, warmup_steps=0,
         min_lr_ratio=0.0, clip_norm=0.25, log_every=200, eval_every=4000, eval_batches=-1,
         checkpoint_every=4000)
-    config.eval.update(tgt_len=64, mem_len=640, clamp_len=400, same_length=True)
+    config.eval.tgt_len = 64
+    config.eval.model.update(mem_len=640, clamp_len=400, same_length=True)
     return config

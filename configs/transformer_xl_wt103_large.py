@@ -16,5 +16,6 @@ def get_config():
         mem_len=384, div_val=4, init_std=0.005)
     config.train.update(batch_size=128, tgt_len=384, num_steps=4_000_000, warmup_steps=16_000,
                         eval_every=20_000, checkpoint_every=20_000)
-    config.eval.update(tgt_len=128, mem_len=1600, clamp_len=1000, same_length=True)
+    config.eval.tgt_len = 128
+    config.eval.model.update(mem_len=1600, clamp_len=1000, same_length=True)
     return config

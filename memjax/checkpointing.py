@@ -26,6 +26,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from memjax import errors
+from memjax.model.memories import MemoryState
 
 
 class Restored(NamedTuple):
@@ -123,6 +124,13 @@ def _refill_zero_size(restored: Any, abstract: Any) -> Any:
     return jax.tree_util.tree_map(fill, restored, abstract, is_leaf=lambda x: x is None)
 
 
+def _is_legacy_xl(saved: dict[str, tuple], abstract_memory: Any) -> bool:
+    """Whether a checkpoint holds the XL memory as it was saved before memory kinds existed
+    (memory.hidden, memory.valid) and this run's memory is the XL one."""
+    return ('memory.valid' in saved and isinstance(abstract_memory, MemoryState)
+            and set(abstract_memory.layers) == {'hidden'} and set(abstract_memory.shared) == {'valid'})
+
+
 def mismatch_message(saved: dict[str, tuple], expected: dict[str, tuple], limit: int = 4) -> str:
     """'name: saved -> expected' for the first `limit` arrays that differ, missing or extra."""
     names = sorted(set(saved) | set(expected))
@@ -218,6 +226,10 @@ class Checkpointer:
 
     def restore_step(self, step: int, abstract_state: Any, abstract_memory: Any) -> Restored:
         """Restores `step` into the given shapes and shardings, checking its fingerprint."""
+        legacy = _is_legacy_xl(self.saved_shapes(step), abstract_memory)
+        if legacy:
+            abstract_memory = {'hidden': abstract_memory.layers['hidden'],
+                               'valid': abstract_memory.shared['valid']}
         abstract = {'state': abstract_state, 'memory': abstract_memory}
         self.check_shapes(step, abstract)
         restored = self._manager.restore(step, args=ocp.args.Composite(
@@ -227,7 +239,12 @@ class Checkpointer:
         meta = restored['meta']
         if meta.get('fingerprint') != fingerprint(arrays):
             raise ValueError('array fingerprint differs from the one saved with the checkpoint')
-        return Restored(int(meta['step']), arrays['state'], arrays['memory'], meta['data_state'])
+        memory = arrays['memory']
+        if legacy:
+            logging.info('%s stores the XL memory in the layout before memory kinds; read into '
+                         'the per-layer layout (the next save writes that).', self.step_dir(step))
+            memory = MemoryState(layers={'hidden': memory['hidden']}, shared={'valid': memory['valid']})
+        return Restored(int(meta['step']), arrays['state'], memory, meta['data_state'])
 
     def restore_part(self, step: int, abstract: Any) -> Any:
         """Only the arrays of `abstract` (a subtree of {'state', 'memory'}), e.g. the parameters.

@@ -6,6 +6,7 @@ built or compiled: a typo in a length or a batch size should cost a second, not 
 compilation and a crash deep inside XLA.
 """
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -15,7 +16,8 @@ import ml_collections
 from ml_collections import config_dict
 
 from memjax.errors import ConfigError  # re-exported: config_lib.ConfigError is public
-from memjax.model.config import ModelConfig
+from memjax.model import memories
+from memjax.model.config import RUN_TIME_FIELDS, ModelConfig
 
 DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text')
 TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece')
@@ -29,33 +31,9 @@ def base_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.seed = 0
 
-    config.model = ml_collections.ConfigDict(dict(
-        vocab_size=-1,  # -1: take it from the tokenizer.
-        d_model=128,
-        n_layer=4,
-        n_head=4,
-        d_head=32,
-        d_inner=512,
-        d_embed=-1,  # -1: d_model.
-        dropout=0.1,
-        dropatt=0.0,
-        mem_len=64,
-        clamp_len=-1,  # -1: no clamping.
-        same_length=False,
-        pre_lnorm=False,
-        untie_r=False,
-        tie_weight=True,
-        cutoffs=(),  # (): plain softmax.
-        div_val=1,
-        tie_projs=(),
-        init_std=0.02,
-        proj_init_std=0.01,
-        memory_start='empty',
-        layer_norm_epsilon=1e-5,
-        compute_dtype='float32',
-        scan_layers=False,  # True: nn.scan over the layers (compile time independent of depth).
-        remat='none',  # 'none' | 'full' | 'dots_saveable': recompute layer activations.
-    ))
+    # ModelConfig holds the defaults; the base experiment is a small byte-level model.
+    config.model = ml_collections.ConfigDict(model_defaults())
+    config.model.update(d_model=128, n_layer=4, n_head=4, d_head=32, d_inner=512, mem_len=64)
 
     config.data = ml_collections.ConfigDict(dict(
         name='embedded',
@@ -99,14 +77,13 @@ def base_config() -> ml_collections.ConfigDict:
         init_from_state='params',
     ))
 
-    # -1 / None: as in training. clamp_len 0 at evaluation means "no clamping".
+    # batch_size, tgt_len -1: as in training. model: fields merged over config.model for
+    # evaluation (unset: as in training); only fields that shape no parameter may be set.
     config.eval = ml_collections.ConfigDict(dict(
         split='validation',
         batch_size=-1,
         tgt_len=-1,
-        mem_len=-1,
-        clamp_len=-1,
-        same_length=config_dict.placeholder(bool),
+        model=eval_model_placeholders(),
     ))
 
     # Device mesh ('data', 'fsdp', 'tensor'): one size may be -1 (all remaining devices).
@@ -114,6 +91,30 @@ def base_config() -> ml_collections.ConfigDict:
     # e.g. (('vocab', None),) to replicate the vocabulary dimension.
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, rules=()))
     return config
+
+
+def model_defaults() -> dict:
+    """config.model's fields and defaults, read from ModelConfig (vocab_size -1: the tokenizer's)."""
+    return {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+
+
+def eval_model_placeholders() -> ml_collections.ConfigDict:
+    """config.eval.model: an unset placeholder for every model field some memory kind lets
+    evaluation change, so `--config.eval.model.mem_len=...` works from the command line."""
+    defaults = model_defaults()
+    return ml_collections.ConfigDict(
+        {name: config_dict.placeholder(type(defaults[name])) for name in run_time_fields()})
+
+
+def run_time_fields(memory: str | None = None) -> tuple[str, ...]:
+    """Model fields evaluation may override: every kind's (`memory` None) or one kind's."""
+    kinds = [memories.kind_class(memory)] if memory else [memories.kind_class(n) for n in memories.names()]
+    return tuple(dict.fromkeys(RUN_TIME_FIELDS + sum((k.run_time_fields for k in kinds), ())))
+
+
+def eval_model_overrides(config: ml_collections.ConfigDict) -> dict:
+    """The config.eval.model fields that are set."""
+    return {k: v for k, v in config.eval.model.to_dict().items() if v is not None}
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
@@ -186,11 +187,6 @@ def _validate_eval(e: Any, process_count: int, errors: list[str]) -> None:
            f'multiple of the process count ({process_count}).')
     _check(errors, e.tgt_len == -1 or e.tgt_len >= 1,
            f'config.eval.tgt_len={e.tgt_len} must be -1 (as in training) or >= 1.')
-    _check(errors, e.mem_len >= -1,
-           f'config.eval.mem_len={e.mem_len} must be -1 (as in training) or >= 0.')
-    _check(errors, e.clamp_len >= -1,
-           f'config.eval.clamp_len={e.clamp_len} must be -1 (as in training), 0 (no clamping) '
-           'or > 0.')
 
 
 def resolve_mesh_shape(mesh_cfg: Any, device_count: int) -> dict[str, int]:
@@ -249,15 +245,36 @@ def _validate_mesh(config: Any, process_count: int, device_count: int | None,
            f'({process_count}): every process reads its own share of the streams.')
 
 
-def _validate_model(model_cfg: Any, errors: list[str]) -> None:
+def _validate_model(config: Any, errors: list[str]) -> None:
     # The vocabulary size is known once the tokenizer is built; until then a stand-in that
     # fits the cutoffs lets every other model field be checked in the same round.
+    model_cfg = config.model
     stand_in = max([int(c) for c in model_cfg.cutoffs] + [1]) + 1
     try:
-        ModelConfig.from_config_dict(
+        mcfg = ModelConfig.from_config_dict(
             model_cfg, vocab_size=None if model_cfg.vocab_size > 0 else stand_in)
     except ValueError as error:
         errors.append(f'config.model: {error}')
+        return
+    try:
+        eval_model_config(mcfg, config)
+    except ValueError as error:
+        errors.append(f'config.eval.model: {error}')
+
+
+def eval_model_config(mcfg: ModelConfig, config: ml_collections.ConfigDict) -> ModelConfig:
+    """The model config evaluation runs: config.eval.model's set fields over `mcfg`.
+
+    Raises ValueError for a field that would change the parameters (not a run-time field of
+    the memory kind) and for invalid values.
+    """
+    overrides = eval_model_overrides(config)
+    allowed = run_time_fields(mcfg.memory)
+    refused = sorted(set(overrides) - set(allowed))
+    if refused:
+        raise ValueError(f'{refused} cannot differ at evaluation for memory={mcfg.memory!r}: '
+                         f'only {list(allowed)} shape no parameter.')
+    return mcfg.replace(**overrides)
 
 
 def validate_config(config: ml_collections.ConfigDict, process_count: int = 1,
@@ -281,18 +298,12 @@ def validate_config(config: ml_collections.ConfigDict, process_count: int = 1,
     _validate_train(config.train, process_count, errors)
     _validate_eval(config.eval, process_count, errors)
     _validate_mesh(config, process_count, device_count, errors)
-    _validate_model(config.model, errors)
+    _validate_model(config, errors)
     if errors:
         raise ConfigError('invalid config:\n  ' + '\n  '.join(errors))
 
 
-def eval_setting(config: ml_collections.ConfigDict, name: str) -> Any:
-    """The evaluation value of `name`: config.eval's override, else the training value."""
+def eval_setting(config: ml_collections.ConfigDict, name: str) -> int:
+    """Evaluation's 'batch_size' or 'tgt_len': config.eval's value, -1 meaning the training one."""
     override = config.eval[name]
-    if name in ('batch_size', 'tgt_len'):
-        return config.train[name] if override == -1 else override
-    if name == 'same_length':
-        return config.model.same_length if override is None else override
-    if name in ('mem_len', 'clamp_len'):
-        return config.model[name] if override == -1 else override
-    raise KeyError(f'no evaluation override named {name!r}')
+    return config.train[name] if override == -1 else override

@@ -58,10 +58,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
     split = exp.config.eval.split
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         streams = evaluation.eval_streams(exp.config, exp.tokenizer, split)
-    _, eval_step = trainer.make_steps(exp)  # Only the (mesh-sharded) evaluation step runs.
-    result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams,
+    result = evaluation.evaluate_streams(trainer.make_eval_step(exp), params, exp.eval_mcfg, streams,
                                          evaluation.local_eval_batch(exp.config),
-                                         partitioner=exp.partitioner)
+                                         partitioner=exp.partitioner, key=evaluation.eval_key(exp.config))
     name = metrics_lib.metric_name(exp.unit)
     summary = {
         'split': split,
@@ -70,8 +69,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
         name: metrics_lib.metric_value(result.mean_nll, exp.unit),
         'num_tokens': result.num_tokens,
         'num_target_tokens_of_split': int(streams.num_target_tokens),
-        'settings': {k: config_lib.eval_setting(exp.config, k)
-                     for k in ('batch_size', 'tgt_len', 'mem_len', 'clamp_len', 'same_length')},
+        'settings': {**{k: config_lib.eval_setting(exp.config, k) for k in ('batch_size', 'tgt_len')},
+                     **{k: getattr(exp.eval_mcfg, k) for k in config_lib.run_time_fields(exp.eval_mcfg.memory)}},
     }
     metrics_lib.log_eval(step, split, result.mean_nll, result.num_tokens, exp.unit)
     trainer.write_json(out_path, summary)

@@ -25,14 +25,6 @@ class EvalResult(NamedTuple):
         return self.nll_sum / max(self.num_tokens, 1)
 
 
-def eval_model_config(mcfg: Any, config: ml_collections.ConfigDict) -> Any:
-    """The model config with the evaluation memory/attention overrides applied."""
-    return mcfg.replace(
-        mem_len=config_lib.eval_setting(config, 'mem_len'),
-        clamp_len=config_lib.eval_setting(config, 'clamp_len'),
-        same_length=config_lib.eval_setting(config, 'same_length'))
-
-
 def eval_streams(config: ml_collections.ConfigDict, tokenizer: Any,
                  split: str) -> pipeline.LMStreams:
     return pipeline.LMStreams(
@@ -43,14 +35,24 @@ def eval_streams(config: ml_collections.ConfigDict, tokenizer: Any,
         process_index=jax.process_index(), process_count=jax.process_count())
 
 
+def eval_key(config: ml_collections.ConfigDict) -> jax.Array:
+    """The key of a memory kind's random streams at evaluation: from the seed, the same for
+    every evaluation of the run."""
+    return jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+
+
 def local_eval_batch(config: ml_collections.ConfigDict) -> int:
     return config_lib.eval_setting(config, 'batch_size') // jax.process_count()
 
 
-def evaluate_streams(eval_step: Callable, params: Any, eval_mcfg: Any,
+def evaluate_streams(eval_step: Callable, params: Any, eval_mcfg: model_lib.ModelConfig,
                      streams: pipeline.LMStreams, local_batch: int,
-                     max_batches: int = -1, partitioner: Optional[Any] = None) -> EvalResult:
+                     max_batches: int = -1, partitioner: Optional[Any] = None,
+                     key: Optional[jax.Array] = None) -> EvalResult:
     """Scores `streams` from their start with a fresh memory (`max_batches` -1: all).
+
+    `key` feeds a memory kind that samples at evaluation; batch i draws from `fold_in(key, i)`,
+    so a repeated evaluation scores the same.
 
     With a `sharding.Partitioner`, `eval_step` runs on global arrays assembled from every
     process's share of the streams; without one, on this process's numpy batches.
@@ -59,13 +61,14 @@ def evaluate_streams(eval_step: Callable, params: Any, eval_mcfg: Any,
         memory = model_lib.init_memory(eval_mcfg, local_batch)
     else:
         memory = partitioner.init_memory(eval_mcfg, streams.batch_size)
+    key = jax.random.PRNGKey(0) if key is None else key
     parts = []
     for index, batch in enumerate(streams.iterator()):
         if 0 <= max_batches <= index:
             break
         if partitioner is not None:
             batch = partitioner.global_batch(batch)
-        memory, metrics = eval_step(params, memory, batch)
+        memory, metrics = eval_step(params, memory, batch, jax.random.fold_in(key, index))
         parts.append(metrics)  # Left on device: no host sync per batch.
     # Replicated outputs of a jitted step: every process reads the same global sums.
     host = jax.device_get(parts)

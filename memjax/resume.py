@@ -18,6 +18,7 @@ from typing import Any, Iterable
 from absl import logging
 import ml_collections
 
+from memjax import config_lib
 from memjax import errors
 
 # Field (or section prefix) -> why it may change when a run resumes.
@@ -49,10 +50,10 @@ RESUME_SAFE = {
 # Optimizer terms that are in the optimizer state only when they are on (> 0): their value may
 # change, switching them on or off may not.
 ON_OFF = ('train.clip_norm', 'train.weight_decay')
-# Model fields that change what the model computes but not its parameters; evaluation has its
-# own overrides for them (config.eval).
-NOT_PARAMS = ('model.dropout', 'model.dropatt', 'model.compute_dtype', 'model.remat',
-              'model.mem_len', 'model.clamp_len', 'model.same_length', 'model.memory_start')
+# Model fields that change what the model computes but not its parameters; the run-time ones
+# among them evaluation may override (config.eval.model).
+NOT_PARAMS = ('model.dropout', 'model.dropatt', 'model.compute_dtype', 'model.remat') + tuple(
+    'model.' + name for name in config_lib.run_time_fields())
 TOKENIZER = ('data.tokenizer', 'data.vocab_path', 'data.sp_vocab_size', 'data.word_min_freq',
              'data.word_max_size')
 
@@ -142,6 +143,6 @@ def check_same_params(saved: dict, requested: Any, source: str, purpose: str) ->
             f'{purpose} needs the parameters of {source}, which was trained with other model or '
             f'tokenizer settings: {_describe(blocking)}. Use its values (its config.json); only '
             'fields that do not shape the parameters may differ ('
-            + ('mem_len, clamp_len and same_length go in config.eval).' if purpose == 'Evaluation'
+            + ('set run-time fields such as mem_len in config.eval.model).' if purpose == 'Evaluation'
                else 'data, batch and segment sizes, mem_len, dropout, the optimizer).'))
 

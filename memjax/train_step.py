@@ -5,6 +5,7 @@ the next one; `lax.scan` over the segments of a batch keeps exactly that semanti
 paying for one dispatch per block instead of one per segment.
 """
 
+import zlib
 from typing import Any, Callable
 
 import flax
@@ -13,11 +14,14 @@ import jax.numpy as jnp
 import optax
 
 from memjax import model as model_lib
-from memjax.model.transformer import ids_in_range
+from memjax.model import memories
+from memjax.model.lm import ids_in_range
 
 BATCH_KEYS = ('inputs', 'targets', 'mask', 'reset')
-# Memory leaves without a batch axis (none today) are carried unsplit.
+# Memory leaves without a batch axis (counters) are carried unsplit; every chunk sees the same.
 NO_BATCH_AXIS = -1
+# Metrics of the memory kind's auxiliary losses: f'{AUX_PREFIX}{name}' summed like 'nll_sum'.
+AUX_PREFIX = 'aux_sum/'
 
 
 @flax.struct.dataclass
@@ -28,20 +32,23 @@ class TrainState:
     rng: jax.Array  # Base key; each update's dropout key folds in `step`, so resumes replay it.
 
 
-def memory_batch_axes(mcfg: Any) -> Any:
-    """Per memory leaf, the axis that grows with the batch (found by comparing two sizes).
+def memory_batch_axes(mcfg: model_lib.ModelConfig) -> Any:
+    """Per memory leaf, the index of its 'activation_batch' axis (NO_BATCH_AXIS when it has none):
+    gradient accumulation splits the memory along it with the batch's streams."""
+    axes = model_lib.memory_logical_axes(mcfg)
+    batch = memories.BATCH_AXIS
+    return jax.tree.map(lambda names: list(names).index(batch) if batch in names else NO_BATCH_AXIS,
+                        axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
-    Gradient accumulation splits the memory with the batch's streams; asking the memory's
-    own shapes keeps this independent of how a model lays out its memory.
-    """
-    one = jax.eval_shape(lambda: model_lib.init_memory(mcfg, 1))
-    two = jax.eval_shape(lambda: model_lib.init_memory(mcfg, 2))
 
-    def axis(a, b):
-        differing = [i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
-        return differing[0] if differing else NO_BATCH_AXIS
-
-    return jax.tree_util.tree_map(axis, one, two)
+def stream_keys(key: jax.Array, kind: memories.MemoryKind, chunk: jax.Array) -> dict:
+    """The flax rngs of one accumulation chunk: 'dropout' and each stream the kind declares,
+    the same in every chunk of the step when the stream says so (a skip decision), else not."""
+    rngs = {'dropout': jax.random.fold_in(key, chunk)}
+    for name, same_in_every_chunk in kind.streams.items():
+        stream = jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+        rngs[name] = stream if same_in_every_chunk else jax.random.fold_in(stream, chunk)
+    return rngs
 
 
 def _split_streams(x: jax.Array, chunks: int) -> jax.Array:
@@ -91,23 +98,26 @@ def out_of_range_ids(segment: dict, vocab_size: int) -> jax.Array:
     return jnp.sum(bad_inputs) + jnp.sum(bad_targets)
 
 
-def train_step_fn(model: Any, tx: optax.GradientTransformation,
+def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation,
                   schedule: optax.Schedule, memory_axes: Any,
                   grad_accum_steps: int) -> Callable:
     """Returns `(state, memory, batch[S, B, ...]) -> (state, memory, metrics[S])`, to be jitted.
 
     The batch's streams are cut into `grad_accum_steps` chunks, each with its slice of
-    the memory; every chunk's loss is its NLL sum over the tokens of the whole batch, so
-    the summed chunk gradients equal the gradient of the batch's mean NLL exactly.
+    the memory; every chunk's loss is its NLL sum, plus the memory kind's weighted auxiliary
+    loss sums, over the tokens of the whole batch, so the summed chunk gradients equal the
+    gradient of the batch's mean loss exactly.
     """
     chunks = grad_accum_steps
+    kind = model.kind
 
-    def chunk_loss(params, segment, memory, key, num_tokens):
+    def chunk_loss(params, segment, memory, rngs, num_tokens):
         out, new_memory = model.apply(
             {'params': params}, segment['inputs'], memory, targets=segment['targets'],
-            reset=segment['reset'], deterministic=False, rngs={'dropout': key})
+            reset=segment['reset'], deterministic=False, rngs=rngs)
         nll = _nll_sum(out.target_logprobs, segment['mask'])
-        return nll / num_tokens, (new_memory, nll)
+        total = nll + sum(kind.loss_weights[name] * value for name, value in out.losses.items())
+        return total / num_tokens, (new_memory, nll, out.losses)
 
     grad_fn = jax.value_and_grad(chunk_loss, has_aux=True)
 
@@ -120,13 +130,13 @@ def train_step_fn(model: Any, tx: optax.GradientTransformation,
 
         def accumulate(grad_sum, xs):
             chunk_segment, chunk_memory, index = xs
-            (_, (new_memory, nll)), grads = grad_fn(
-                state.params, chunk_segment, chunk_memory, jax.random.fold_in(key, index),
+            (_, (new_memory, nll, losses)), grads = grad_fn(
+                state.params, chunk_segment, chunk_memory, stream_keys(key, kind, index),
                 num_tokens)
-            return jax.tree_util.tree_map(jnp.add, grad_sum, grads), (new_memory, nll)
+            return jax.tree_util.tree_map(jnp.add, grad_sum, grads), (new_memory, nll, losses)
 
         zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
-        grads, (new_memory, nlls) = jax.lax.scan(
+        grads, (new_memory, nlls, losses) = jax.lax.scan(
             accumulate, zeros, (split_segment, split_memory, jnp.arange(chunks)))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -137,6 +147,7 @@ def train_step_fn(model: Any, tx: optax.GradientTransformation,
             'learning_rate': schedule(state.step),
             # Such ids make the loss NaN; counting them lets the NaN stop name its cause.
             'out_of_range_ids': out_of_range_ids(segment, model.config.vocab_size),
+            **{AUX_PREFIX + name: jnp.sum(value) for name, value in losses.items()},
         }
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return (new_state, _merge_memory(new_memory, memory_axes)), metrics
@@ -149,34 +160,39 @@ def train_step_fn(model: Any, tx: optax.GradientTransformation,
     return train_step
 
 
-def make_train_step(model: Any, tx: optax.GradientTransformation,
+def make_train_step(model: model_lib.MemoryLM, tx: optax.GradientTransformation,
                     schedule: optax.Schedule, memory_axes: Any,
                     grad_accum_steps: int) -> Callable:
     """`train_step_fn` jitted for one device (sharded runs use `sharding.Partitioner.jit`)."""
     return jax.jit(train_step_fn(model, tx, schedule, memory_axes, grad_accum_steps))
 
 
-def eval_step_fn(model: Any) -> Callable:
-    """Returns `(params, memory, batch[S, B, ...]) -> (memory, metrics[S])`, to be jitted.
+def eval_step_fn(model: model_lib.MemoryLM) -> Callable:
+    """Returns `(params, memory, batch[S, B, ...], key) -> (memory, metrics[S])`, to be jitted.
 
     metrics: 'nll_sum' and 'num_tokens' per segment, both summed over the global batch, so
-    every process reads the same totals.
+    every process reads the same totals. `key` feeds the memory kind's random streams (a
+    kind that samples at evaluation); segment s draws from `fold_in(key, s)`.
     """
+    kind = model.kind
 
-    def segment_nll(params, memory, segment):
+    def segment_nll(params, memory, segment, key):
+        rngs = stream_keys(key, kind, jnp.zeros((), jnp.int32))
+        del rngs['dropout']  # Deterministic: no dropout at evaluation.
         out, memory = model.apply(
             {'params': params}, segment['inputs'], memory, targets=segment['targets'],
-            reset=segment['reset'], deterministic=True)
+            reset=segment['reset'], deterministic=True, rngs=rngs)
         return memory, {'nll_sum': _nll_sum(out.target_logprobs, segment['mask']),
                         'num_tokens': jnp.sum(segment['mask'] > 0)}
 
-    def eval_step(params, memory, batch):
+    def eval_step(params, memory, batch, key):
         batch = {k: batch[k] for k in BATCH_KEYS}
-        return jax.lax.scan(lambda m, s: segment_nll(params, m, s), memory, batch)
+        keys = jax.vmap(lambda s: jax.random.fold_in(key, s))(jnp.arange(batch['inputs'].shape[0]))
+        return jax.lax.scan(lambda m, xs: segment_nll(params, m, *xs), memory, (batch, keys))
 
     return eval_step
 
 
-def make_eval_step(model: Any) -> Callable:
+def make_eval_step(model: model_lib.MemoryLM) -> Callable:
     """`eval_step_fn` jitted for one device (sharded runs use `sharding.Partitioner.jit`)."""
     return jax.jit(eval_step_fn(model))

@@ -36,10 +36,10 @@ class Experiment:
     """Everything derived from the config before any compilation."""
     config: ml_collections.ConfigDict  # With model.vocab_size resolved.
     tokenizer: Any
-    mcfg: Any
-    eval_mcfg: Any
-    model: Any
-    eval_model: Any  # Same parameters; evaluation's mem_len, clamp_len, same_length.
+    mcfg: model_lib.ModelConfig
+    eval_mcfg: model_lib.ModelConfig  # config.eval.model merged over mcfg.
+    model: model_lib.MemoryLM  # Phase 0; make_train_step builds the others.
+    eval_model: model_lib.MemoryLM  # Same parameters, run with eval_mcfg.
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     local_batch: int
@@ -59,9 +59,9 @@ def resolve_model_configs(config: ml_collections.ConfigDict, vocab_size: int) ->
     except ValueError as error:
         raise config_lib.ConfigError(f'invalid config.model: {error}') from error
     try:
-        eval_mcfg = evaluation.eval_model_config(mcfg, config)
+        eval_mcfg = config_lib.eval_model_config(mcfg, config)
     except ValueError as error:
-        raise config_lib.ConfigError(f'invalid config.eval override: {error}') from error
+        raise config_lib.ConfigError(f'invalid config.eval.model: {error}') from error
     return mcfg, eval_mcfg
 
 
@@ -125,7 +125,7 @@ def setup(config: ml_collections.ConfigDict, workdir: str,
     partitioner = sharding.Partitioner.from_config(config, devices)
     return Experiment(
         config=config, tokenizer=tokenizer, mcfg=mcfg, eval_mcfg=eval_mcfg,
-        model=model_lib.TransformerXL(mcfg), eval_model=model_lib.TransformerXL(eval_mcfg),
+        model=model_lib.build_model(mcfg), eval_model=model_lib.build_model(eval_mcfg),
         tx=tx, schedule=optim.learning_rate_schedule(config.train),
         local_batch=config.train.batch_size // jax.process_count(), partitioner=partitioner,
         state_sharding=partitioner.train_state(mcfg, tx),
@@ -165,26 +165,44 @@ def abstract_state(exp: Experiment) -> tuple[Any, Any]:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
-def make_steps(exp: Experiment) -> tuple[Callable, Callable]:
-    """Train and eval steps jitted over the mesh, with explicit shardings.
+def make_train_step(exp: Experiment, phase: int = 0) -> Callable:
+    """The train step of training phase `phase`, jitted over the mesh with explicit shardings.
 
-    The train step donates the state and the memory: orbax's save copies every array to the
-    host before it returns, so the asynchronous write never reads a donated buffer.
+    It donates the state and the memory: orbax's save copies every array to the host before it
+    returns, so the asynchronous write never reads a donated buffer.
     """
     p = exp.partitioner
-    train_step = p.jit(
-        train_step_lib.train_step_fn(exp.model, exp.tx, exp.schedule,
+    return p.jit(
+        train_step_lib.train_step_fn(model_lib.build_model(exp.mcfg, phase), exp.tx, exp.schedule,
                                      train_step_lib.memory_batch_axes(exp.mcfg),
                                      exp.config.train.grad_accum_steps),
         in_shardings=(exp.state_sharding, exp.memory_sharding, p.batch),
         out_shardings=(exp.state_sharding, exp.memory_sharding, p.replicated),
         donate_argnums=(0, 1))
+
+
+def make_eval_step(exp: Experiment) -> Callable:
+    """`(params, memory, batch, key) -> (memory, metrics)` jitted over the mesh."""
+    p = exp.partitioner
     eval_memory = p.memory(exp.eval_mcfg, config_lib.eval_setting(exp.config, 'batch_size'))
-    eval_step = p.jit(
+    return p.jit(
         train_step_lib.eval_step_fn(exp.eval_model),
-        in_shardings=(exp.state_sharding.params, eval_memory, p.batch),
+        in_shardings=(exp.state_sharding.params, eval_memory, p.batch, p.replicated),
         out_shardings=(eval_memory, p.replicated), donate_argnums=(1,))
-    return train_step, eval_step
+
+
+class _PhasedTrainStep:
+    """Calls the train step of the phase the memory kind gives the current step; each phase's
+    step compiles on first use (a kind without phases has one)."""
+
+    def __init__(self, exp: Experiment):
+        self.exp, self.steps = exp, {}
+
+    def __call__(self, step: int, *args):
+        phase = self.exp.model.kind.phase(step)
+        if phase not in self.steps:
+            self.steps[phase] = make_train_step(self.exp, phase)
+        return self.steps[phase](*args)
 
 
 CONFIG_FILE = 'config.json'
@@ -258,6 +276,9 @@ def _log_interval(exp: Experiment, interval: _Interval, values: dict, step: int,
         'tokens_per_s': tokens / seconds,
         'learning_rate': float(values['learning_rate'][-1]),
         'grad_norm': float(values['grad_norm'].mean()),
+        # The memory kind's auxiliary losses, per scored token like the loss.
+        **{'aux/' + k[len(train_step_lib.AUX_PREFIX):]: float(v.sum() / max(values['num_tokens'].sum(), 1.0))
+           for k, v in values.items() if k.startswith(train_step_lib.AUX_PREFIX)},
     }
     writer.write_scalars(step, 'train', scalars)
     eta = (tcfg.num_steps - step) * seconds / max(step - interval.first_step, 1)
@@ -270,7 +291,7 @@ def _validate(exp: Experiment, eval_step: Callable, params: Any, streams: pipeli
     """Scores the validation streams and reports them under the 'valid' prefix."""
     result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams,
                                          evaluation.local_eval_batch(exp.config), max_batches,
-                                         exp.partitioner)
+                                         exp.partitioner, evaluation.eval_key(exp.config))
     name = metrics_lib.metric_name(exp.unit)
     scalars = {'loss': result.mean_nll, name: metrics_lib.metric_value(result.mean_nll, exp.unit),
                'num_tokens': result.num_tokens}
@@ -420,7 +441,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     step = int(state.step)
     best_loss = ckpt.best()[1]
 
-    train_step, eval_step = make_steps(exp)
+    train_step, eval_step = _PhasedTrainStep(exp), make_eval_step(exp)
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     metric = metrics_lib.metric_name(exp.unit)
     interval = _Interval(step)
@@ -430,7 +451,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     try:
         while step < tcfg.num_steps:
             state, memory, step_metrics = train_step(
-                state, memory, exp.partitioner.global_batch(next(iterator)))
+                step, state, memory, exp.partitioner.global_batch(next(iterator)))
             previous_step, step = step, step + tcfg.segments_per_step
             interval.add(step_metrics)
             if steady_start is None:

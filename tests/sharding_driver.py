@@ -49,7 +49,7 @@ def setup(corpus: str, workdir: str, name: str, **model):
     devices = jax.devices()[:1] if name == 'one_device' else jax.devices()
     exp = trainer.setup(make_config(corpus, MESHES[name], **model),
                         os.path.join(workdir, name), devices)
-    return exp, trainer.make_steps(exp)
+    return exp, (trainer.make_train_step(exp), trainer.make_eval_step(exp))
 
 
 def train_batches(exp):
@@ -84,7 +84,7 @@ def layout(exp, state, memory) -> dict:
     adam = next(s for s in state.opt_state if hasattr(s, 'mu'))
     moments = {jax.tree_util.keystr(p): describe(v)
                for p, v in jax.tree_util.tree_leaves_with_path(adam.mu)}
-    return {'params': params, 'mu': moments, 'memory_hidden': describe(memory.hidden),
+    return {'params': params, 'mu': moments, 'memory_hidden': describe(memory.layers['hidden']),
             'mesh': dict(exp.partitioner.mesh.shape)}
 
 

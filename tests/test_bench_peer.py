@@ -126,7 +126,7 @@ def test_vanilla_step_scores_the_last_position_only():
     vanilla = eval_speed.vanilla_step_fn(mcfg)(params, windows, targets)
     full_targets = jnp.concatenate([windows[:, 1:], targets[:, None]], axis=1)
     vmcfg = eval_speed.vanilla_config(mcfg)
-    out, _ = model_lib.TransformerXL(vmcfg).apply({'params': params}, windows, model_lib.init_memory(vmcfg, 3),
+    out, _ = model_lib.build_model(vmcfg).apply({'params': params}, windows, model_lib.init_memory(vmcfg, 3),
                                                   targets=full_targets)
     np.testing.assert_allclose(vanilla, out.target_logprobs[:, -1], atol=1e-5, rtol=0)
 

@@ -284,7 +284,7 @@ def test_init_from_starts_a_new_batch_size_from_saved_parameters(config, baselin
     same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(
         jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
     assert same(state.params, saved.params)
-    assert memory.hidden.shape[1] == 8 and not np.asarray(memory.valid).any()
+    assert memory.layers['hidden'].shape[1] == 8 and not np.asarray(memory.shared['valid']).any()
     if keep == 'params':
         assert int(state.step) == 0
         assert all(not np.asarray(x).any() for x in jax.tree_util.tree_leaves(state.opt_state))
@@ -312,7 +312,7 @@ def test_transformer_without_memory_trains_checkpoints_and_resumes(config, tmp_p
     state, memory, last = trainer._restore_or_init(exp, ckpt, mock.Mock())
     ckpt.close()
     assert last == os.path.join(trainer.checkpoint_dir(workdir), '4') and int(state.step) == 4
-    assert memory.hidden.shape == (2, 4, 0, 32) and memory.valid.shape == (4, 0)
+    assert memory.layers['hidden'].shape == (2, 4, 0, 32) and memory.shared['valid'].shape == (4, 0)
 
 
 def test_init_from_takes_the_source_tokenizer_and_reads_numbered_workdirs(config, baseline,

@@ -36,16 +36,35 @@ def test_every_config_is_valid(path):
     config = parse([f'--config={path}'])
     config_lib.validate_config(config)
     mcfg, eval_mcfg = trainer.resolve_model_configs(config, VOCAB[config.data.tokenizer])
-    assert eval_mcfg.mem_len == config_lib.eval_setting(config, 'mem_len')
+    want = config.eval.model.mem_len
+    assert eval_mcfg.mem_len == (config.model.mem_len if want is None else want)
     # Evaluation overrides must not change the parameter shapes of the trained model.
     assert dataclasses_without(mcfg) == dataclasses_without(eval_mcfg)
 
 
 def dataclasses_without(mcfg):
     fields = dict(vars(mcfg))
-    for name in ('mem_len', 'clamp_len', 'same_length'):
+    for name in config_lib.run_time_fields(mcfg.memory):
         fields.pop(name)
     return fields
+
+
+def test_eval_model_overrides_are_checked_against_the_memory_kind():
+    """config.eval.model is merged over config.model; a field the memory kind does not run
+    with (mem_len for 'none') is refused, with the fields that may be set."""
+    config = parse([f'--config={TINY}', '--config.eval.model.mem_len=20', '--config.eval.model.clamp_len=7'])
+    _, eval_mcfg = trainer.resolve_model_configs(config, 256)
+    assert (eval_mcfg.mem_len, eval_mcfg.clamp_len, eval_mcfg.same_length) == (20, 7, config.model.same_length)
+    config = parse([f'--config={TINY}', '--config.model.memory=none', '--config.model.mem_len=0',
+                    '--config.eval.model.mem_len=20'])
+    with pytest.raises(config_lib.ConfigError, match=r"config.eval.model: \['mem_len'\] cannot differ"):
+        config_lib.validate_config(config)
+    config = parse([f'--config={TINY}', '--config.model.memory=none'])
+    with pytest.raises(config_lib.ConfigError, match="memory='none' keeps nothing but mem_len=8"):
+        config_lib.validate_config(config)
+    config = parse([f'--config={TINY}', '--config.model.memory=lamemmo'])
+    with pytest.raises(config_lib.ConfigError, match=r"memory='lamemmo' must be one of \('none', 'xl'\)"):
+        config_lib.validate_config(config)
 
 
 def test_paper_evaluation_settings():
@@ -57,18 +76,18 @@ def test_paper_evaluation_settings():
     }
     for name, (tgt_len, mem_len, clamp_len) in expected.items():
         config = parse([f'--config={os.path.join(REPO, "configs", name)}'])
-        assert (config.eval.tgt_len, config.eval.mem_len, config.eval.clamp_len) == (
+        assert (config.eval.tgt_len, config.eval.model.mem_len, config.eval.model.clamp_len) == (
             tgt_len, mem_len, clamp_len), name
-        assert config.eval.same_length is True, name
+        assert config.eval.model.same_length is True, name
     rpe = parse([f'--config={os.path.join(REPO, "configs", "transformer_rpe_wt103.py")}'])
-    assert rpe.model.mem_len == 0 and rpe.eval.mem_len == 0
+    assert rpe.model.memory == 'none' and rpe.model.mem_len == 0 and rpe.eval.model.mem_len is None
 
 
 def test_override_is_applied_and_typed():
     config = parse([f'--config={TINY}', '--config.train.num_steps=6',
-                    '--config.eval.same_length=True', '--config.model.cutoffs=(10,20)'])
+                    '--config.eval.model.same_length=True', '--config.model.cutoffs=(10,20)'])
     assert config.train.num_steps == 6
-    assert config.eval.same_length is True
+    assert config.eval.model.same_length is True
     assert tuple(config.model.cutoffs) == (10, 20)
 
 
@@ -92,7 +111,8 @@ def no_compilation(monkeypatch):
     """Fails the test if the trainer gets as far as building or compiling a step."""
     def forbidden(*args, **kwargs):
         raise AssertionError('the trainer compiled before rejecting the config')
-    monkeypatch.setattr(trainer, 'make_steps', forbidden)
+    monkeypatch.setattr(trainer, 'make_train_step', forbidden)
+    monkeypatch.setattr(trainer, 'make_eval_step', forbidden)
     monkeypatch.setattr(trainer, 'init_state', forbidden)
 
 
@@ -105,7 +125,7 @@ def no_compilation(monkeypatch):
     ({'eval.tgt_len': -5}, 'config.eval.tgt_len=-5'),
     ({'eval.split': 'dev'}, 'config.eval.split'),
     ({'model.n_head': 0}, 'n_head=0'),
-    ({'model.mem_len': 0, 'eval.same_length': True}, 'same_length'),
+    ({'model.mem_len': 0, 'eval.model.same_length': True}, 'same_length'),
 ])
 def test_invalid_config_names_the_field_before_compiling(tmp_path, no_compilation, overrides,
                                                          field):

@@ -33,8 +33,8 @@ def split_bytes(corpus, split):
 def experiment(corpus, tmp_path_factory):
     """Eval overrides differ from training (tgt 8, mem 8, no clamp, no same_length)."""
     config = training_fixtures.tiny_config(
-        corpus, eval__tgt_len=EVAL_TGT_LEN, eval__mem_len=EVAL_MEM_LEN,
-        eval__clamp_len=EVAL_CLAMP_LEN, eval__same_length=True)
+        corpus, eval__tgt_len=EVAL_TGT_LEN, eval__model__mem_len=EVAL_MEM_LEN,
+        eval__model__clamp_len=EVAL_CLAMP_LEN, eval__model__same_length=True)
     exp = trainer.setup(config, str(tmp_path_factory.mktemp('workdir')))
     state, _ = trainer.init_state(exp)
     return exp, state.params, train_step_lib.make_eval_step(exp.eval_model)
@@ -43,7 +43,7 @@ def experiment(corpus, tmp_path_factory):
 def naive_nll(exp, params, tokens):
     """One stream, one segment at a time, unpadded last segment, memory carried by hand."""
     mcfg = exp.mcfg.replace(mem_len=EVAL_MEM_LEN, clamp_len=EVAL_CLAMP_LEN, same_length=True)
-    model = model_lib.TransformerXL(mcfg)
+    model = model_lib.build_model(mcfg)
     apply = jax.jit(lambda p, x, m, y, r: model.apply({'params': p}, x, m, targets=y, reset=r))
     memory = model_lib.init_memory(mcfg, 1)
     total, count = 0.0, 0

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from memjax.model.layers import Dropout
+from memjax.model.primitives import Dropout
 
 
 def apply_dropout(rate, x, key, deterministic=False):

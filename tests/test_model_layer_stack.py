@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from memjax.model import (ModelConfig, TransformerXL, convert_layer_layout, init_memory, init_params, lm_loss,
+from memjax.model import (ModelConfig, build_model, convert_layer_layout, init_memory, init_params, lm_loss,
                           param_logical_axes)
 
 BASE = dict(vocab_size=40, d_model=16, n_layer=3, n_head=2, d_head=8, d_inner=32, mem_len=4, dropout=0.2,
@@ -16,10 +16,10 @@ def loss_and_grads(cfg, params, tokens, deterministic):
     def loss(p):
         memory = init_memory(cfg, tokens.shape[0])
         for segment in jnp.split(tokens, 2, axis=1):  # two segments, memory carried
-            out, memory = TransformerXL(cfg).apply({'params': p}, segment, memory, targets=segment,
+            out, memory = build_model(cfg).apply({'params': p}, segment, memory, targets=segment,
                                                    deterministic=deterministic,
                                                    rngs={'dropout': jax.random.key(3)})
-        return lm_loss(out.target_logprobs), memory.hidden
+        return lm_loss(out.target_logprobs), memory.layers['hidden']
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 

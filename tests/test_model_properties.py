@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from memjax.model import ModelConfig, TransformerXL, adaptive, init_memory, init_params, lm_loss
+from memjax.model import ModelConfig, MemoryLM, build_model, adaptive, init_memory, init_params, lm_loss
 
 VOCAB = 50
 BASE = dict(vocab_size=VOCAB, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, dropout=0.0)
@@ -17,7 +17,7 @@ BASE = dict(vocab_size=VOCAB, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner
 def setup(**overrides):
     """Random model with its zero-initialised parameters perturbed so that every term matters."""
     cfg = ModelConfig(**{**BASE, **overrides})
-    model = TransformerXL(cfg)
+    model = build_model(cfg)
     params = init_params(cfg, jax.random.key(0))
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -94,7 +94,7 @@ def test_adaptive_softmax_normalises_and_matches_targets(overrides):
     tokens = random_tokens(7, (2, 6))
     targets = jnp.concatenate([tokens[:, 1:], jnp.array([[0], [VOCAB - 1]])], axis=1)
     out, _ = model.apply({'params': params}, tokens, init_memory(cfg, 2), targets=targets)
-    full = model.apply({'params': params}, out.hidden, method=TransformerXL.logprobs)
+    full = model.apply({'params': params}, out.hidden, method=MemoryLM.logprobs)
     assert full.shape[-1] == VOCAB
     np.testing.assert_allclose(jax.nn.logsumexp(full, axis=-1), 0.0, atol=1e-5)
     np.testing.assert_allclose(out.target_logprobs, jnp.take_along_axis(full, targets[..., None], -1)[..., 0],
@@ -119,7 +119,7 @@ def test_tail_clusters_scored_in_chunks_match_the_full_softmax_with_gradients(mo
 
     def full_loss(p):
         out, _ = model.apply({'params': p}, tokens, init_memory(cfg, 2))
-        full = model.apply({'params': p}, out.hidden, method=TransformerXL.logprobs)
+        full = model.apply({'params': p}, out.hidden, method=MemoryLM.logprobs)
         picked = jnp.take_along_axis(full, targets[..., None], -1)[..., 0]
         return picked.sum(), picked
 
@@ -135,7 +135,7 @@ def test_plain_softmax_equals_tied_embedding_logits():
     tokens = random_tokens(8, (2, 5))
     out, _ = model.apply({'params': params}, tokens, init_memory(cfg, 2))
     logits = out.hidden @ params['io']['emb_table_0'].T + params['io']['out_bias_0']
-    full = model.apply({'params': params}, out.hidden, method=TransformerXL.logprobs)
+    full = model.apply({'params': params}, out.hidden, method=MemoryLM.logprobs)
     np.testing.assert_allclose(full, jax.nn.log_softmax(logits), atol=1e-5)
 
 
@@ -144,10 +144,10 @@ def test_empty_memory_start_equals_no_memory_and_zeros_start_differs():
     tokens = random_tokens(9, (2, 5))
     with_memory, _ = model.apply({'params': params}, tokens, init_memory(cfg, 2))
     no_memory_cfg = cfg.replace(mem_len=0)
-    without, _ = TransformerXL(no_memory_cfg).apply({'params': params}, tokens, init_memory(no_memory_cfg, 2))
+    without, _ = build_model(no_memory_cfg).apply({'params': params}, tokens, init_memory(no_memory_cfg, 2))
     np.testing.assert_allclose(with_memory.hidden, without.hidden, atol=1e-6)
     zeros_cfg = cfg.replace(memory_start='zeros')
-    zeros, _ = TransformerXL(zeros_cfg).apply({'params': params}, tokens, init_memory(zeros_cfg, 2))
+    zeros, _ = build_model(zeros_cfg).apply({'params': params}, tokens, init_memory(zeros_cfg, 2))
     assert not np.allclose(zeros.hidden, without.hidden, atol=1e-3)
 
 
@@ -211,11 +211,11 @@ def test_bfloat16_compute_tracks_float32_and_keeps_float32_gradients():
     out32, _ = model.apply({'params': params}, tokens, init_memory(cfg, 2), targets=targets)
 
     def loss(p):
-        out, memory = TransformerXL(bf16).apply({'params': p}, tokens, init_memory(bf16, 2), targets=targets)
+        out, memory = build_model(bf16).apply({'params': p}, tokens, init_memory(bf16, 2), targets=targets)
         return lm_loss(out.target_logprobs), (out, memory)
 
     grads, (out16, memory) = jax.grad(loss, has_aux=True)(params)
-    assert memory.hidden.dtype == jnp.bfloat16 and out16.target_logprobs.dtype == jnp.float32
+    assert memory.layers['hidden'].dtype == jnp.bfloat16 and out16.target_logprobs.dtype == jnp.float32
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype('float32')}
     np.testing.assert_allclose(out16.target_logprobs, out32.target_logprobs, atol=0.05)
     assert not np.array_equal(out16.target_logprobs, out32.target_logprobs)

@@ -1,4 +1,5 @@
-"""Relative attention against a naive per-pair computation, and the masks against explicit rules."""
+"""Relative attention over key blocks against a naive per-pair computation, and the masks
+against explicit rules; both distance rules (contiguous rel_shift, explicit gather)."""
 
 import itertools
 
@@ -9,9 +10,9 @@ import numpy as np
 import pytest
 
 from memjax.model import ModelConfig
-from memjax.model.layers import RelativeAttention
-from memjax.model.relative import (attention_mask, key_distances, position_scores, rel_shift,
-                                   sinusoid_encoding)
+from memjax.model.attention import AttentionContext, KeyBlock, RelativeAttention, _scores_and_mask
+from memjax.model.positions import (key_distances, position_scores, rel_shift, relative_sinusoid_table,
+                                    sinusoid_encoding)
 
 
 def naive_sinusoid(distance, d_model):
@@ -42,11 +43,21 @@ def test_key_distances_clamp():
     np.testing.assert_array_equal(key_distances(6, 3), [3, 3, 3, 2, 1, 0])
 
 
+def contiguous_mask(valid, qlen, same_length, window):
+    """The attention's mask [B, T, K] for one contiguous memory block of validity `valid`."""
+    batch, mlen = valid.shape
+    query_v = jnp.zeros((batch, qlen, 1, 1))
+    pos_key = jnp.zeros((mlen + qlen, 1, 1))
+    block = KeyBlock(rows=jnp.zeros((batch, mlen, 1)), valid=jnp.asarray(valid)[:, None, None, :])
+    _, mask = _scores_and_mask(query_v, pos_key, [block], qlen, same_length, window)
+    return np.asarray(mask[:, 0])
+
+
 @pytest.mark.parametrize('same_length,window', [(False, 0), (True, 3), (True, 6)])
 def test_attention_mask_rules(same_length, window):
     mlen, qlen = 4, 3
     valid = np.array([[True] * 4, [False, False, True, True]])
-    got = np.asarray(attention_mask(jnp.asarray(valid), qlen, same_length, window))
+    got = contiguous_mask(valid, qlen, same_length, window)
     for b, i, j in itertools.product(range(2), range(qlen), range(mlen + qlen)):
         query_pos = mlen + i
         want = j <= query_pos and (j >= mlen or valid[b, j])
@@ -57,8 +68,11 @@ def test_attention_mask_rules(same_length, window):
         np.testing.assert_array_equal(got[0].sum(-1), [min(window, mlen + i + 1) for i in range(qlen)])
 
 
-def naive_attention(params, cfg, h, mem, valid, u, v):
-    """Per (batch, head, query, key) loop, with the positional term built per pair."""
+def naive_attention(params, cfg, h, mem, valid, u, v, mem_distance=None):
+    """Per (batch, head, query, key) loop, with the positional term built per pair.
+
+    mem_distance(i, j): query i's distance to memory row j (default: the contiguous M + i - j).
+    """
     h, mem = np.asarray(h, np.float64), np.asarray(mem, np.float64)
     p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
     context = np.concatenate([mem, h], axis=1)
@@ -73,7 +87,7 @@ def naive_attention(params, cfg, h, mem, valid, u, v):
         for j in range(klen):
             if j > mlen + i or (j < mlen and not valid[b, j]):
                 continue
-            distance = mlen + i - j
+            distance = mlen + i - j if mem_distance is None or j >= mlen else mem_distance(i, j)
             if cfg.clamp_len > 0:
                 distance = min(distance, cfg.clamp_len)
             r = naive_sinusoid(distance, cfg.d_model) @ p['pos']['kernel'][:, n]  # W_r R_{i-j}
@@ -87,8 +101,15 @@ def naive_attention(params, cfg, h, mem, valid, u, v):
     return (x - mean) / np.sqrt(var + cfg.layer_norm_epsilon) * ln['scale'] + ln['bias']
 
 
-@pytest.mark.parametrize('mlen,clamp_len', [(0, -1), (5, -1), (5, 3)])
-def test_relative_attention_equals_naive_per_pair(mlen, clamp_len):
+def run_attention(cfg, h, block, rows, u, v):
+    ctx = AttentionContext(relative_sinusoid_table(rows, cfg.d_model, cfg.clamp_len), u, v, window=cfg.mem_len)
+    module = RelativeAttention(cfg)
+    params = nn.meta.unbox(module.init(jax.random.key(0), h, [block], ctx, u, v, True)['params'])
+    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), params)
+    return params, module.apply({'params': params}, h, [block], ctx, u, v, True)[0]
+
+
+def attention_inputs(mlen, clamp_len):
     cfg = ModelConfig(vocab_size=11, d_model=8, n_head=2, d_head=3, n_layer=1, d_inner=8,
                       mem_len=mlen, clamp_len=clamp_len, dropout=0.0)
     rng = np.random.default_rng(1)
@@ -99,14 +120,47 @@ def test_relative_attention_equals_naive_per_pair(mlen, clamp_len):
     if mlen:
         valid[1, :2] = False
     u, v = (jnp.asarray(rng.normal(size=(2, 3)), jnp.float32) for _ in range(2))
-    pos_enc = sinusoid_encoding(key_distances(mlen + qlen, clamp_len), 8)
-    mask = attention_mask(jnp.asarray(valid), qlen, False, mlen)
-    module = RelativeAttention(cfg)
-    params = nn.meta.unbox(module.init(jax.random.key(0), h, mem, mask, pos_enc, u, v, True)['params'])
-    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), params)
-    got = module.apply({'params': params}, h, mem, mask, pos_enc, u, v, True)
+    return cfg, h, mem, valid, u, v
+
+
+@pytest.mark.parametrize('mlen,clamp_len', [(0, -1), (5, -1), (5, 3)])
+def test_relative_attention_equals_naive_per_pair(mlen, clamp_len):
+    cfg, h, mem, valid, u, v = attention_inputs(mlen, clamp_len)
+    block = KeyBlock(rows=mem, valid=jnp.asarray(valid)[:, None, None, :])
+    params, got = run_attention(cfg, h, block, mlen + h.shape[1], u, v)
     want = naive_attention(params, cfg, h, mem, valid, np.asarray(u), np.asarray(v))
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+@pytest.mark.parametrize('clamp_len', [-1, 4])
+def test_explicit_distances_equal_naive_per_pair(clamp_len):
+    """Memory rows kept every other position (distances with gaps), read through the gather path."""
+    mlen = 5
+    cfg, h, mem, valid, u, v = attention_inputs(mlen, clamp_len)
+    qlen = h.shape[1]
+    mem_distance = lambda i, j: 2 * (mlen - j) + i  # row j kept from 2 (M - j) positions back
+    distances = np.array([[mem_distance(i, j) for j in range(mlen)] for i in range(qlen)], np.int32)
+    block = KeyBlock(rows=mem, valid=jnp.asarray(valid)[:, None, None, :],
+                     distances=jnp.asarray(distances)[None, None])
+    params, got = run_attention(cfg, h, block, int(distances.max()) + 1, u, v)
+    want = naive_attention(params, cfg, h, mem, valid, np.asarray(u), np.asarray(v), mem_distance)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def test_per_head_mask_hides_keys_from_one_head_only():
+    """A block mask with a head axis: head 0 sees the memory, head 1 none of it. With the other
+    head's output kernel zeroed, each head's output equals the run where every head has its mask."""
+    cfg, h, mem, _, u, v = attention_inputs(5, -1)
+    module = RelativeAttention(cfg)
+    ctx = AttentionContext(relative_sinusoid_table(9, 8, -1), u, v, window=5)
+    seen, hidden = jnp.ones((2, 1, 1, 5), bool), jnp.zeros((2, 1, 1, 5), bool)
+    per_head = seen & jnp.asarray([True, False])[None, :, None, None]
+    params = nn.meta.unbox(module.init(jax.random.key(0), h, [KeyBlock(mem, seen)], ctx, u, v, True)['params'])
+    for head, alike in ((0, seen), (1, hidden)):
+        solo = {**params, 'out': {'kernel': params['out']['kernel'].at[1 - head].set(0.0)}}
+        run = lambda mask: module.apply({'params': solo}, h, [KeyBlock(mem, mask)], ctx, u, v, True)[0]
+        np.testing.assert_allclose(run(per_head), run(alike), atol=1e-6)
+        assert not np.allclose(run(seen), run(hidden), atol=1e-4)  # The mask matters at all.
 
 
 @pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])

@@ -20,7 +20,7 @@ import safetensors.numpy  # pylint: disable=g-import-not-at-top
 
 from memjax import convert  # pylint: disable=g-import-not-at-top
 from memjax.convert import hf_transfo_xl  # pylint: disable=g-import-not-at-top
-from memjax.model import TransformerXL, init_memory  # pylint: disable=g-import-not-at-top
+from memjax.model import build_model, init_memory  # pylint: disable=g-import-not-at-top
 
 pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning', 'ignore::FutureWarning',
                                         'ignore::UserWarning')
@@ -77,7 +77,7 @@ def run_hf(model, tokens):
 
 
 def run_memjax(config, params, tokens):
-    apply = jax.jit(functools.partial(TransformerXL(config).apply, deterministic=True))
+    apply = jax.jit(functools.partial(build_model(config).apply, deterministic=True))
     memory, results = init_memory(config, BATCH), []
     for s in range(SEGMENTS):
         inputs = tokens[:, s * TGT_LEN:(s + 1) * TGT_LEN]
@@ -85,7 +85,7 @@ def run_memjax(config, params, tokens):
         out, memory = apply({'params': params}, jnp.asarray(inputs), memory,
                             targets=jnp.asarray(targets))
         results.append((np.asarray(out.target_logprobs), np.asarray(out.hidden),
-                        np.asarray(memory.hidden)))
+                        np.asarray(memory.layers['hidden'])))
     return results
 
 

@@ -13,6 +13,7 @@ from memjax import config_lib
 from memjax import errors
 from memjax import resume
 from memjax import workdir as workdir_lib
+import training_fixtures
 
 
 def saved_and_requested(**changes):
@@ -20,19 +21,12 @@ def saved_and_requested(**changes):
     `changes` like train__batch_size=8 applied."""
     saved = resume.to_plain(config_lib.base_config())
     saved['model']['vocab_size'] = 256
-    requested = config_lib.base_config()
-    for key, value in changes.items():
-        if '__' in key:
-            section, field = key.split('__')
-            requested[section][field] = value
-        else:
-            requested[key] = value
-    return saved, requested
+    return saved, training_fixtures.override(config_lib.base_config(), **changes)
 
 
 @pytest.mark.parametrize('changes', [
     dict(train__num_steps=5000, train__learning_rate=1e-3, train__warmup_steps=10),
-    dict(eval__mem_len=640, eval__same_length=True, eval__split='test'),
+    dict(eval__model__mem_len=640, eval__model__same_length=True, eval__split="test"),
     dict(mesh__data=2, mesh__tensor=4, train__grad_accum_steps=2),
     dict(model__dropout=0.3, model__remat='full'),
     dict(train__keep_checkpoints=10, train__log_every=1, data__data_dir='/elsewhere'),

@@ -171,7 +171,7 @@ _PAUSED_START = '''
     def pause(*args):
         print('PAUSED', flush=True)
         time.sleep(600)
-    trainer.make_steps = pause
+    trainer.make_eval_step = pause
 '''
 
 

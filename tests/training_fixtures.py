@@ -30,10 +30,19 @@ def write_text_corpus(folder: str, seed: int = 0) -> str:
 
 
 def tiny_config(corpus: str, **overrides) -> ml_collections.ConfigDict:
-    """configs/tiny.py on the generated corpus; overrides like `train__num_steps=4`."""
+    """configs/tiny.py on the generated corpus; overrides like `train__num_steps=4` or
+    `eval__model__mem_len=16`."""
     config = config_lib.load_config_file(TINY)
     config.data.update(name='text', text_path=corpus, data_dir=os.path.join(corpus, 'tfds'))
+    return override(config, **overrides)
+
+
+def override(config: ml_collections.ConfigDict, **overrides) -> ml_collections.ConfigDict:
+    """Sets `section__field=value` (any depth, `seed=1` at the top) in `config`; returns it."""
     for key, value in overrides.items():
-        section, field = key.split('__')
-        config[section][field] = value
+        *sections, field = key.split('__')
+        node = config
+        for section in sections:
+            node = node[section]
+        node[field] = value
     return config

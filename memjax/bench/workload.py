@@ -37,7 +37,7 @@ def model_config(config: Optional[ml_collections.ConfigDict], **overrides: Any) 
     return model_lib.ModelConfig.from_config_dict(fields)
 
 
-def train_step_fn(model: model_lib.TransformerXL, tx: optax.GradientTransformation) -> Callable:
+def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation) -> Callable:
     """`(params, opt_state, memory, batch, key) -> (params, opt_state, memory, loss)`, unjitted."""
 
     def loss_fn(params, memory, batch, key):
@@ -84,7 +84,7 @@ def build(mcfg: model_lib.ModelConfig, batch_size: int, tgt_len: int,
           config: Optional[ml_collections.ConfigDict] = None, seed: int = 0) -> TrainWorkload:
     """Initialises parameters, Adam state, an empty memory and a random token batch."""
     params_key, data_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed), 3)
-    model = model_lib.TransformerXL(mcfg)
+    model = model_lib.build_model(mcfg)
     tx = optim.make_optimizer(base_config(config).train)
     params = model_lib.init_params(mcfg, params_key)
     tokens = jax.random.randint(data_key, (batch_size, tgt_len + 1), 0, mcfg.vocab_size, jnp.int32)

@@ -268,7 +268,7 @@ def check_params(config: ModelConfig, params: Mapping[str, Any], source: str) ->
         if shape != want[path].shape or dtype != np.float32:
             problems.append(f'{path} is {dtype}{list(shape)}, the model needs float32{list(want[path].shape)}')
     if problems:
-        raise CheckpointError(f'{source}: parameters do not fit TransformerXL({_config_summary(config)}): '
+        raise CheckpointError(f'{source}: parameters do not fit the model ({_config_summary(config)}): '
                               + '; '.join(problems))
 
 
@@ -415,7 +415,7 @@ def save_imported(out_dir: str, config: ModelConfig, params: Mapping[str, Any]) 
 def load_imported(directory: str) -> tuple[ModelConfig, dict]:
     """Reads what `save_imported` wrote: (ModelConfig, params as a nested dict of numpy arrays).
 
-    Use as `TransformerXL(config).apply({'params': params}, ...)`; run-time fields (mem_len,
+    Use as `build_model(config).apply({'params': params}, ...)`; run-time fields (mem_len,
     clamp_len, same_length, memory_start) can be changed with `config.replace`.
     """
     config_path = os.path.join(directory, CONFIG_FILE)

@@ -1,9 +1,9 @@
-"""Memory-transformer language models (Transformer-XL and the variants built on its layer stack)."""
+"""Memory-transformer language models: one skeleton, the memory kind chosen by config.model.memory."""
 
 from memjax.model.config import ModelConfig
-from memjax.model.memory import Memory, init_memory
-from memjax.model.transformer import (ModelOutput, TransformerXL, convert_layer_layout, init_params, lm_loss,
-                                      memory_logical_axes, param_logical_axes)
+from memjax.model.lm import (MemoryLM, ModelOutput, build_model, convert_layer_layout, init_memory, init_params,
+                             lm_loss, memory_logical_axes, param_logical_axes)
+from memjax.model.memories import MemoryState
 
-__all__ = ['Memory', 'ModelConfig', 'ModelOutput', 'TransformerXL', 'convert_layer_layout', 'init_memory',
-           'init_params', 'lm_loss', 'memory_logical_axes', 'param_logical_axes']
+__all__ = ['MemoryLM', 'MemoryState', 'ModelConfig', 'ModelOutput', 'build_model', 'convert_layer_layout',
+           'init_memory', 'init_params', 'lm_loss', 'memory_logical_axes', 'param_logical_axes']

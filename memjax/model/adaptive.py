@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from memjax.model.config import ModelConfig
-from memjax.model.layers import normal
+from memjax.model.primitives import normal
 
 # Tokens scored per step of a tail cluster's loop (split over the batch rows): big enough for
 # an efficient matmul, small enough that few positions outside the cluster get scored.

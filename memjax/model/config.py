@@ -9,18 +9,27 @@ import jax.numpy as jnp
 
 _COMPUTE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _MEMORY_STARTS = ('empty', 'zeros')
-REMAT_POLICIES = ('none', 'full', 'dots_saveable')
+# Fields of every memory kind that shape no parameter: evaluation may override them
+# (config.eval.model), together with the kind's own `run_time_fields`.
+RUN_TIME_FIELDS = ('clamp_len', 'same_length')
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of the memory-transformer language model.
+    """Hyper-parameters of the memory-transformer language model; the one place their defaults live
+    (config_lib.base_config starts from them).
 
-    Fields that only change how the model is *run* (`mem_len`, `clamp_len`, `same_length`,
-    `memory_start`) do not change its parameters, so evaluation can override them with `replace`.
+    Fields that only change how the model is *run* (RUN_TIME_FIELDS and the memory kind's
+    `run_time_fields`) do not change its parameters, so evaluation can override them.
     """
 
-    vocab_size: int
+    vocab_size: int = -1  # -1 in a config: take it from the tokenizer.
+    # What the memory is: a name registered in memjax.model.memories ('none', 'xl', ...).
+    memory: str = 'xl'
+    # The positional scheme (memjax.model.positions.POSITIONS) and the block style
+    # (memjax.model.stack.BLOCKS), chosen independently of the memory.
+    positions: str = 'relative_sinusoid'
+    block: str = 'xl'
     d_model: int = 512
     n_layer: int = 12
     n_head: int = 8
@@ -114,7 +123,16 @@ class ModelConfig:
              f'memory_start={self.memory_start!r} must be one of {_MEMORY_STARTS}.')
         need(self.compute_dtype in _COMPUTE_DTYPES,
              f'compute_dtype={self.compute_dtype!r} must be one of {tuple(_COMPUTE_DTYPES)}.')
-        need(self.remat in REMAT_POLICIES, f'remat={self.remat!r} must be one of {REMAT_POLICIES}.')
+        # Imported here: the registries' modules import this one.
+        from memjax.model import memories, positions, stack  # pylint: disable=import-outside-toplevel
+        need(self.remat in stack.REMAT_POLICIES, f'remat={self.remat!r} must be one of {tuple(stack.REMAT_POLICIES)}.')
+        need(self.positions in positions.POSITIONS,
+             f'positions={self.positions!r} must be one of {tuple(positions.POSITIONS)}.')
+        need(self.block in stack.BLOCKS, f'block={self.block!r} must be one of {tuple(stack.BLOCKS)}.')
+        if self.memory in memories.names():
+            problems.extend(memories.kind_class(self.memory).validate(self))
+        else:
+            need(False, f'memory={self.memory!r} must be one of {memories.names()}.')
         bounds = self.cluster_bounds
         need(all(a < b for a, b in zip(bounds, bounds[1:])),
              f'cutoffs={self.cutoffs} must be strictly increasing and below vocab_size={self.vocab_size}.')

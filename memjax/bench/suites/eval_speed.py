@@ -61,23 +61,25 @@ def eval_batch(inputs: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
 class EvalLoop:
     """Calls a compiled evaluation step per segment, feeding its (donated) memory back in."""
 
-    def __init__(self, executable: Callable, params, memory, batch):
+    def __init__(self, executable: Callable, params, memory, batch, key):
         self._executable = executable
         self._params = params
         self._memory = memory
         self._batch = batch
+        self._key = key
 
     def __call__(self):
-        self._memory, metrics = self._executable(self._params, self._memory, self._batch)
+        self._memory, metrics = self._executable(self._params, self._memory, self._batch, self._key)
         return metrics
 
 
 def compile_eval(mcfg: model_lib.ModelConfig, params, batch: dict) -> tuple[harness.Compiled, EvalLoop]:
     """`train_step.eval_step_fn` compiled for `batch`'s shapes with the memory donated."""
     memory = model_lib.init_memory(mcfg, batch['inputs'].shape[1])
-    compiled = harness.compile_fn(train_step_lib.eval_step_fn(model_lib.TransformerXL(mcfg)), params,
-                                  memory, batch, donate_argnums=(1,))
-    return compiled, EvalLoop(compiled.executable, params, memory, batch)
+    key = jax.random.PRNGKey(0)
+    compiled = harness.compile_fn(train_step_lib.eval_step_fn(model_lib.build_model(mcfg)), params,
+                                  memory, batch, key, donate_argnums=(1,))
+    return compiled, EvalLoop(compiled.executable, params, memory, batch, key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,12 +102,12 @@ def vanilla_step_fn(mcfg: model_lib.ModelConfig) -> Callable:
     The body runs over the whole window (that is the baseline's cost); the softmax only for
     the last position, the only prediction the window is used for.
     """
-    model = model_lib.TransformerXL(vanilla_config(mcfg))
+    model = model_lib.build_model(vanilla_config(mcfg))
 
     def step(params, windows, targets):
         memory = model_lib.init_memory(model.config, windows.shape[0])
         out, _ = model.apply({'params': params}, windows, memory)
-        logprobs = model.apply({'params': params}, out.hidden[:, -1:], method=model_lib.TransformerXL.logprobs)
+        logprobs = model.apply({'params': params}, out.hidden[:, -1:], method=model_lib.MemoryLM.logprobs)
         return jnp.take_along_axis(logprobs[:, 0], targets[:, None], axis=-1)[:, 0]
 
     return step
@@ -129,7 +131,7 @@ def sliding_window_logprobs(mcfg: model_lib.ModelConfig, params, tokens: np.ndar
 
 def xl_logprobs(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, tgt_len: int) -> np.ndarray:
     """Target log-probs of consecutive segments with the memory carried: [B, N - 1]."""
-    model = model_lib.TransformerXL(mcfg)
+    model = model_lib.build_model(mcfg)
     apply = jax.jit(lambda p, x, m, y: model.apply({'params': p}, x, m, targets=y))
     memory, columns = model_lib.init_memory(mcfg, tokens.shape[0]), []
     for start in range(0, tokens.shape[1] - 1, tgt_len):

@@ -134,7 +134,7 @@ def max_logprob_difference(hf_model, mcfg: model_lib.ModelConfig, params, tokens
     """
     torch, _ = import_torch()
     segments = (tokens.shape[1] - 1) // tgt_len
-    apply = jax.jit(lambda p, x, m, y: model_lib.TransformerXL(mcfg).apply({'params': p}, x, m, targets=y))
+    apply = jax.jit(lambda p, x, m, y: model_lib.build_model(mcfg).apply({'params': p}, x, m, targets=y))
     memory, mems, worst = model_lib.init_memory(mcfg, tokens.shape[0]), None, 0.0
     keep_order = hf_model.crit.keep_order
     hf_model.eval()
@@ -215,7 +215,7 @@ def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape:
     tx = optax.adam(LEARNING_RATE)
     work = workload.TrainWorkload(
         mcfg=mcfg, batch_size=shape.batch_size, tgt_len=shape.tgt_len, tx=tx,
-        step=workload.train_step_fn(model_lib.TransformerXL(mcfg), tx),
+        step=workload.train_step_fn(model_lib.build_model(mcfg), tx),
         params=jax.tree_util.tree_map(jnp.copy, params), opt_state=tx.init(params),
         memory=model_lib.init_memory(mcfg, shape.batch_size),
         batch={'inputs': inputs, 'targets': targets}, key=jax.random.PRNGKey(0))

@@ -1,7 +1,9 @@
-"""Relative-position machinery of Transformer-XL, shared by every memory variant.
+"""Positional schemes. Today one: Transformer-XL's relative sinusoid, shared by every memory kind.
 
-Keys are ordered [memory (M positions), current segment (T positions)], K = M + T. Query i (a current
-position) sits at key index M + i, so its distance to key j is (M + i) - j.
+A relative scheme gives the attention a table of distance rows, row p for distance R-1-p (descending,
+so that a contiguous key span of K keys ending at the query block uses the table's last K rows
+as they are). Keys are ordered [earlier blocks, segment]; query i of a span of K keys sits at key
+index K - T + i, so its distance to key j is (K - T + i) - j.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ def key_distances(klen: int, clamp_len: int) -> jax.Array:
     if clamp_len > 0:
         distances = jnp.minimum(distances, float(clamp_len))
     return distances
+
+
+def relative_sinusoid_table(rows: int, d_model: int, clamp_len: int) -> jax.Array:
+    """[rows, d_model] encodings of distances rows-1, ..., 0 (clamped)."""
+    return sinusoid_encoding(key_distances(rows, clamp_len), d_model)
+
+
+# config.model.positions -> (rows, d_model, clamp_len) -> the descending distance table.
+POSITIONS = {'relative_sinusoid': relative_sinusoid_table}
 
 
 def _broadcast_position_scores(query: jax.Array, pos_key: jax.Array) -> jax.Array:
@@ -72,20 +83,3 @@ def rel_shift(scores: jax.Array) -> jax.Array:
     padded = jnp.pad(scores, [(0, 0)] * len(lead) + [(0, 0), (1, 0)])
     shifted = padded.reshape(*lead, klen + 1, qlen)[..., 1:, :]
     return shifted.reshape(*lead, qlen, klen)
-
-
-def attention_mask(mem_valid: jax.Array, qlen: int, same_length: bool, window: int) -> jax.Array:
-    """[B, T, K] bool, True where query i may attend key j.
-
-    Causal with memory: j <= M + i. `same_length` further hides keys more than `window` positions
-    back so that every query sees exactly `window` keys including itself (the PyTorch/HF choice).
-    Invalid memory positions (an empty or reset memory) are hidden from every query.
-    """
-    mlen = mem_valid.shape[1]
-    i = jnp.arange(qlen)[:, None]
-    j = jnp.arange(mlen + qlen)[None, :]
-    visible = j <= mlen + i
-    if same_length:
-        visible &= j > mlen + i - window
-    key_valid = jnp.concatenate([mem_valid, jnp.ones((mem_valid.shape[0], qlen), bool)], axis=1)
-    return visible[None] & key_valid[:, None, :]

@@ -1,8 +1,9 @@
-"""The Transformer-XL language model: embeddings, a stack of memory layers, adaptive softmax.
+"""The memory-transformer language model every memory kind shares.
 
 `apply(variables, tokens, memory, ...) -> (ModelOutput, new_memory)`: the memory goes in and comes
 back out as an explicit pytree, so a sequence of segments is a `jax.lax.scan` with the memory as
-carry. With `mem_len = 0` this is the Transformer + relative-position baseline.
+carry. config.model.memory picks what the memory is (memjax/model/memories/); 'none' is the
+Transformer + relative-position baseline.
 """
 
 from __future__ import annotations
@@ -14,19 +15,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import PartitionSpec as P
 
+from memjax.model import memories
 from memjax.model.adaptive import AdaptiveIO
+from memjax.model.attention import AttentionContext
 from memjax.model.config import ModelConfig
-from memjax.model.layers import BTE, Dropout, layer_stack, normal
-from memjax.model.memory import Memory, init_memory
-from memjax.model.relative import attention_mask, key_distances, sinusoid_encoding
+from memjax.model.positions import POSITIONS
+from memjax.model.primitives import BTE, Dropout, normal
+from memjax.model.stack import layer_stack
 
 
 @struct.dataclass
 class ModelOutput:
     hidden: jax.Array  # [B, T, d_model] final hidden states, input of the softmax.
     target_logprobs: Optional[jax.Array] = None  # [B, T] float32 log p(target); None without targets.
+    # The memory kind's auxiliary losses, summed over layers, batch rows and positions.
+    losses: dict = struct.field(default_factory=dict)
 
 
 def ids_in_range(ids: jax.Array, vocab_size: int) -> jax.Array:
@@ -50,8 +54,17 @@ def check_ids(ids: jax.Array, vocab_size: int, name: str) -> None:
                          'than the one config.vocab_size was set for.')
 
 
-class TransformerXL(nn.Module):
+class MemoryLM(nn.Module):
+    """Embeddings -> the layer stack over the memory kind's state -> adaptive softmax."""
+
     config: ModelConfig
+    # Static training phase for kinds that train in phases (MemoryKind.phase_starts); one
+    # compiled step per phase.
+    phase: int = 0
+
+    @property
+    def kind(self) -> memories.MemoryKind:
+        return memories.get(self.config)
 
     def setup(self):
         cfg = self.config
@@ -62,40 +75,52 @@ class TransformerXL(nn.Module):
         self.dropout = Dropout(cfg.dropout)
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, memory: Memory, targets: Optional[jax.Array] = None,
-                 reset: Optional[jax.Array] = None, deterministic: bool = True):
-        """tokens, targets: [B, T] int32; reset: [B] bool, clears those rows' memory first."""
-        cfg = self.config
-        if memory.length != cfg.mem_len:
-            raise ValueError(f'memory holds {memory.length} positions but config.mem_len={cfg.mem_len}; '
-                             'build it with init_memory(config, batch_size).')
+    def __call__(self, tokens: jax.Array, memory: memories.MemoryState, targets: Optional[jax.Array] = None,
+                 reset: Optional[jax.Array] = None, deterministic: bool = True,
+                 skip: Optional[jax.Array] = None):
+        """tokens, targets: [B, T] int32; reset: [B] bool, starts those rows' memory afresh first;
+        skip: [n_layer] bool, layers not run this step (default: the kind's `skip_layers`)."""
+        cfg, kind = self.config, self.kind
         if reset is not None:
-            memory = memory.reset(reset, start_valid=cfg.memory_start == 'zeros')
+            memory = kind.reset(memory, reset)
         check_ids(tokens, cfg.vocab_size, 'tokens')
         qlen = tokens.shape[1]
         h = self.io.embed(tokens)
         h = jnp.where(ids_in_range(tokens, cfg.vocab_size)[..., None], h, jnp.nan)
         h = self.dropout(h, deterministic=deterministic)
         h = nn.with_logical_constraint(h, BTE)
-        pos_enc = sinusoid_encoding(key_distances(memory.length + qlen, cfg.clamp_len), cfg.d_model)
-        pos_enc = self.dropout(pos_enc, deterministic=deterministic)
-        mask = attention_mask(memory.valid, qlen, cfg.same_length, cfg.mem_len)
+        positions = POSITIONS[cfg.positions](kind.position_rows(qlen), cfg.d_model, cfg.clamp_len)
+        positions = self.dropout(positions, deterministic=deterministic)
         u_bias, v_bias = (None, None) if cfg.untie_r else (self.u_bias, self.v_bias)
+        ctx = AttentionContext(positions, u_bias, v_bias, window=kind.window)
+        if skip is None and 'skip' in kind.streams and not self.is_initializing():
+            skip = kind.skip_layers(self.make_rng('skip'), self.phase)
 
-        h, layer_inputs = layer_stack(cfg, deterministic)(h, memory.hidden, mask, pos_enc, u_bias, v_bias)
+        h, layers, losses = layer_stack(cfg, kind, deterministic)(
+            h, memory.layers, memory.shared, ctx, skip)
         h = self.dropout(h, deterministic=deterministic)
 
-        new_memory = memory.push(layer_inputs)
+        new_memory = memories.MemoryState(layers=layers, shared=kind.advance(memory.shared, qlen))
         logprobs = None
         if targets is not None:
             check_ids(targets, cfg.vocab_size, 'targets')
             logprobs = jnp.where(ids_in_range(targets, cfg.vocab_size),
                                  self.io.target_logprobs(h, targets), jnp.nan)
-        return ModelOutput(hidden=h, target_logprobs=logprobs), new_memory
+        return ModelOutput(hidden=h, target_logprobs=logprobs, losses=losses), new_memory
 
     def logprobs(self, hidden: jax.Array) -> jax.Array:
         """Full-vocabulary log-probabilities from `ModelOutput.hidden`; use with `method=`."""
         return self.io.logprobs(hidden)
+
+
+def build_model(config: ModelConfig, phase: int = 0) -> MemoryLM:
+    """The model `config` describes (its memory kind, positions and block style)."""
+    return MemoryLM(config, phase)
+
+
+def init_memory(config: ModelConfig, batch_size: int) -> memories.MemoryState:
+    """The memory state before the first segment of `batch_size` streams."""
+    return memories.get(config).init(batch_size)
 
 
 def lm_loss(target_logprobs: jax.Array, mask: Optional[jax.Array] = None) -> jax.Array:
@@ -107,27 +132,24 @@ def lm_loss(target_logprobs: jax.Array, mask: Optional[jax.Array] = None) -> jax
     return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
-def _abstract_variables(config: ModelConfig):
+def _init_variables(config: ModelConfig, key: jax.Array):
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return jax.eval_shape(lambda: TransformerXL(config).init(jax.random.key(0), tokens, init_memory(config, 1)))
+    return build_model(config).init({'params': key}, tokens, init_memory(config, 1))
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:
     """Float32 parameters as plain arrays (the logical-axis boxes stripped; see param_logical_axes)."""
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    variables = TransformerXL(config).init({'params': key}, tokens, init_memory(config, 1))
-    return nn.meta.unbox(variables['params'])
+    return nn.meta.unbox(_init_variables(config, key)['params'])
 
 
 def param_logical_axes(config: ModelConfig) -> dict:
     """PartitionSpecs of logical axis names ('embed', 'heads', ...) mirroring init_params' tree."""
-    return nn.get_partition_spec(_abstract_variables(config))['params']
+    abstract = jax.eval_shape(lambda: _init_variables(config, jax.random.key(0)))
+    return nn.get_partition_spec(abstract)['params']
 
 
-def memory_logical_axes(config: ModelConfig) -> Memory:
-    """Logical axis names of the Memory pytree: batch-major like the activations it holds."""
-    return Memory(hidden=P(None, 'activation_batch', 'activation_length', 'activation_embed'),
-                  valid=P('activation_batch', 'activation_length'))
+def memory_logical_axes(config: ModelConfig) -> memories.MemoryState:
+    return memories.get(config).logical_axes()
 
 
 def convert_layer_layout(params: dict, scan_layers: bool) -> dict:

@@ -1,0 +1,185 @@
+"""Relative multi-head attention over a list of key blocks (Transformer-XL's four-term score).
+
+A memory kind offers each layer's attention the blocks of keys it keeps; the segment itself is
+always the last block. Every block has a distance rule:
+
+- contiguous (`distances=None`): the block sits right before the next one. The trailing run of
+  contiguous blocks and the segment form one span of K keys; its positional scores come from one
+  `rel_shift` over K distance rows (the fast path, with its custom backward).
+- explicit (`distances` given): keys that were selected, thinned or have aged; their positional
+  scores are computed once per distance row and gathered at each key's distance.
+
+Masks are per block and may differ per head. A memory kind can also read what the attention
+computed (`AttentionView`) and add a second output before the output projection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from memjax.model.config import ModelConfig
+from memjax.model.positions import position_scores, rel_shift
+from memjax.model.primitives import BTHK, Dropout, layer_norm, projection
+
+
+@struct.dataclass
+class KeyBlock:
+    """Keys offered to one layer's attention.
+
+    rows:      [B, N, d_model] layer-input rows, projected by this layer's key and value maps
+               (after its LayerNorm when pre-LN).
+    valid:     [B, H or 1, T or 1, N] bool: False keys are never attended (causality and
+               `same_length` are applied on top from the distances).
+    distances: None (contiguous) or int32 [B or 1, H or 1, T, N], each query's distance to each key;
+               the attention needs `AttentionContext.positions` to have more rows than the largest.
+    """
+
+    rows: jax.Array
+    valid: jax.Array
+    distances: Optional[jax.Array] = None
+
+
+@struct.dataclass
+class AttentionContext:
+    """What every layer's attention shares: the distance table and the global biases.
+
+    positions: [R, d_model] encodings of distances R-1, ..., 0 (dropout already applied).
+    window:    with `same_length`, keys further back than `window` positions are hidden.
+    """
+
+    positions: jax.Array
+    u_bias: Optional[jax.Array]  # [H, Dh]; None when every layer has its own (untie_r).
+    v_bias: Optional[jax.Array]
+    window: int = struct.field(pytree_node=False, default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionView:
+    """This layer's attention as a memory kind's `attend` hook sees it (the maps are the layer's
+    own, so extra queries or keys share its parameters)."""
+
+    query: jax.Array  # [B, T, H, Dh] segment queries, before the u/v biases.
+    key: jax.Array  # [B, K, H, Dh] every block's keys, segment last.
+    value: jax.Array  # [B, K, H, Dh]
+    project_query: Callable[[jax.Array], jax.Array]  # [..., d_model] -> [..., H, Dh]
+    project_key: Callable[[jax.Array], jax.Array]
+    project_value: Callable[[jax.Array], jax.Array]
+
+
+def _contiguous_tail(blocks: Sequence[KeyBlock]) -> int:
+    """Index of the first block of the trailing contiguous run; checks nothing contiguous precedes
+    an explicit block (its distances would be undefined)."""
+    start = len(blocks)
+    while start and blocks[start - 1].distances is None:
+        start -= 1
+    if any(b.distances is None for b in blocks[:start]):
+        raise ValueError('a contiguous key block (distances=None) must not precede a block with '
+                         'explicit distances: give it explicit distances or move it last.')
+    return start
+
+
+def _gather_rows(scores: jax.Array, distances: jax.Array) -> jax.Array:
+    """scores [B, H, T, R] per distance row -> [B, H, T, N] at each key's distance (row R-1-d)."""
+    rows = scores.shape[-1]
+    index = jnp.clip(rows - 1 - distances, 0, rows - 1)
+    index = jnp.broadcast_to(index, scores.shape[:3] + index.shape[-1:])
+    return jnp.take_along_axis(scores, index, axis=-1)
+
+
+def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window):
+    """Positional scores [B, H, T, K] and the mask [B, H or 1, T, K] over every block + segment."""
+    tail = _contiguous_tail(blocks)
+    span = sum(b.rows.shape[1] for b in blocks[tail:]) + qlen
+    if pos_key.shape[0] < span:
+        raise ValueError(f'{pos_key.shape[0]} distance rows for a contiguous span of {span} keys: '
+                         'the memory kind must ask for at least that many (position_rows).')
+    scores, masks = [], []
+    explicit = blocks[:tail]
+    if explicit:
+        every_row = position_scores(query_v, pos_key)
+        for b in explicit:
+            scores.append(_gather_rows(every_row, b.distances))
+            visible = b.distances >= 0
+            if same_length:
+                visible &= b.distances < window
+            masks.append(b.valid & visible)
+    scores.append(rel_shift(position_scores(query_v, pos_key[pos_key.shape[0] - span:])))
+    i = jnp.arange(qlen)[:, None]
+    j = jnp.arange(span)[None, :]
+    visible = j <= span - qlen + i
+    if same_length:
+        visible &= j > span - qlen + i - window
+    batch = query_v.shape[0]
+    valid = [b.valid for b in blocks[tail:]] + [jnp.ones((batch, 1, 1, qlen), bool)]
+    lead = (batch, max(v.shape[1] for v in valid), max(v.shape[2] for v in valid))
+    valid = jnp.concatenate([jnp.broadcast_to(v, lead + v.shape[-1:]) for v in valid], axis=-1)
+    masks.append(valid & visible)
+    if len(scores) == 1:
+        return scores[0], masks[0]
+    heads = max(m.shape[1] for m in masks)
+    masks = [jnp.broadcast_to(m, (batch, heads, qlen, m.shape[-1])) for m in masks]
+    return jnp.concatenate(scores, axis=-1), jnp.concatenate(masks, axis=-1)
+
+
+def dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
+    """Closes a sub-block: dropout on the branch, residual add, LayerNorm when post-LN."""
+    out = h + Dropout(cfg.dropout)(branch, deterministic=deterministic)
+    return out if cfg.pre_lnorm else layer_norm(cfg, 'layer_norm')(out)
+
+
+class RelativeAttention(nn.Module):
+    """Transformer-XL attention: scores (a)+(c) = (q + u).k and (b)+(d) = (q + v).W_r R(distance).
+
+    The positional term is computed once per distance row, never per query-key pair.
+    `attend(view) -> (extra or None, notes)` lets a memory kind add `extra` [B, T, H, Dh] to the
+    attended values before the output projection; its notes are returned for the kind's write.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, h, blocks: Sequence[KeyBlock], ctx: AttentionContext, u_bias, v_bias,
+                 deterministic: bool, attend: Optional[Callable] = None):
+        cfg = self.config
+        heads = (cfg.n_head, cfg.d_head)
+        in_axes = ('embed', 'heads', 'kv')
+        constrain = lambda x: nn.with_logical_constraint(x, BTHK)
+        norm = layer_norm(cfg, 'layer_norm') if cfg.pre_lnorm else (lambda x: x)
+        segment = norm(h)
+        query_proj = projection(cfg, heads, 'query', in_axes)
+        query = constrain(query_proj(segment))  # [B, T, H, Dh]
+        # Memory rows are projected apart from the segment's: they carry no gradient, and one
+        # projection of [memory; segment] makes the backward compute (and then drop) their input
+        # gradient, ~4% of a step's matmul FLOPs.
+        key_proj = projection(cfg, heads, 'key', in_axes)
+        value_proj = projection(cfg, heads, 'value', in_axes)
+        rows = [norm(b.rows.astype(h.dtype)) for b in blocks] + [segment]
+        key = constrain(jnp.concatenate([key_proj(r) for r in rows], axis=1))  # [B, K, H, Dh]
+        value = constrain(jnp.concatenate([value_proj(r) for r in rows], axis=1))
+        span_only = all(b.distances is None for b in blocks)
+        positions = ctx.positions[ctx.positions.shape[0] - key.shape[1]:] if span_only else ctx.positions
+        pos_key = projection(cfg, heads, 'pos', in_axes)(positions.astype(cfg.dtype))  # [R, H, Dh]
+
+        content = jnp.einsum('bthd,bkhd->bhtk', query + u_bias.astype(cfg.dtype), key,
+                             preferred_element_type=jnp.float32)
+        position, mask = _scores_and_mask(query + v_bias.astype(cfg.dtype), pos_key, blocks,
+                                          h.shape[1], cfg.same_length, ctx.window)
+        scores = (content + position) * (cfg.d_head ** -0.5)
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
+        attended = jnp.einsum('bhtk,bkhd->bthd', probs, value)
+        notes = None
+        if attend is not None:
+            extra, notes = attend(AttentionView(query, key, value, lambda x: query_proj(norm(x)),
+                                                lambda x: key_proj(norm(x)), lambda x: value_proj(norm(x))))
+            if extra is not None:
+                attended = attended + extra.astype(attended.dtype)
+        out = projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), in_dims=2)(attended)
+        return dropout_residual_norm(cfg, h, out, deterministic), notes

@@ -1,0 +1,166 @@
+"""Memory kinds: what a memory-transformer carries from one segment to the next.
+
+A memory kind is one class (registered under the name `config.model.memory` takes) that answers:
+
+- `init(batch)`: the state before the first segment, a `MemoryState` of two pytrees: `layers`
+  (every leaf has a leading [n_layer] axis; each layer sees its own slice) and `shared` (validity,
+  counters: not per layer). `logical_axes()` names every axis of both.
+- `reset(state, rows)`: the state of the batch rows where `rows` is True (a new document) starts
+  afresh. The default takes those rows from `init`, found by their 'activation_batch' axis.
+- `layer` (a flax module class, `LayerMemory`), run inside every layer: which `KeyBlock`s it offers
+  the attention (`blocks`), what it adds to or reads from the attention (`attend`), and how the
+  layer's input and notes become its next state (`write`, with any auxiliary losses).
+- `advance(shared, seg_len)`: the shared state after the whole stack.
+
+Everything generic (the scan carry, checkpoints, gradient-accumulation splits, shardings,
+evaluation overrides) walks these pytrees without knowing the kind; docs/architecture.md walks
+through adding one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import PartitionSpec as P
+
+from memjax.model.attention import AttentionView, KeyBlock
+from memjax.model.config import ModelConfig
+
+BATCH_AXIS = 'activation_batch'
+
+
+@struct.dataclass
+class MemoryState:
+    layers: Any  # Leaves [n_layer, ...]: layer l reads and writes index l.
+    shared: Any  # Leaves seen by every layer.
+
+
+class LayerMemory(nn.Module):
+    """A memory kind's part inside one layer (a module, so a kind may own parameters and draw from
+    random streams). The defaults keep nothing."""
+
+    config: ModelConfig
+
+    def blocks(self, state: Any, shared: Any) -> list[KeyBlock]:
+        """Key blocks this layer attends besides the segment, oldest first."""
+        return []
+
+    def attend(self, state: Any, shared: Any, view: AttentionView) -> tuple[Optional[jax.Array], Any]:
+        """(extra [B, T, H, Dh] added before the output projection or None, notes for `write`)."""
+        return None, None
+
+    def write(self, state: Any, shared: Any, layer_input: jax.Array, notes: Any) -> tuple[Any, dict]:
+        """(this layer's next state, {name: float32 scalar loss summed over batch rows and
+        positions}) with one entry per name in the kind's `loss_weights`."""
+        return state, {}
+
+    def skipped(self, state: Any, shared: Any) -> Any:
+        """This layer's next state when the layer is skipped this step: kept as it was."""
+        return state
+
+
+class MemoryKind:
+    """The no-memory baseline, and the base every memory kind extends."""
+
+    name: ClassVar[str] = 'none'
+    layer: ClassVar[type[LayerMemory]] = LayerMemory
+    # ModelConfig fields this kind reads that shape no parameter: evaluation may override them
+    # (config.eval.model), with the kind-independent RUN_TIME_FIELDS of ModelConfig.
+    run_time_fields: ClassVar[tuple[str, ...]] = ()
+    # Random streams the kind draws from, beyond 'dropout': name -> True when every
+    # gradient-accumulation chunk of a step must see the same draw (a skip decision), False when
+    # each chunk draws its own (sampling per batch row). Each layer always draws its own.
+    streams: ClassVar[dict[str, bool]] = {}
+    # Auxiliary losses the kind's layers report -> their weight in the training loss.
+    loss_weights: ClassVar[dict[str, float]] = {}
+    # Training steps at which the phase changes; the model is compiled once per phase.
+    phase_starts: ClassVar[tuple[int, ...]] = ()
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+
+    # Kinds are static attributes of flax modules and cache keys: equal when type and config are.
+    def __eq__(self, other):
+        return type(self) is type(other) and self.config == other.config
+
+    def __hash__(self):
+        return hash((type(self), self.config))
+
+    @classmethod
+    def validate(cls, config: ModelConfig) -> list[str]:
+        """Problems with `config` for this kind, each one line."""
+        return [] if config.mem_len == 0 else [
+            f'memory={cls.name!r} keeps nothing but mem_len={config.mem_len}: set mem_len=0 or '
+            'choose memory=\'xl\'.']
+
+    def init(self, batch_size: int) -> MemoryState:
+        return MemoryState(layers={}, shared={})
+
+    def logical_axes(self) -> MemoryState:
+        return MemoryState(layers={}, shared={})
+
+    def reset(self, state: MemoryState, rows: jax.Array) -> MemoryState:
+        fresh = self.init(rows.shape[0])
+
+        def where(new, old, axes):
+            axis = list(axes).index(BATCH_AXIS) if BATCH_AXIS in axes else None
+            if axis is None:
+                return old
+            shape = [1] * old.ndim
+            shape[axis] = rows.shape[0]
+            return jnp.where(rows.reshape(shape), new.astype(old.dtype), old)
+
+        return jax.tree.map(where, fresh, state, self.logical_axes(), is_leaf=lambda x: isinstance(x, P))
+
+    def advance(self, shared: Any, seg_len: int) -> Any:
+        return shared
+
+    def position_rows(self, seg_len: int) -> int:
+        """Distance rows the attention needs: one more than the largest query-key distance."""
+        return seg_len
+
+    @property
+    def window(self) -> int:
+        """Keys a query sees with `same_length` (itself included)."""
+        return self.config.mem_len
+
+    def skip_layers(self, key: Optional[jax.Array], phase: int) -> Optional[jax.Array]:
+        """[n_layer] bool: layers skipped this step (None: none). `key` is this step's draw of the
+        'skip' stream when the kind declares one."""
+        return None
+
+    def phase(self, step: int) -> int:
+        return sum(step >= s for s in self.phase_starts)
+
+
+_KINDS: dict[str, type[MemoryKind]] = {}
+
+
+def register(kind: type[MemoryKind]) -> type[MemoryKind]:
+    """Class decorator: makes `kind` selectable as config.model.memory = kind.name."""
+    if kind.name in _KINDS and _KINDS[kind.name] is not kind:
+        raise ValueError(f'memory kind {kind.name!r} is registered twice.')
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def names() -> tuple[str, ...]:
+    return tuple(sorted(_KINDS))
+
+
+def kind_class(name: str) -> type[MemoryKind]:
+    if name not in _KINDS:
+        raise ValueError(f'memory={name!r} is not a memory kind; choose one of {names()}.')
+    return _KINDS[name]
+
+
+def get(config: ModelConfig) -> MemoryKind:
+    return kind_class(config.memory)(config)
+
+
+register(MemoryKind)
+from memjax.model.memories import xl  # noqa: E402,F401  pylint: disable=unused-import (registers itself)
