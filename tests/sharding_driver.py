@@ -25,6 +25,7 @@ from memjax import evaluation  # noqa: E402
 from memjax import model as model_lib  # noqa: E402
 from memjax import trainer  # noqa: E402
 from memjax.data import pipeline  # noqa: E402
+import toy_memory  # noqa: E402
 import training_fixtures  # noqa: E402
 
 # Global batch 8; heads, d_inner and the byte vocabulary divide by 4.
@@ -132,6 +133,19 @@ def cross_mesh_resume(workdir: str, experiments: dict, batches: list) -> dict:
             'layout': restored_layout}
 
 
+def toy_memory_kind(corpus: str, workdir: str, batches: list) -> dict:
+    """The test-only 'every_other' memory kind in its skipping phase: one device vs data x tensor."""
+    losses = {}
+    for name in ('one_device', 'data2_tensor4'):
+        devices = jax.devices()[:1] if name == 'one_device' else jax.devices()
+        exp = trainer.setup(make_config(corpus, MESHES[name], memory='every_other', dropout=0.0),
+                            os.path.join(workdir, 'toy_' + name), devices)
+        steps = (trainer.make_train_step(exp, phase=exp.model.kind.phase(toy_memory.SKIP_FROM_STEP)), None)
+        _, _, metrics = train(exp, steps, batches)
+        losses[name] = metrics_lists(metrics)
+    return losses
+
+
 def main(workdir: str) -> None:
     corpus = training_fixtures.write_text_corpus(os.path.join(workdir, 'corpus'))
     results = {'device_count': jax.device_count(), 'meshes': {}, 'seconds': {}}
@@ -144,6 +158,9 @@ def main(workdir: str) -> None:
         results['meshes'][name] = dict(metrics_lists(metrics), layout=layout(exp, state, memory),
                                        validation=validation(exp, steps, state.params))
         results['seconds'][name] = time.time() - start
+    start = time.time()
+    results['toy_memory_kind'] = toy_memory_kind(corpus, workdir, batches)
+    results['seconds']['toy_memory_kind'] = time.time() - start
     start = time.time()
     results['resume'] = cross_mesh_resume(workdir, experiments, batches)
     results['seconds']['resume'] = time.time() - start

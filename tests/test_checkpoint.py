@@ -12,45 +12,11 @@ import pytest
 from memjax import checkpointing
 from memjax import errors
 from memjax import evaluate
-from memjax import metrics as metrics_lib
 from memjax import trainer
 import training_fixtures
 
 # Checkpoints at steps 4 and 8; losses logged every 2 updates (one dispatch of S=2).
 NUM_STEPS = 8
-
-
-class Interrupted(Exception):
-    pass
-
-
-def run_recording(config, workdir, interrupt_at_step=None):
-    """Trains; returns {(prefix, step): loss} of everything written to TensorBoard.
-
-    With `interrupt_at_step`, the run dies right after the checkpoint of that step was
-    requested, like a preempted job.
-    """
-    recorded = {}
-    original_write = metrics_lib.MetricWriter.write_scalars
-    original_save = checkpointing.Checkpointer.save
-
-    def write_scalars(self, step, prefix, scalars):
-        recorded[(prefix, step)] = scalars['loss']
-        original_write(self, step, prefix, scalars)
-
-    def save(self, step, *args, **kwargs):
-        original_save(self, step, *args, **kwargs)
-        if step == interrupt_at_step:
-            raise Interrupted()
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(metrics_lib.MetricWriter, 'write_scalars', write_scalars)
-        patch.setattr(checkpointing.Checkpointer, 'save', save)
-        try:
-            summary = trainer.train_and_evaluate(config, workdir)
-        except Interrupted:
-            summary = None
-    return recorded, summary
 
 
 @pytest.fixture(scope='module')
@@ -67,27 +33,19 @@ def config(corpus):
 def baseline(config, tmp_path_factory):
     """An uninterrupted run (dropout on, so the PRNG stream is part of what must resume)."""
     workdir = str(tmp_path_factory.mktemp('baseline'))
-    recorded, summary = run_recording(config, workdir)
+    recorded, summary = training_fixtures.run_recording(config, workdir)
     return workdir, recorded, summary
-
-
-def assert_same_run(recorded, summary, baseline_recorded, baseline_summary, steps):
-    for step in steps:
-        assert recorded[('train', step)] == pytest.approx(
-            baseline_recorded[('train', step)], abs=1e-6), step
-    assert summary['valid_loss'] == pytest.approx(baseline_summary['valid_loss'], abs=1e-6)
-    assert summary['valid_tokens'] == baseline_summary['valid_tokens']
 
 
 def test_resume_after_interruption_is_exact(config, baseline, tmp_path):
     _, baseline_recorded, baseline_summary = baseline
     workdir = str(tmp_path)
-    first, summary = run_recording(config, workdir, interrupt_at_step=4)
+    first, summary = training_fixtures.run_recording(config, workdir, interrupt_at_step=4)
     assert summary is None and ('train', 6) not in first
     assert first[('train', 4)] == baseline_recorded[('train', 4)]
-    recorded, summary = run_recording(config, workdir)
+    recorded, summary = training_fixtures.run_recording(config, workdir)
     assert min(step for _, step in recorded) == 6  # Resumed at 4, not from scratch.
-    assert_same_run(recorded, summary, baseline_recorded, baseline_summary, steps=(6, 8))
+    training_fixtures.assert_same_run(recorded, summary, baseline_recorded, baseline_summary, steps=(6, 8))
 
 
 def truncate_array_files(step_dir):
@@ -143,10 +101,10 @@ def test_training_resumes_from_previous_checkpoint_when_newest_is_damaged(config
     workdir = str(tmp_path / 'run')
     shutil.copytree(baseline_workdir, workdir)
     truncate_array_files(os.path.join(trainer.checkpoint_dir(workdir), '8'))
-    recorded, summary = run_recording(config, workdir)
+    recorded, summary = training_fixtures.run_recording(config, workdir)
     # Redoes steps 5-8 from checkpoint 4 and ends exactly where the undamaged run ended.
     assert min(step for _, step in recorded) == 6
-    assert_same_run(recorded, summary, baseline_recorded, baseline_summary, steps=(6, 8))
+    training_fixtures.assert_same_run(recorded, summary, baseline_recorded, baseline_summary, steps=(6, 8))
     assert os.path.isdir(trainer.checkpoint_dir(workdir) + '_damaged/8')
     ckpt = checkpointing.Checkpointer(trainer.checkpoint_dir(workdir), keep=3, read_only=True)
     restored = ckpt.restore_latest(*trainer.abstract_state(trainer.setup(config, workdir)))
@@ -244,7 +202,7 @@ def test_changed_model_or_batch_size_on_resume_stops_before_touching_checkpoints
     assert listing(workdir) == before  # Nothing moved, rewritten or deleted.
     assert not os.path.exists(trainer.checkpoint_dir(workdir) + '_damaged')
     # The original config (with more steps, a safe change) resumes from step 8.
-    recorded, summary = run_recording(
+    recorded, summary = training_fixtures.run_recording(
         training_fixtures.tiny_config(config.data.text_path, train__num_steps=12), workdir)
     assert min(step for _, step in recorded) == 10 and summary['step'] == 12
 
@@ -304,7 +262,7 @@ def test_transformer_without_memory_trains_checkpoints_and_resumes(config, tmp_p
     no_memory = training_fixtures.tiny_config(config.data.text_path, train__num_steps=NUM_STEPS,
                                               model__mem_len=0)
     workdir = str(tmp_path)
-    _, summary = run_recording(no_memory, workdir, interrupt_at_step=4)
+    _, summary = training_fixtures.run_recording(no_memory, workdir, interrupt_at_step=4)
     assert summary is None
     # What the resumed run restores (the training loop around it is tested above).
     exp = trainer.setup(no_memory, workdir)

@@ -60,28 +60,16 @@ def tiny_experiment(corpus, tmp_path_factory):
     return exp, state, memory
 
 
-def random_segment(exp, seed):
-    rng = np.random.RandomState(seed)
-    shape = (1, exp.local_batch, exp.config.train.tgt_len)
-    mask = (rng.rand(*shape) > 0.2).astype(np.float32)  # Some padding, unevenly per stream.
-    return {
-        'inputs': rng.randint(0, exp.mcfg.vocab_size, shape).astype(np.int32),
-        'targets': rng.randint(0, exp.mcfg.vocab_size, shape).astype(np.int32),
-        'mask': mask,
-        'reset': np.array([[True, False, True, False]]),
-    }
-
-
 @pytest.fixture(scope='module')
 def naive_update(tiny_experiment):
     """One full-batch update computed directly from the model, without the train step."""
     exp, state, memory = tiny_experiment
     # A memory that already holds something, so every chunk must get its own rows of it.
-    warm = random_segment(exp, seed=1)
+    warm = training_fixtures.random_batch(exp, seed=1)
     apply = jax.jit(exp.model.apply, static_argnames='deterministic')
     _, memory = apply({'params': state.params}, warm['inputs'][0], memory,
                       targets=warm['targets'][0], reset=warm['reset'][0])
-    batch = random_segment(exp, seed=2)
+    batch = training_fixtures.random_batch(exp, seed=2)
 
     def loss_fn(params):
         out, new_memory = exp.model.apply(
@@ -122,7 +110,7 @@ def test_parameters_and_optimizer_state_stay_float32_under_bf16(corpus, tmp_path
     state, memory = trainer.init_state(exp)
     step = train_step_lib.make_train_step(exp.model, exp.tx, exp.schedule,
                                           train_step_lib.memory_batch_axes(exp.mcfg), 2)
-    state, _, metrics = step(state, memory, random_segment(exp, seed=3))
+    state, _, metrics = step(state, memory, training_fixtures.random_batch(exp, seed=3))
     assert np.isfinite(np.asarray(metrics['nll_sum'])).all()
     floats = [leaf.dtype for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state))
               if jnp.issubdtype(leaf.dtype, jnp.floating)]

@@ -7,9 +7,13 @@ enough that a full validation pass takes a fraction of a second.
 import os
 
 import ml_collections
+import pytest
 import numpy as np
 
+from memjax import checkpointing
 from memjax import config_lib
+from memjax import metrics as metrics_lib
+from memjax import trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, 'configs', 'tiny.py')
@@ -46,3 +50,57 @@ def override(config: ml_collections.ConfigDict, **overrides) -> ml_collections.C
             node = node[section]
         node[field] = value
     return config
+
+
+class Interrupted(Exception):
+    pass
+
+
+def run_recording(config, workdir, interrupt_at_step=None):
+    """Trains; returns {(prefix, step): loss} of everything written to TensorBoard.
+
+    With `interrupt_at_step`, the run dies right after the checkpoint of that step was
+    requested, like a preempted job.
+    """
+    recorded = {}
+    original_write = metrics_lib.MetricWriter.write_scalars
+    original_save = checkpointing.Checkpointer.save
+
+    def write_scalars(self, step, prefix, scalars):
+        recorded[(prefix, step)] = scalars['loss']
+        original_write(self, step, prefix, scalars)
+
+    def save(self, step, *args, **kwargs):
+        original_save(self, step, *args, **kwargs)
+        if step == interrupt_at_step:
+            raise Interrupted()
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(metrics_lib.MetricWriter, 'write_scalars', write_scalars)
+        patch.setattr(checkpointing.Checkpointer, 'save', save)
+        try:
+            summary = trainer.train_and_evaluate(config, workdir)
+        except Interrupted:
+            summary = None
+    return recorded, summary
+
+
+def assert_same_run(recorded, summary, baseline_recorded, baseline_summary, steps):
+    for step in steps:
+        assert recorded[('train', step)] == pytest.approx(
+            baseline_recorded[('train', step)], abs=1e-6), step
+    assert summary['valid_loss'] == pytest.approx(baseline_summary['valid_loss'], abs=1e-6)
+    assert summary['valid_tokens'] == baseline_summary['valid_tokens']
+
+
+def random_batch(exp, seed):
+    """One segment [1, B=4, T] of random ids, some positions unscored, rows 0 and 2 reset."""
+    rng = np.random.RandomState(seed)
+    shape = (1, exp.local_batch, exp.config.train.tgt_len)
+    mask = (rng.rand(*shape) > 0.2).astype(np.float32)  # Some padding, unevenly per stream.
+    return {
+        'inputs': rng.randint(0, exp.mcfg.vocab_size, shape).astype(np.int32),
+        'targets': rng.randint(0, exp.mcfg.vocab_size, shape).astype(np.int32),
+        'mask': mask,
+        'reset': np.array([[True, False, True, False]]),
+    }

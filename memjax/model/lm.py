@@ -134,7 +134,8 @@ def lm_loss(target_logprobs: jax.Array, mask: Optional[jax.Array] = None) -> jax
 
 def _init_variables(config: ModelConfig, key: jax.Array):
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return build_model(config).init({'params': key}, tokens, init_memory(config, 1))
+    rngs = {'params': key, **{name: key for name in memories.get(config).streams}}
+    return build_model(config).init(rngs, tokens, init_memory(config, 1))
 
 
 def init_params(config: ModelConfig, key: jax.Array) -> dict:

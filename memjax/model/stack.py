@@ -71,7 +71,7 @@ class DecoderLayer(nn.Module):
             v_bias = self.param('v_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
         memory = self.memory
         out, notes = RelativeAttention(cfg, name='attention')(
-            h, memory.blocks(state, shared), ctx, u_bias, v_bias, self.deterministic,
+            h, memory.blocks(state, shared, h), ctx, u_bias, v_bias, self.deterministic,
             attend=lambda view: memory.attend(state, shared, view))
         out = FeedForward(cfg, name='feed_forward')(out, self.deterministic)
         return nn.with_logical_constraint(out, BTE), memory.write(state, shared, h, notes)

@@ -45,8 +45,9 @@ class LayerMemory(nn.Module):
 
     config: ModelConfig
 
-    def blocks(self, state: Any, shared: Any) -> list[KeyBlock]:
-        """Key blocks this layer attends besides the segment, oldest first."""
+    def blocks(self, state: Any, shared: Any, layer_input: jax.Array) -> list[KeyBlock]:
+        """Key blocks this layer attends besides the segment (`layer_input` [B, T, d_model]),
+        oldest first."""
         return []
 
     def attend(self, state: Any, shared: Any, view: AttentionView) -> tuple[Optional[jax.Array], Any]:

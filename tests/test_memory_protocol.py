@@ -1,0 +1,130 @@
+"""The memory protocol, proved with a kind memjax does not know (tests/toy_memory.py).
+
+It trains, evaluates, checkpoints and resumes exactly through the unchanged trainer; its
+random streams are split per layer and, as each declares, shared or not between accumulation
+chunks; its auxiliary loss is exact under accumulation; skipped layers are conditional branches
+of the compiled step that really leave the layer out.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memjax import model as model_lib
+from memjax import train_step as train_step_lib
+from memjax import trainer
+import toy_memory  # noqa: F401  (registers the 'every_other' memory kind)
+import training_fixtures
+
+NUM_STEPS = 8
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
+
+
+def toy_config(corpus, **overrides):
+    return training_fixtures.tiny_config(corpus, model__memory='every_other', train__num_steps=NUM_STEPS,
+                                         **overrides)
+
+
+def test_toy_kind_trains_evaluates_and_resumes_exactly(corpus, tmp_path):
+    """Both phases (skips start at step 2), validation and a resume at step 4 of 8 (dropout on:
+    the random streams are part of what must resume)."""
+    config = toy_config(corpus)
+    baseline, summary = training_fixtures.run_recording(config, str(tmp_path / 'baseline'))
+    assert summary['valid_loss'] < np.log(256)  # Learned something: below a uniform guess.
+    workdir = str(tmp_path / 'resumed')
+    first, interrupted = training_fixtures.run_recording(config, workdir, interrupt_at_step=4)
+    assert interrupted is None and first[('train', 4)] == baseline[('train', 4)]
+    recorded, summary_resumed = training_fixtures.run_recording(config, workdir)
+    assert min(step for _, step in recorded) == 6
+    training_fixtures.assert_same_run(recorded, summary_resumed, baseline, summary, steps=(6, 8))
+
+
+@pytest.fixture(scope='module')
+def experiment(corpus, tmp_path_factory):
+    exp = trainer.setup(toy_config(corpus, model__dropout=0.0), str(tmp_path_factory.mktemp('w')))
+    state, memory = trainer.init_state(exp)
+    batch = training_fixtures.random_batch(exp, seed=4)
+    return exp, state, memory, batch
+
+
+def one_update(exp, state, memory, batch, chunks, phase=0):
+    step = train_step_lib.make_train_step(model_lib.build_model(exp.mcfg, phase), exp.tx, exp.schedule,
+                                          train_step_lib.memory_batch_axes(exp.mcfg), chunks)
+    return step(state, memory, batch)
+
+
+def test_auxiliary_loss_is_weighted_reported_and_exact_under_accumulation(experiment):
+    exp, state, memory, batch = experiment
+    one, one_memory, one_metrics = one_update(exp, state, memory, batch, chunks=1)
+    two, _, two_metrics = one_update(exp, state, memory, batch, chunks=2)
+    aux = train_step_lib.AUX_PREFIX + 'square'
+    np.testing.assert_allclose(two_metrics[aux], one_metrics[aux], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # The reported sum is the naive one: every layer's input, squared, over all rows and
+    # positions. Skipping layers l.. leaves the input of layer l as the output.
+    model = model_lib.build_model(exp.mcfg)
+    segment = {k: v[0] for k, v in batch.items()}
+    rngs = {name: jax.random.PRNGKey(0) for name in model.kind.streams}
+    inputs = [model.apply({'params': state.params}, segment['inputs'], memory, reset=segment['reset'],
+                          rngs=rngs, skip=jnp.arange(2) >= layer)[0].hidden for layer in range(2)]
+    naive = sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in inputs) / exp.mcfg.d_model
+    assert float(one_metrics[aux][0]) == pytest.approx(naive, rel=1e-5)
+
+
+def chunk_rows(values, chunk, chunks=2):
+    """The batch rows of accumulation chunk `chunk` (the split is strided)."""
+    return np.asarray(values)[..., chunk::chunks]
+
+
+def test_streams_differ_per_layer_and_are_shared_between_chunks_as_declared(experiment):
+    exp, state, memory, batch = experiment
+    _, new_memory, _ = one_update(exp, state, memory, batch, chunks=2)
+    same, own = new_memory.layers['same_in_chunks'], new_memory.layers['own']  # [n_layer, B]
+    for draws in (same, own):
+        assert len(set(np.asarray(draws[:, 0]).tolist())) == exp.mcfg.n_layer  # One per layer.
+    np.testing.assert_array_equal(chunk_rows(same, 0), chunk_rows(same, 1))
+    assert not np.any(chunk_rows(own, 0) == chunk_rows(own, 1))
+    # A step's draws differ from the next step's.
+    _, later_memory, _ = one_update(exp, state.replace(step=state.step + 1), memory, batch, chunks=2)
+    assert not np.any(np.asarray(later_memory.layers['same_in_chunks']) == np.asarray(same))
+
+
+def test_skip_decisions_are_the_same_in_every_chunk_and_keep_the_layer_state(experiment):
+    """Phase 1 draws a skip per layer and step; a skipped layer's state stays as it was, in
+    every chunk of that step, and both outcomes occur over a few steps."""
+    exp, state, memory, batch = experiment
+    outcomes = set()
+    for step in range(6):
+        _, new_memory, _ = one_update(exp, state.replace(step=jnp.int32(step)), memory, batch,
+                                      chunks=2, phase=exp.model.kind.phase(toy_memory.SKIP_FROM_STEP))
+        for layer in range(exp.mcfg.n_layer):
+            kept = [np.array_equal(chunk_rows(new_memory.layers['hidden'][layer].transpose(1, 2, 0), c),
+                                   chunk_rows(memory.layers['hidden'][layer].transpose(1, 2, 0), c))
+                    for c in range(2)]
+            assert kept[0] == kept[1], (step, layer)
+            outcomes.add(kept[0])
+    assert outcomes == {True, False}
+
+
+def test_a_skipped_layer_is_a_conditional_branch_that_leaves_the_layer_out(experiment):
+    exp, state, memory, batch = experiment
+    model = model_lib.build_model(exp.mcfg)
+    segment = {k: v[0] for k, v in batch.items()}
+    rngs = {name: jax.random.PRNGKey(0) for name in model.kind.streams}
+
+    def forward(params, skip):
+        return model.apply({'params': params}, segment['inputs'], memory, rngs=rngs, skip=skip)
+
+    hlo = jax.jit(forward).lower(state.params, jnp.zeros(2, bool)).compile().as_text()
+    assert hlo.count('conditional(') >= exp.mcfg.n_layer
+    out, new_memory = jax.jit(forward)(state.params, jnp.ones(2, bool))
+    embeddings = model.apply({'params': state.params}, segment['inputs'], method=lambda m, x: m.io.embed(x))
+    np.testing.assert_allclose(out.hidden, embeddings, atol=1e-6)
+    for layer in range(exp.mcfg.n_layer):
+        np.testing.assert_array_equal(new_memory.layers['hidden'][layer], memory.layers['hidden'][layer])
