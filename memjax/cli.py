@@ -15,15 +15,15 @@ from absl import app
 from absl import flags
 import ml_collections
 
-from memjax import distributed
+from memjax.runtime import distributed
 from memjax import errors
-from memjax import host_memory
-from memjax import metrics as metrics_lib
+from memjax.runtime import host_memory
+from memjax.training import metrics as metrics_lib
 
 _HOST_MEMORY = flags.DEFINE_enum(
     'host_memory', 'auto', host_memory.MODES,
     'How XLA:CPU step buffers avoid being page-faulted in 4 KiB at a time every step (see '
-    'memjax/host_memory.py): on = transparent huge pages (a glibc tunable, set by re-executing the '
+    'memjax/runtime/host_memory.py): on = transparent huge pages (a glibc tunable, set by re-executing the '
     'command once), auto = on when JAX runs on the CPU, reuse = one malloc heap that keeps them '
     'mapped (fastest for large steps, slower for small fast ones), off = glibc defaults.')
 _VERBOSE = flags.DEFINE_boolean(

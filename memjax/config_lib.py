@@ -87,7 +87,7 @@ def base_config() -> ml_collections.ConfigDict:
     ))
 
     # Device mesh ('data', 'fsdp', 'tensor'): one size may be -1 (all remaining devices).
-    # rules: ((logical_name, mesh_axes), ...) replacing entries of memjax.sharding.DEFAULT_RULES,
+    # rules: ((logical_name, mesh_axes), ...) replacing entries of memjax.runtime.sharding.DEFAULT_RULES,
     # e.g. (('vocab', None),) to replicate the vocabulary dimension.
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, rules=()))
     return config
@@ -133,6 +133,15 @@ def sibling_config(this_file: str, name: str) -> ml_collections.ConfigDict:
     parent this way and works from any working directory.
     """
     return load_config_file(os.path.join(os.path.dirname(os.path.abspath(this_file)), name))
+
+
+def cfg_get(cfg: Any, name: str, default: Any) -> Any:
+    """Reads an optional config field (ConfigDict, dict or object); None counts as unset."""
+    if isinstance(cfg, dict) or hasattr(cfg, 'get'):
+        value = cfg.get(name, default)
+    else:
+        value = getattr(cfg, name, default)
+    return default if value is None else value
 
 
 def _check(errors: list[str], ok: bool, message: str) -> None:

@@ -1,7 +1,7 @@
 """SIGTERM outside the training loop ends `memjax.train` with exit status 0.
 
 A scheduler stops a job with SIGTERM whenever it likes; inside the loop the run saves a
-checkpoint first (memjax/preemption.py), and before it (imports, data preparation,
+checkpoint first (memjax/training/preemption.py), and before it (imports, data preparation,
 compilation) or after it there is nothing new to save. Exiting 0 in both cases tells the
 scheduler the same thing: run the same command again to continue. `memjax.train` calls
 `install()` before its heavy imports, so start-up is covered from the first second. In a

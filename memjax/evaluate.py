@@ -11,15 +11,15 @@ from absl import flags
 import ml_collections
 from ml_collections import config_flags
 
-from memjax import checkpointing
+from memjax.training import checkpoints as checkpointing
 from memjax import cli
 from memjax import config_lib
-from memjax import distributed
+from memjax.runtime import distributed
 from memjax import errors
-from memjax import evaluation
-from memjax import metrics as metrics_lib
-from memjax import trainer
-from memjax import workdir as workdir_lib
+from memjax.training import evaluation
+from memjax.training import metrics as metrics_lib
+from memjax.training import loop as trainer
+from memjax.training import workdir as workdir_lib
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file.',
                                           lock_config=True)

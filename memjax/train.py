@@ -1,9 +1,9 @@
 """Command line: `python -m memjax.train --config=configs/X.py --workdir=DIR [--config.a.b=v]`.
 
 Re-running with the same workdir resumes from its newest intact checkpoint, provided the
-config still fits it (see memjax/resume.py); a run stopped by SIGTERM checkpoints first
+config still fits it (see memjax/training/resume.py); a run stopped by SIGTERM checkpoints first
 and exits 0. Multi-process runs add `--coordinator_address=HOST:PORT --num_processes=N
---process_id=I` (or nothing on a Cloud TPU VM): see memjax/distributed.py.
+--process_id=I` (or nothing on a Cloud TPU VM): see memjax/runtime/distributed.py.
 """
 
 from memjax import early_sigterm
@@ -15,9 +15,9 @@ from absl import flags
 from ml_collections import config_flags
 
 from memjax import cli
-from memjax import distributed
+from memjax.runtime import distributed
 from memjax import errors
-from memjax import trainer
+from memjax.training import loop as trainer
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file.',
                                           lock_config=True)

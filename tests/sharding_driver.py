@@ -19,11 +19,11 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 
-from memjax import checkpointing  # noqa: E402
+from memjax.training import checkpoints as checkpointing  # noqa: E402
 from memjax import config_lib  # noqa: E402
-from memjax import evaluation  # noqa: E402
+from memjax.training import evaluation  # noqa: E402
 from memjax import model as model_lib  # noqa: E402
-from memjax import trainer  # noqa: E402
+from memjax.training import loop as trainer  # noqa: E402
 from memjax.data import pipeline  # noqa: E402
 import toy_memory  # noqa: E402
 import training_fixtures  # noqa: E402

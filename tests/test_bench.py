@@ -170,7 +170,14 @@ def _check_adaptive_softmax(report):
                         tokens * (model['vocab_size'] - model['cutoffs'][0]) * 4)
 
 
-CHECKS = {'peak': _check_peak, 'adaptive-softmax': _check_adaptive_softmax, 'train': _check_train, 'compile': _check_compile,
+def _check_skip(report):
+    rows = report['rows']
+    assert [r['layers_skipped'] for r in rows] == [0, 1, 2] and rows[0]['time_vs_none_skipped'] == 1.0
+    for r in rows:
+        assert math.isclose(r['time_vs_none_skipped'], r['step_ms'] / rows[0]['step_ms'])
+
+
+CHECKS = {'skip': _check_skip, 'peak': _check_peak, 'adaptive-softmax': _check_adaptive_softmax, 'train': _check_train, 'compile': _check_compile,
           'memory': _check_memory, 'devices': _check_devices}
 
 

@@ -9,10 +9,11 @@ import jax
 import numpy as np
 import pytest
 
-from memjax import checkpointing
+from memjax.training import checkpoints as checkpointing
 from memjax import errors
 from memjax import evaluate
-from memjax import trainer
+from memjax import model as model_lib
+from memjax.training import loop as trainer
 import training_fixtures
 
 # Checkpoints at steps 4 and 8; losses logged every 2 updates (one dispatch of S=2).
@@ -150,6 +151,21 @@ def test_best_validated_checkpoint_outlives_keep_last_n(tmp_path):
     restored = ckpt.restore_latest(*map(abstract_of, tiny_tree(0)))
     assert restored.step == 9 and float(restored.state['w'][0, 0]) == 9.0
     assert restored.memory['m'].shape == (2, 0)  # Zero-size arrays round-trip (mem_len = 0).
+    ckpt.close()
+
+
+def test_xl_memory_saved_before_memory_kinds_is_read_into_the_per_layer_layout(tmp_path):
+    """Checkpoints written before memory kinds hold memory.hidden and memory.valid."""
+    state = {'w': np.ones((2, 3), np.float32)}
+    hidden = np.arange(2 * 4 * 3 * 5, dtype=np.float32).reshape(2, 4, 3, 5)
+    valid = np.array([[True, False, True]] * 4)
+    ckpt = checkpointing.Checkpointer(str(tmp_path), keep=2)
+    ckpt.save(1, state, {'hidden': hidden, 'valid': valid}, {'pos': 1}, {'seed': 0})
+    ckpt.wait()
+    memory = model_lib.MemoryState(layers={'hidden': hidden}, shared={'valid': valid})
+    restored = ckpt.restore_step(1, abstract_of(state), abstract_of(memory))
+    np.testing.assert_array_equal(restored.memory.layers['hidden'], hidden)
+    np.testing.assert_array_equal(restored.memory.shared['valid'], valid)
     ckpt.close()
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from memjax import config_lib
 from memjax import model as model_lib
-from memjax import trainer
+from memjax.training import loop as trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py')))
@@ -63,7 +63,7 @@ def test_eval_model_overrides_are_checked_against_the_memory_kind():
     with pytest.raises(config_lib.ConfigError, match="memory='none' keeps nothing but mem_len=8"):
         config_lib.validate_config(config)
     config = parse([f'--config={TINY}', '--config.model.memory=lamemmo'])
-    with pytest.raises(config_lib.ConfigError, match=r"memory='lamemmo' must be one of \('none', 'xl'\)"):
+    with pytest.raises(config_lib.ConfigError, match=r"memory='lamemmo' must be one of \(.*'none'.*'xl'"):
         config_lib.validate_config(config)
 
 

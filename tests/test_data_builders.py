@@ -53,9 +53,9 @@ def test_wikitext103_one_document_per_article(tmp_path):
     assert train == [' \n = Alpha = \n \n alpha text \n = = Section = = \n'
                      ' more \n', ' = Beta = \n beta text \n']
     assert ''.join(train) == texts['train']
-    test = builders.load_split_documents(cfg, 'test')
+    test = load_split_documents(cfg, 'test')
     assert test == [' = Delta = \n delta \n', ' = Eps = \n eps \n']
-    assert builders.load_split_documents(cfg, 'valid') == [texts['valid']]
+    assert load_split_documents(cfg, 'valid') == [texts['valid']]
 
 
 def test_wikitext103_missing_file_names_it_and_the_fix(tmp_path):
@@ -87,7 +87,7 @@ def test_enwik8_byte_split_and_bounded_records(tmp_path, monkeypatch):
     expected = {'train': raw[:n - 2 * held],
                 'validation': raw[n - 2 * held:n - held], 'test': raw[n - held:]}
     for split, want in expected.items():
-        docs = builders.load_split_documents(cfg, split)
+        docs = load_split_documents(cfg, split)
         assert len(docs) == 1
         assert docs[0].encode('utf-8', 'surrogateescape') == want
     records = _records('memjax_enwik8/heldout50', tmp_path / 'tfds', 'train')
@@ -130,7 +130,7 @@ def test_pg19_books_in_numeric_order(tmp_path):
     builders.prepare(cfg)
     records = _records('memjax_pg19', tmp_path / 'tfds', 'train')
     assert _docs_from_records(records) == ['nine\n', 'ten\n', 'hundred\n']
-    assert builders.load_split_documents(cfg, 'test') == ['seven\n']
+    assert load_split_documents(cfg, 'test') == ['seven\n']
 
 
 def test_pg19_undecodable_book_names_the_file(tmp_path):
@@ -161,7 +161,7 @@ def test_text_folder_hash_splits_one_document_per_file(tmp_path):
     (folder / '.hidden').write_text('ignored\n')
     cfg = {'name': 'text', 'text_path': str(folder),
            'data_dir': str(tmp_path / 'tfds')}
-    splits = {s: builders.load_split_documents(cfg, s) for s in builders.SPLITS}
+    splits = {s: load_split_documents(cfg, s) for s in builders.SPLITS}
     all_docs = [d for docs in splits.values() for d in docs]
     assert sorted(all_docs) == sorted(contents.values())
     assert all(splits.values())
@@ -183,12 +183,12 @@ def test_text_folder_explicit_splits_and_single_file(tmp_path):
         (folder / name).write_text(f'{name} body\n')
     cfg = {'name': 'text', 'text_path': str(folder),
            'data_dir': str(tmp_path / 'tfds')}
-    assert builders.load_split_documents(cfg, 'validation') == [
+    assert load_split_documents(cfg, 'validation') == [
         'valid.txt body\n']
     single = tmp_path / 'one.txt'
     single.write_text(''.join(f'line {i}\n' for i in range(100)))
     cfg1 = dict(cfg, text_path=str(single))
-    parts = [builders.load_split_documents(cfg1, s) for s in builders.SPLITS]
+    parts = [load_split_documents(cfg1, s) for s in builders.SPLITS]
     assert ''.join(p[0] for p in parts) == single.read_text()
     text = single.read_text()
     starts = [i + 1 for i, c in enumerate(text) if c == '\n']
@@ -225,3 +225,8 @@ def test_empty_split_file_is_rejected(tmp_path):
            'data_dir': str(tmp_path / 'tfds')}
     with pytest.raises(ValueError, match="'validation' of memjax_text is empty"):
         builders.prepare(cfg)
+
+
+def load_split_documents(data_cfg, split):
+    """Prepares data.name if needed and returns the split's documents."""
+    return builders.read_documents(builders.prepare(data_cfg), split)

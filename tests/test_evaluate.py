@@ -9,10 +9,10 @@ import pytest
 
 from memjax import errors
 from memjax import evaluate
-from memjax import evaluation
+from memjax.training import evaluation
 from memjax import model as model_lib
-from memjax import train_step as train_step_lib
-from memjax import trainer
+from memjax.training import step as train_step_lib
+from memjax.training import loop as trainer
 import training_fixtures
 
 EVAL_TGT_LEN, EVAL_MEM_LEN, EVAL_CLAMP_LEN = 5, 6, 4
@@ -37,7 +37,7 @@ def experiment(corpus, tmp_path_factory):
         eval__model__clamp_len=EVAL_CLAMP_LEN, eval__model__same_length=True)
     exp = trainer.setup(config, str(tmp_path_factory.mktemp('workdir')))
     state, _ = trainer.init_state(exp)
-    return exp, state.params, train_step_lib.make_eval_step(exp.eval_model)
+    return exp, state.params, jax.jit(train_step_lib.eval_step_fn(exp.eval_model))
 
 
 def naive_nll(exp, params, tokens):

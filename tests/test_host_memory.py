@@ -1,4 +1,4 @@
-"""memjax.host_memory: with it, repeated executions no longer page-fault their temporaries in 4 KiB at a time."""
+"""memjax.runtime.host_memory: with it, repeated executions no longer page-fault their temporaries in 4 KiB at a time."""
 
 import json
 import os
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from memjax import host_memory
+from memjax.runtime import host_memory
 
 # Runs a jitted function whose 64 MiB intermediate (a 4096 x 4096 float32 product) is an XLA
 # temporary, and reports the minor page faults of its last executions.
 _PROBE = '''
 import json, resource, sys
-from memjax import host_memory
+from memjax.runtime import host_memory
 applied = host_memory.keep_host_buffers(sys.argv[1])
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x: (jnp.dot(x, x.T) ** 2 @ x).sum())

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from memjax import model as model_lib
-from memjax import train_step as train_step_lib
-from memjax import trainer
+from memjax.training import step as train_step_lib
+from memjax.training import loop as trainer
 import toy_memory  # noqa: F401  (registers the 'every_other' memory kind)
 import training_fixtures
 
@@ -53,8 +53,7 @@ def experiment(corpus, tmp_path_factory):
 
 
 def one_update(exp, state, memory, batch, chunks, phase=0):
-    step = train_step_lib.make_train_step(model_lib.build_model(exp.mcfg, phase), exp.tx, exp.schedule,
-                                          train_step_lib.memory_batch_axes(exp.mcfg), chunks)
+    step = training_fixtures.jit_train_step(model_lib.build_model(exp.mcfg, phase), exp, chunks)
     return step(state, memory, batch)
 
 

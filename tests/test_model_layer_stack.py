@@ -74,3 +74,12 @@ def test_every_parameter_has_logical_axis_names():
         if cfg.scan_layers:
             assert query[0] == 'layers'
         assert flat["['io']['emb_table_0']"] == ('vocab', 'embed')
+
+
+@pytest.mark.parametrize('scan_layers', [False, True])
+def test_parameters_in_the_other_layer_layout_are_refused_in_one_line(scan_layers):
+    cfg = ModelConfig(**BASE, scan_layers=scan_layers)
+    other = init_params(cfg.replace(scan_layers=not scan_layers), jax.random.key(0))
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match=rf'convert_layer_layout\(params, scan_layers={scan_layers}\)'):
+        build_model(cfg).apply({'params': other}, tokens, init_memory(cfg, 1))

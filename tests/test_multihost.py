@@ -9,8 +9,8 @@ import time
 import portpicker
 import pytest
 
-from memjax import distributed
-from memjax import metrics as metrics_lib
+from memjax.runtime import distributed
+from memjax.training import metrics as metrics_lib
 import cli_fixtures
 import training_fixtures
 

@@ -206,3 +206,14 @@ def test_saving_params_that_do_not_fit_the_model_fails(tmp_path, small_checkpoin
     del params['layer_1']['feed_forward']['outer']['bias']
     with pytest.raises(convert.CheckpointError, match='missing layer_1/feed_forward/outer/bias'):
         convert.save_imported(str(tmp_path), config, params)
+
+
+def test_import_into_a_scan_layers_config_stacks_the_layers(small_checkpoint):
+    hf_config, state = small_checkpoint
+    config = convert.model_config_from_hf(hf_config)
+    separate = convert.params_from_hf_state_dict(state, config)
+    stacked = convert.params_from_hf_state_dict(state, config.replace(scan_layers=True))
+    assert 'layers' in stacked and 'layer_0' not in stacked
+    kernels = stacked['layers']['attention']['query']['kernel']
+    for i in range(config.n_layer):
+        np.testing.assert_array_equal(kernels[i], separate[f'layer_{i}']['attention']['query']['kernel'])

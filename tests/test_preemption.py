@@ -5,8 +5,8 @@ import signal
 
 import pytest
 
-from memjax import metrics as metrics_lib
-from memjax import preemption
+from memjax.training import metrics as metrics_lib
+from memjax.training import preemption
 import cli_fixtures
 import training_fixtures
 

@@ -1,5 +1,5 @@
-"""Which config changes a resumed run or an evaluation accepts (memjax/resume.py), and the lock
-that keeps two training runs out of one workdir (memjax/workdir.py)."""
+"""Which config changes a resumed run or an evaluation accepts (memjax/training/resume.py), and the lock
+that keeps two training runs out of one workdir (memjax/training/workdir.py)."""
 
 import json
 import os
@@ -11,8 +11,8 @@ import pytest
 
 from memjax import config_lib
 from memjax import errors
-from memjax import resume
-from memjax import workdir as workdir_lib
+from memjax.training import resume
+from memjax.training import workdir as workdir_lib
 import training_fixtures
 
 

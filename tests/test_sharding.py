@@ -15,7 +15,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from memjax import config_lib
 from memjax import model as model_lib
-from memjax import sharding
+from memjax.runtime import sharding
 import training_fixtures
 
 SHARDED_MESHES = ('data8', 'data2_tensor4', 'fsdp4_tensor2')

@@ -9,13 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from memjax import checkpointing
+from memjax.training import checkpoints as checkpointing
 from memjax import errors
 from memjax import model as model_lib
-from memjax import optim
-from memjax import train_step as train_step_lib
-from memjax import trainer
-from memjax import workdir as workdir_lib
+from memjax.training import optim
+from memjax.training import step as train_step_lib
+from memjax.training import loop as trainer
+from memjax.training import workdir as workdir_lib
 from memjax.data import embedded_corpus
 import training_fixtures
 
@@ -89,8 +89,7 @@ def test_gradient_accumulation_equals_one_full_batch_update(tiny_experiment, nai
                                                             chunks):
     exp, state, _ = tiny_experiment
     memory, batch, loss, grad_norm, naive_params, naive_memory = naive_update
-    step = train_step_lib.make_train_step(exp.model, exp.tx, exp.schedule,
-                                          train_step_lib.memory_batch_axes(exp.mcfg), chunks)
+    step = training_fixtures.jit_train_step(exp.model, exp, chunks)
     new_state, new_memory, metrics = step(state, memory, batch)
     assert int(new_state.step) == 1
     mean_nll = float(metrics['nll_sum'][0] / metrics['num_tokens'][0])
@@ -108,8 +107,7 @@ def test_parameters_and_optimizer_state_stay_float32_under_bf16(corpus, tmp_path
     config = training_fixtures.tiny_config(corpus, model__compute_dtype='bfloat16')
     exp = trainer.setup(config, str(tmp_path))
     state, memory = trainer.init_state(exp)
-    step = train_step_lib.make_train_step(exp.model, exp.tx, exp.schedule,
-                                          train_step_lib.memory_batch_axes(exp.mcfg), 2)
+    step = training_fixtures.jit_train_step(exp.model, exp, 2)
     state, _, metrics = step(state, memory, training_fixtures.random_batch(exp, seed=3))
     assert np.isfinite(np.asarray(metrics['nll_sum'])).all()
     floats = [leaf.dtype for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state))

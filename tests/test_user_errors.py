@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from memjax import errors
-from memjax import trainer
+from memjax.training import loop as trainer
 import cli_fixtures
 import training_fixtures
 
@@ -167,7 +167,7 @@ def test_failed_save_ends_the_process_with_a_message(corpus, env, tmp_path):
 # A pause before the train step is built, to stop the run there.
 _PAUSED_START = '''
     import time
-    from memjax import trainer
+    from memjax.training import loop as trainer
     def pause(*args):
         print('PAUSED', flush=True)
         time.sleep(600)

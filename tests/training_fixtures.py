@@ -6,14 +6,16 @@ enough that a full validation pass takes a fraction of a second.
 
 import os
 
+import jax
 import ml_collections
 import pytest
 import numpy as np
 
-from memjax import checkpointing
+from memjax.training import checkpoints as checkpointing
 from memjax import config_lib
-from memjax import metrics as metrics_lib
-from memjax import trainer
+from memjax.training import metrics as metrics_lib
+from memjax.training import loop as trainer
+from memjax.training import step as train_step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, 'configs', 'tiny.py')
@@ -104,3 +106,9 @@ def random_batch(exp, seed):
         'mask': mask,
         'reset': np.array([[True, False, True, False]]),
     }
+
+
+def jit_train_step(model, exp, chunks):
+    """The train step of `model` with the experiment's optimizer, jitted for one device."""
+    return jax.jit(train_step_lib.train_step_fn(model, exp.tx, exp.schedule,
+                                                train_step_lib.memory_batch_axes(exp.mcfg), chunks))

@@ -215,6 +215,27 @@ def _version(package: str) -> Optional[str]:
         return None
 
 
+# /proc/cpuinfo flags that decide XLA:CPU's matmul speed, in the words a reader compares.
+_VECTOR_FLAGS = (('avx512f', 'AVX-512'), ('avx2', 'AVX2'), ('avx512_bf16', 'AVX-512 BF16'),
+                 ('amx_bf16', 'AMX BF16'), ('asimd', 'NEON'), ('sve', 'SVE'))
+
+
+def _vector_isa() -> str:
+    """The CPU's vector extensions that matter here, e.g. 'AVX2 (no AVX-512, no BF16)'."""
+    flags: set[str] = set()
+    try:
+        with open('/proc/cpuinfo', encoding='utf-8') as f:
+            for line in f:
+                if line.startswith(('flags', 'Features')):
+                    flags = set(line.split(':', 1)[1].split())
+                    break
+    except OSError:
+        return 'unknown'
+    have = [name for flag, name in _VECTOR_FLAGS if flag in flags]
+    missing = [name for flag, name in _VECTOR_FLAGS[:3] if flag not in flags and 'avx2' in flags]
+    return ', '.join(have) + (f' (no {", no ".join(missing)})' if missing else '') if have else 'none known'
+
+
 def machine_info() -> dict[str, Any]:
     """Where and with what a figure was measured (goes into every JSON)."""
     devices = jax.devices()
@@ -224,6 +245,7 @@ def machine_info() -> dict[str, Any]:
         usable_cores = os.cpu_count()
     return {
         'cpu_model': _cpu_model(),
+        'vector_isa': _vector_isa(),
         'cpu_count': os.cpu_count(),
         'usable_cores': usable_cores,
         'load_average_1m_5m_15m': list(os.getloadavg()) if hasattr(os, 'getloadavg') else None,
@@ -305,7 +327,8 @@ def report_text(report: dict[str, Any]) -> str:
     lines += [f'- {key}: {_cell(value)}' for key, value in report['figures'].items()]
     lines += [f'- note: {note}' for note in report['notes']]
     machine = report['machine']
-    lines.append(f"- machine: {machine['cpu_model']}, {machine['usable_cores']} usable cores, "
+    lines.append(f"- machine: {machine['cpu_model']} ({machine.get('vector_isa', 'vector ISA not recorded')}), "
+                 f"{machine['usable_cores']} usable cores, "
                  f"{machine['device_count']} x {machine['device_kind']}, jax {machine['versions']['jax']}, "
                  f"load {machine['load_average_1m_5m_15m']}")
     return '\n'.join(lines)

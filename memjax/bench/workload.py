@@ -3,7 +3,7 @@
 One implementation for every suite (train, compile, memory, devices, and the suites built on
 them), so their figures describe the same computation. It is deliberately the plain step of
 the recipe (no segment scan, no gradient accumulation, no metrics) so that its FLOPs are exactly
-those `memjax.bench.flops` counts; the optimizer is the project's own (`memjax.optim`).
+those `memjax.bench.flops` counts; the optimizer is the project's own (`memjax.training.optim`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import optax
 
 from memjax import config_lib
 from memjax import model as model_lib
-from memjax import optim
+from memjax.training import optim
 from memjax.bench import harness
 
 BYTE_VOCAB = 256  # Used when the config takes its vocabulary from a tokenizer (vocab_size=-1).
@@ -38,12 +38,16 @@ def model_config(config: Optional[ml_collections.ConfigDict], **overrides: Any) 
 
 
 def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation) -> Callable:
-    """`(params, opt_state, memory, batch, key) -> (params, opt_state, memory, loss)`, unjitted."""
+    """`(params, opt_state, memory, batch, key) -> (params, opt_state, memory, loss)`, unjitted.
+
+    batch['skip'] ([n_layer] bool), when present, is the layers skipped (an argument, so one
+    executable serves every pattern).
+    """
 
     def loss_fn(params, memory, batch, key):
         out, new_memory = model.apply({'params': params}, batch['inputs'], memory,
                                       targets=batch['targets'], deterministic=False,
-                                      rngs={'dropout': key})
+                                      rngs={'dropout': key}, skip=batch.get('skip'))
         return model_lib.lm_loss(out.target_logprobs), new_memory
 
     def step(params, opt_state, memory, batch, key):

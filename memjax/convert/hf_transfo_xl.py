@@ -45,7 +45,7 @@ import numpy as np
 from flax import traverse_util
 
 from memjax import errors
-from memjax.model import ModelConfig, init_params
+from memjax.model import ModelConfig, convert_layer_layout, init_params
 
 CONFIG_FILE = 'config.json'
 PARAMS_FILE = 'params.msgpack'
@@ -139,7 +139,7 @@ def _transpose(w: np.ndarray) -> np.ndarray:
 
 
 def _heads_in(w: np.ndarray, n_head: int, d_head: int) -> np.ndarray:
-    """Linear [H*Dh, D] -> DenseGeneral kernel [D, H, Dh]."""
+    """Linear [H*Dh, D] -> Projection kernel [D, H, Dh]."""
     return w.reshape(n_head, d_head, -1).transpose(2, 0, 1)
 
 
@@ -149,7 +149,7 @@ def _qkv_part(w: np.ndarray, part: int, n_head: int, d_head: int) -> np.ndarray:
 
 
 def _heads_out(w: np.ndarray, n_head: int, d_head: int) -> np.ndarray:
-    """Linear [D, H*Dh] -> DenseGeneral kernel [H, Dh, D]."""
+    """Linear [D, H*Dh] -> Projection kernel [H, Dh, D]."""
     return w.reshape(-1, n_head, d_head).transpose(1, 2, 0)
 
 
@@ -319,7 +319,8 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: ModelConfig
                                       'config.json or re-save the checkpoint.')
         for path, convert in tensor.targets:
             flat[tuple(path.split('/'))] = np.ascontiguousarray(convert(value), dtype=np.float32)
-    params = traverse_util.unflatten_dict(flat)
+    # HF's layers are separate tensors ('layer_{i}'); a scan_layers config stacks them.
+    params = convert_layer_layout(traverse_util.unflatten_dict(flat), config.scan_layers)
     check_params(config, params, source)
     return params
 

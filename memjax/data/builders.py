@@ -27,7 +27,7 @@ from tensorflow_datasets.core import utils as tfds_utils
 
 from memjax import errors
 from memjax.data import embedded_corpus
-from memjax.data.tokenizers import cfg_get
+from memjax.config_lib import cfg_get
 
 SPLITS = embedded_corpus.SPLITS
 SPLIT_ALIASES = {'valid': 'validation', 'val': 'validation', 'dev': 'validation'}
@@ -509,8 +509,3 @@ def iter_documents(builder: _MemjaxTextBuilder, split: str) -> Iterator[str]:
 
 def read_documents(builder: _MemjaxTextBuilder, split: str) -> List[str]:
     return list(iter_documents(builder, split))
-
-
-def load_split_documents(data_cfg: Any, split: str) -> List[str]:
-    """Prepares data.name if needed and returns the split's documents."""
-    return read_documents(prepare(data_cfg), split)

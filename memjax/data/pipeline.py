@@ -23,7 +23,8 @@ import numpy as np
 
 from memjax import errors
 from memjax.data import builders
-from memjax.data.tokenizers import Tokenizer, cfg_get
+from memjax.config_lib import cfg_get
+from memjax.data.tokenizers import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

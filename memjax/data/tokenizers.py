@@ -16,6 +16,7 @@ from typing import Any, Iterable, List, Optional, Sequence
 import numpy as np
 
 from memjax import errors
+from memjax.config_lib import cfg_get
 
 TOKENIZER_FILE = 'tokenizer.json'
 SENTENCEPIECE_FILE = 'tokenizer.model'
@@ -26,15 +27,6 @@ UNK_CHAR = '\ufffd'
 KINDS = ('byte', 'char', 'word', 'sentencepiece')
 # Bounds sentencepiece's training input; lines beyond it are subsampled.
 SP_MAX_TRAIN_LINES = 2_000_000
-
-
-def cfg_get(cfg: Any, name: str, default: Any) -> Any:
-    """Reads an optional config field (ConfigDict, dict or object)."""
-    if isinstance(cfg, dict) or hasattr(cfg, 'get'):
-        value = cfg.get(name, default)
-    else:
-        value = getattr(cfg, name, default)
-    return default if value is None else value
 
 
 def split_lines(text: str) -> List[str]:

@@ -54,6 +54,18 @@ def check_ids(ids: jax.Array, vocab_size: int, name: str) -> None:
                          'than the one config.vocab_size was set for.')
 
 
+def _check_layer_layout(module: nn.Module, cfg: ModelConfig) -> None:
+    """One line instead of flax's ScopeCollectionNotFound for parameters in the other layout."""
+    if module.is_initializing():
+        return
+    names = module.variables.get('params', {})
+    have_scanned, want_scanned = 'layers' in names, cfg.scan_layers
+    if cfg.n_layer and ('layer_0' in names or have_scanned) and have_scanned != want_scanned:
+        layout = "one stacked 'layers'" if have_scanned else "separate 'layer_{i}'"
+        raise ValueError(f'the parameters hold {layout} subtrees but config.scan_layers={want_scanned}: '
+                         f'convert them with memjax.model.convert_layer_layout(params, scan_layers={want_scanned}).')
+
+
 class MemoryLM(nn.Module):
     """Embeddings -> the layer stack over the memory kind's state -> adaptive softmax."""
 
@@ -81,6 +93,7 @@ class MemoryLM(nn.Module):
         """tokens, targets: [B, T] int32; reset: [B] bool, starts those rows' memory afresh first;
         skip: [n_layer] bool, layers not run this step (default: the kind's `skip_layers`)."""
         cfg, kind = self.config, self.kind
+        _check_layer_layout(self, cfg)
         if reset is not None:
             memory = kind.reset(memory, reset)
         check_ids(tokens, cfg.vocab_size, 'tokens')

@@ -4,7 +4,7 @@ The device count of the CPU backend is fixed when jax is imported
 (`XLA_FLAGS=--xla_force_host_platform_device_count=N`), so each count is measured in its own
 subprocess (`python -m memjax.bench.suites.devices '<json>'`), both launched by the same suite
 invocation. The step is the shared workload's, data-parallel over a ('data', 'fsdp', 'tensor')
-= (N, 1, 1) mesh from `memjax.sharding`: the batch's streams are split over the devices,
+= (N, 1, 1) mesh from `memjax.runtime.sharding`: the batch's streams are split over the devices,
 parameters and Adam state replicated, gradients all-reduced by XLA's SPMD partitioner.
 On a 2-core CPU the 8 "devices" share the same 2 cores, so the ratio is expected below 1: it
 measures partitioning and collective overhead, the baseline for real multi-device hardware.
@@ -30,7 +30,7 @@ def measure_on_all_devices(request: dict[str, Any]) -> dict[str, Any]:
     import ml_collections
     from jax.sharding import PartitionSpec as P
 
-    from memjax import sharding
+    from memjax.runtime import sharding
     from memjax.bench import harness
     from memjax.bench import workload
 
@@ -97,7 +97,7 @@ def _suite():
                      'tokens_per_s'),
             figures={'throughput_8_over_1': ratio},
             config={'model': setting['shape'], 'batch': setting['batch'], 'tgt_len': setting['seq'],
-                    'mem_len': setting['seq'], 'mesh': "memjax.sharding Partitioner, data=N, fsdp=1, tensor=1",
+                    'mem_len': setting['seq'], 'mesh': "memjax.runtime.sharding Partitioner, data=N, fsdp=1, tensor=1",
                     'usable_cores': len(os.sched_getaffinity(0))},
             notes=['Simulated devices share this machine\'s cores: a ratio below 1 is partitioning and '
                    'all-reduce overhead, not a property of real accelerators.'])

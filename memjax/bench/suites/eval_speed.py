@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from memjax import model as model_lib
-from memjax import train_step as train_step_lib
+from memjax.training import step as train_step_lib
 from memjax.bench import harness
 
 PAPER_SPEEDUP = {3800: 1874, 2800: 1409, 1800: 773, 800: 363}  # Table 7, one GPU.

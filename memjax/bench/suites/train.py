@@ -69,7 +69,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
             'peak_gflops_per_s_float32': roofline['float32'],
             'peak_gflops_per_s_bfloat16': roofline['bfloat16'],
         },
-        config={'step': 'one segment: forward, backward, clip + Adam (memjax.optim), params/opt '
+        config={'step': 'one segment: forward, backward, clip + Adam (memjax.training.optim), params/opt '
                         'state/memory donated', 'dropout': workload.model_config(ctx.config).dropout,
                 'flops': 'memjax.bench.flops: matmuls of the forward pass x 3, less the input '
                          'gradients that never run',

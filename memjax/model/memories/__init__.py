@@ -130,8 +130,9 @@ class MemoryKind:
         return self.config.mem_len
 
     def skip_layers(self, key: Optional[jax.Array], phase: int) -> Optional[jax.Array]:
-        """[n_layer] bool: layers skipped this step (None: none). `key` is this step's draw of the
-        'skip' stream when the kind declares one."""
+        """[n_layer] bool: layers skipped this step (None: none). Called only by kinds that declare
+        a 'skip' stream (declare it shared between chunks: one decision per step); `key` is its
+        draw for this step."""
         return None
 
     def phase(self, step: int) -> int:

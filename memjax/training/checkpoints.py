@@ -3,7 +3,7 @@
 A checkpoint holds the train state (params, optimizer state, step, PRNG key), the
 recurrent memory, the data iterator's JSON state and the config it was trained with, so
 a resumed run continues the exact same token streams with the exact same memory, and a
-changed config is noticed before anything is restored (memjax/resume.py). A fingerprint
+changed config is noticed before anything is restored (memjax/training/resume.py). A fingerprint
 of the arrays is stored with the JSON item: orbax notices truncated files but not flipped
 bytes, and a silently wrong restore is worse than falling back one checkpoint.
 
@@ -81,7 +81,7 @@ def fingerprint(tree: Any) -> str:
 
 
 class _Manager(ocp.CheckpointManager):
-    """An orbax CheckpointManager that leaves preemption to `memjax.preemption`.
+    """An orbax CheckpointManager that leaves preemption to `memjax.training.preemption`.
 
     Orbax asks JAX's preemption sync point about the steps it saves, one of them from
     its background finalize thread; the sync manager takes every query as the

@@ -14,19 +14,19 @@ import ml_collections
 import numpy as np
 import optax
 
-from memjax import checkpointing
+from memjax.training import checkpoints as checkpointing
 from memjax import config_lib
-from memjax import distributed
+from memjax.runtime import distributed
 from memjax import errors
-from memjax import resume
-from memjax import workdir as workdir_lib
-from memjax import evaluation
-from memjax import metrics as metrics_lib
+from memjax.training import resume
+from memjax.training import workdir as workdir_lib
+from memjax.training import evaluation
+from memjax.training import metrics as metrics_lib
 from memjax import model as model_lib
-from memjax import optim
-from memjax import preemption
-from memjax import sharding
-from memjax import train_step as train_step_lib
+from memjax.training import optim
+from memjax.training import preemption
+from memjax.runtime import sharding
+from memjax.training import step as train_step_lib
 from memjax.data import pipeline
 from memjax.data import tokenizers
 
@@ -69,7 +69,7 @@ def check_saved_config(config: ml_collections.ConfigDict, workdir: str, training
     """Compares `config` with the one the workdir's newest readable checkpoint was saved with.
 
     Training refuses changes to fields that shape the saved state or the data stream;
-    evaluation refuses changes that shape the parameters (memjax/resume.py). Runs before
+    evaluation refuses changes that shape the parameters (memjax/training/resume.py). Runs before
     the tokenizer is built, anything is restored or compiled.
     """
     directory = checkpoint_dir(workdir)

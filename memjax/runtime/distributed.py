@@ -170,7 +170,7 @@ def _deadline_message(settings: Settings) -> str:
     else:
         cause = ('the coordinator did not answer: check that process 0 is running and that '
                  'its host and port are reachable from here (address, firewall)')
-    return (f'memjax.distributed: {what} within --initialization_timeout='
+    return (f'memjax.runtime.distributed: {what} within --initialization_timeout='
             f'{settings.initialization_timeout}s; {cause}.')
 
 

@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from memjax import config_lib
 from memjax import model as model_lib
-from memjax import train_step as train_step_lib
+from memjax.training import step as train_step_lib
 
 MESH_AXES = config_lib.MESH_AXES
 
@@ -82,7 +82,7 @@ def make_mesh(mesh_cfg: ml_collections.ConfigDict,
                          devices=devices)
 
 
-def _abstract_params(mcfg: Any) -> Any:
+def _abstract_params(mcfg: model_lib.ModelConfig) -> Any:
     return jax.eval_shape(lambda: model_lib.init_params(mcfg, jax.random.PRNGKey(0)))
 
 
@@ -141,15 +141,15 @@ class Partitioner:
                 'None in config.mesh.rules, e.g. (("vocab", None),).')
         return shardings
 
-    def params(self, mcfg: Any) -> Any:
+    def params(self, mcfg: model_lib.ModelConfig) -> Any:
         return self._checked('params', _abstract_params(mcfg), model_lib.param_logical_axes(mcfg))
 
-    def memory(self, mcfg: Any, batch_size: int) -> Any:
+    def memory(self, mcfg: model_lib.ModelConfig, batch_size: int) -> Any:
         """Shardings of the global memory of `batch_size` streams."""
         abstract = jax.eval_shape(lambda: model_lib.init_memory(mcfg, batch_size))
         return self._checked('memory', abstract, model_lib.memory_logical_axes(mcfg))
 
-    def train_state(self, mcfg: Any, tx: optax.GradientTransformation) -> Any:
+    def train_state(self, mcfg: model_lib.ModelConfig, tx: optax.GradientTransformation) -> Any:
         """TrainState of shardings; optimizer moments are sharded exactly like their params."""
         params = self.params(mcfg)
         opt_state = optax.tree_map_params(
@@ -171,7 +171,7 @@ class Partitioner:
 
         return call
 
-    def init_memory(self, mcfg: Any, batch_size: int) -> Any:
+    def init_memory(self, mcfg: model_lib.ModelConfig, batch_size: int) -> Any:
         """A fresh memory for `batch_size` global streams, created directly in its shards."""
         return _memory_initializer(self, mcfg, batch_size)()
 
@@ -186,7 +186,7 @@ class Partitioner:
 
 
 @functools.lru_cache(maxsize=None)
-def _memory_initializer(partitioner: Partitioner, mcfg: Any, batch_size: int) -> Callable:
+def _memory_initializer(partitioner: Partitioner, mcfg: model_lib.ModelConfig, batch_size: int) -> Callable:
     # Cached: every validation pass starts from a fresh memory and should not recompile.
     return jax.jit(lambda: model_lib.init_memory(mcfg, batch_size),
                    out_shardings=partitioner.memory(mcfg, batch_size))

@@ -160,13 +160,6 @@ def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation,
     return train_step
 
 
-def make_train_step(model: model_lib.MemoryLM, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, memory_axes: Any,
-                    grad_accum_steps: int) -> Callable:
-    """`train_step_fn` jitted for one device (sharded runs use `sharding.Partitioner.jit`)."""
-    return jax.jit(train_step_fn(model, tx, schedule, memory_axes, grad_accum_steps))
-
-
 def eval_step_fn(model: model_lib.MemoryLM) -> Callable:
     """Returns `(params, memory, batch[S, B, ...], key) -> (memory, metrics[S])`, to be jitted.
 
@@ -191,8 +184,3 @@ def eval_step_fn(model: model_lib.MemoryLM) -> Callable:
         return jax.lax.scan(lambda m, xs: segment_nll(params, m, *xs), memory, (batch, keys))
 
     return eval_step
-
-
-def make_eval_step(model: model_lib.MemoryLM) -> Callable:
-    """`eval_step_fn` jitted for one device (sharded runs use `sharding.Partitioner.jit`)."""
-    return jax.jit(eval_step_fn(model))
