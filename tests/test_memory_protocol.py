@@ -52,9 +52,15 @@ def experiment(corpus, tmp_path_factory):
     return exp, state, memory, batch
 
 
+_STEPS = {}
+
+
 def one_update(exp, state, memory, batch, chunks, phase=0):
-    step = training_fixtures.jit_train_step(model_lib.build_model(exp.mcfg, phase), exp, chunks)
-    return step(state, memory, batch)
+    """One training update, its step compiled once per (chunks, phase) for the whole module."""
+    key = (id(exp), chunks, phase)
+    if key not in _STEPS:
+        _STEPS[key] = training_fixtures.jit_train_step(model_lib.build_model(exp.mcfg, phase), exp, chunks)
+    return _STEPS[key](state, memory, batch)
 
 
 def test_auxiliary_loss_is_weighted_reported_and_exact_under_accumulation(experiment):
