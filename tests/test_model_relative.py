@@ -178,3 +178,30 @@ def test_position_scores_value_and_gradient_match_the_plain_einsum(dtype, tol):
     for g, e in zip(vjp(cotangent), plain_vjp(cotangent)):
         assert g.dtype == dtype
         np.testing.assert_allclose(g.astype(jnp.float32), e, atol=tol * float(jnp.abs(e).max()))
+
+
+def test_attend_hook_sees_the_layer_projections_and_adds_before_the_output_projection():
+    """A memory kind's `attend` gets the layer's own maps (for extra queries, e.g. memory rows)
+    and its extra output passes through the output projection: with pre-LN the layer output
+    moves by exactly extra @ W_out."""
+    cfg, h, mem, valid, u, v = attention_inputs(5, -1)
+    cfg = cfg.replace(pre_lnorm=True)
+    block = KeyBlock(rows=mem, valid=jnp.asarray(valid)[:, None, None, :])
+    ctx = AttentionContext(relative_sinusoid_table(9, 8, -1), u, v, window=5)
+    module = RelativeAttention(cfg)
+    params = nn.meta.unbox(module.init(jax.random.key(0), h, [block], ctx, u, v, True)['params'])
+    extra = jax.random.normal(jax.random.key(5), (2, 4, 2, 3))
+
+    def attend(view):
+        return extra, (view.project_query(mem), view.key)
+
+    plain, _ = module.apply({'params': params}, h, [block], ctx, u, v, True)
+    moved, (memory_queries, keys) = module.apply({'params': params}, h, [block], ctx, u, v, True, attend=attend)
+    np.testing.assert_allclose(moved - plain, jnp.einsum('bthd,hde->bte', extra, params['out']['kernel']),
+                               atol=1e-5)
+    ln = params['layer_norm']
+    normed = (mem - mem.mean(-1, keepdims=True)) / jnp.sqrt(mem.var(-1, keepdims=True) + cfg.layer_norm_epsilon)
+    normed = normed * ln['scale'] + ln['bias']
+    np.testing.assert_allclose(memory_queries, jnp.einsum('bnd,dhe->bnhe', normed, params['query']['kernel']),
+                               atol=1e-5)
+    assert keys.shape == (2, 5 + 4, 2, 3)  # Every block's keys, then the segment's.
