@@ -269,6 +269,11 @@ def _validate_model(config: Any, errors: list[str]) -> None:
         eval_model_config(mcfg, config)
     except ValueError as error:
         errors.append(f'config.eval.model: {error}')
+    # A dispatch runs segments_per_step updates in one compiled step, so with one phase.
+    steps = config.train.segments_per_step
+    late = [s for s in memories.get(mcfg).phase_starts if steps >= 1 and s % steps]
+    _check(errors, not late, f'memory={mcfg.memory!r} changes its training phase at steps {late}: '
+           f'config.train.segments_per_step={steps} must divide them.')
 
 
 def eval_model_config(mcfg: ModelConfig, config: ml_collections.ConfigDict) -> ModelConfig:

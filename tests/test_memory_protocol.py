@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from memjax import config_lib
 from memjax import model as model_lib
 from memjax.training import step as train_step_lib
 from memjax.training import loop as trainer
@@ -28,6 +29,13 @@ def corpus(tmp_path_factory):
 def toy_config(corpus, **overrides):
     return training_fixtures.tiny_config(corpus, model__memory='every_other', train__num_steps=NUM_STEPS,
                                          **overrides)
+
+
+def test_a_phase_change_inside_a_dispatch_is_refused(corpus):
+    config = toy_config(corpus, train__segments_per_step=4, train__log_every=4, train__eval_every=4)
+    with pytest.raises(config_lib.ConfigError, match=r"phase at steps \[2\]: config.train.segments_per_step=4"):
+        config_lib.validate_config(config)
+    config_lib.validate_config(toy_config(corpus))  # segments_per_step=2 divides the start.
 
 
 def test_toy_kind_trains_evaluates_and_resumes_exactly(corpus, tmp_path):
@@ -65,17 +73,27 @@ def one_update(exp, state, memory, batch, chunks, phase=0):
 
 def test_auxiliary_loss_is_weighted_reported_and_exact_under_accumulation(experiment):
     exp, state, memory, batch = experiment
-    one, one_memory, one_metrics = one_update(exp, state, memory, batch, chunks=1)
+    one, _, one_metrics = one_update(exp, state, memory, batch, chunks=1)
     two, _, two_metrics = one_update(exp, state, memory, batch, chunks=2)
     aux = train_step_lib.AUX_PREFIX + 'square'
     np.testing.assert_allclose(two_metrics[aux], one_metrics[aux], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    # The reported sum is the naive one: every layer's input, squared, over all rows and
-    # positions. Skipping layers l.. leaves the input of layer l as the output.
     model = model_lib.build_model(exp.mcfg)
     segment = {k: v[0] for k, v in batch.items()}
     rngs = {name: jax.random.PRNGKey(0) for name in model.kind.streams}
+
+    def naive_loss(params):  # (NLL + weight x aux) per scored token, straight from the model.
+        out, _ = model.apply({'params': params}, segment['inputs'], memory, targets=segment['targets'],
+                             reset=segment['reset'], deterministic=False, rngs=rngs)
+        nll = -jnp.sum(jnp.where(segment['mask'] > 0, out.target_logprobs, 0.0))
+        return (nll + toy_memory.SQUARE_WEIGHT * out.losses['square']) / jnp.sum(segment['mask'])
+
+    updates, _ = exp.tx.update(jax.jit(jax.grad(naive_loss))(state.params), state.opt_state, state.params)
+    for a, b, c in zip(jax.tree.leaves(one.params), jax.tree.leaves(two.params),
+                       jax.tree.leaves(jax.tree.map(jnp.add, state.params, updates))):
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(b, c, rtol=1e-5, atol=1e-6)
+    # The reported sum is the naive one: every layer's input, squared, over all rows and
+    # positions. Skipping layers l.. leaves the input of layer l as the output.
     inputs = [model.apply({'params': state.params}, segment['inputs'], memory, reset=segment['reset'],
                           rngs=rngs, skip=jnp.arange(2) >= layer)[0].hidden for layer in range(2)]
     naive = sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in inputs) / exp.mcfg.d_model

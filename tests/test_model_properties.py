@@ -238,3 +238,13 @@ def test_out_of_range_ids_raise_eagerly_and_poison_under_jit():
     out, new_memory = apply({'params': params}, bad_input, memory, targets=tokens)
     assert np.isnan(np.asarray(lm_loss(out.target_logprobs)))
     assert np.isfinite(np.asarray(out.hidden[1])).all()  # The other stream is untouched.
+
+
+@pytest.mark.parametrize('memory_of', [dict(mem_len=4), dict(mem_len=6, batch=3), dict(mem_len=0, memory='none')])
+def test_a_memory_built_for_other_settings_is_refused_in_one_line(memory_of):
+    """E.g. a training memory passed to a model run with the evaluation mem_len."""
+    cfg, model, params = setup(mem_len=6)
+    other = cfg.replace(mem_len=memory_of['mem_len'], memory=memory_of.get('memory', 'xl'))
+    memory = init_memory(other, memory_of.get('batch', 2))
+    with pytest.raises(ValueError, match=r"memory='xl'.*mem_len=6, batch 2\): build it with init_memory"):
+        model.apply({'params': params}, random_tokens(3, (2, 5)), memory)

@@ -66,6 +66,17 @@ def _check_layer_layout(module: nn.Module, cfg: ModelConfig) -> None:
                          f'convert them with memjax.model.convert_layer_layout(params, scan_layers={want_scanned}).')
 
 
+def _check_memory(kind: memories.MemoryKind, memory: memories.MemoryState, batch_size: int) -> None:
+    """One line instead of a shape error deep in the stack for a memory built for another
+    config (mem_len, kind) or batch size; checked while tracing, free at run time."""
+    want = jax.eval_shape(lambda: kind.init(batch_size))
+    shapes = lambda tree: jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
+    if jax.tree.structure(memory) != jax.tree.structure(want) or shapes(memory) != shapes(want):
+        raise ValueError(f'the memory does not fit memory={kind.config.memory!r} with these settings '
+                         f'(mem_len={kind.config.mem_len}, batch {batch_size}): build it with '
+                         'init_memory(config, batch_size) for the config you apply.')
+
+
 class MemoryLM(nn.Module):
     """Embeddings -> the layer stack over the memory kind's state -> adaptive softmax."""
 
@@ -94,6 +105,7 @@ class MemoryLM(nn.Module):
         skip: [n_layer] bool, layers not run this step (default: the kind's `skip_layers`)."""
         cfg, kind = self.config, self.kind
         _check_layer_layout(self, cfg)
+        _check_memory(kind, memory, tokens.shape[0])
         if reset is not None:
             memory = kind.reset(memory, reset)
         check_ids(tokens, cfg.vocab_size, 'tokens')

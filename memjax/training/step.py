@@ -42,9 +42,9 @@ def memory_batch_axes(mcfg: model_lib.ModelConfig) -> Any:
 
 
 def stream_keys(key: jax.Array, kind: memories.MemoryKind, chunk: jax.Array) -> dict:
-    """The flax rngs of one accumulation chunk: 'dropout' and each stream the kind declares,
-    the same in every chunk of the step when the stream says so (a skip decision), else not."""
-    rngs = {'dropout': jax.random.fold_in(key, chunk)}
+    """The keys of the kind's random streams for accumulation chunk `chunk`: the same in every
+    chunk of the step when the stream says so (a skip decision), else not."""
+    rngs = {}
     for name, same_in_every_chunk in kind.streams.items():
         stream = jax.random.fold_in(key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
         rngs[name] = stream if same_in_every_chunk else jax.random.fold_in(stream, chunk)
@@ -131,8 +131,8 @@ def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation,
         def accumulate(grad_sum, xs):
             chunk_segment, chunk_memory, index = xs
             (_, (new_memory, nll, losses)), grads = grad_fn(
-                state.params, chunk_segment, chunk_memory, stream_keys(key, kind, index),
-                num_tokens)
+                state.params, chunk_segment, chunk_memory,
+                {'dropout': jax.random.fold_in(key, index), **stream_keys(key, kind, index)}, num_tokens)
             return jax.tree_util.tree_map(jnp.add, grad_sum, grads), (new_memory, nll, losses)
 
         zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
@@ -170,11 +170,9 @@ def eval_step_fn(model: model_lib.MemoryLM) -> Callable:
     kind = model.kind
 
     def segment_nll(params, memory, segment, key):
-        rngs = stream_keys(key, kind, jnp.zeros((), jnp.int32))
-        del rngs['dropout']  # Deterministic: no dropout at evaluation.
         out, memory = model.apply(
             {'params': params}, segment['inputs'], memory, targets=segment['targets'],
-            reset=segment['reset'], deterministic=True, rngs=rngs)
+            reset=segment['reset'], deterministic=True, rngs=stream_keys(key, kind, 0))
         return memory, {'nll_sum': _nll_sum(out.target_logprobs, segment['mask']),
                         'num_tokens': jnp.sum(segment['mask'] > 0)}
 
