@@ -180,10 +180,10 @@ def test_position_scores_value_and_gradient_match_the_plain_einsum(dtype, tol):
         np.testing.assert_allclose(g.astype(jnp.float32), e, atol=tol * float(jnp.abs(e).max()))
 
 
-def test_attend_hook_sees_the_layer_projections_and_adds_before_the_output_projection():
-    """A memory kind's `attend` gets the layer's own maps (for extra queries, e.g. memory rows)
-    and its extra output passes through the output projection: with pre-LN the layer output
-    moves by exactly extra @ W_out."""
+def test_attend_hook_sees_the_layer_projections_and_adds_to_the_attention_output():
+    """A memory kind's `attend` gets the layer's own maps (for extra queries, e.g. memory rows,
+    and the output projection) and its extra output is added to the attention's: with pre-LN the
+    layer output moves by exactly extra @ W_out when the hook projects with the layer's map."""
     cfg, h, mem, valid, u, v = attention_inputs(5, -1)
     cfg = cfg.replace(pre_lnorm=True)
     block = KeyBlock(rows=mem, valid=jnp.asarray(valid)[:, None, None, :])
@@ -193,7 +193,7 @@ def test_attend_hook_sees_the_layer_projections_and_adds_before_the_output_proje
     extra = jax.random.normal(jax.random.key(5), (2, 4, 2, 3))
 
     def attend(view):
-        return extra, (view.project_query(mem), view.key)
+        return view.project_output(extra), (view.project_query(mem), view.key)
 
     plain, _ = module.apply({'params': params}, h, [block], ctx, u, v, True)
     moved, (memory_queries, keys) = module.apply({'params': params}, h, [block], ctx, u, v, True, attend=attend)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from memjax.model.config import ModelConfig
-from memjax.model.primitives import normal
+from memjax.model.primitives import BLOCKS, normal
 
 # Tokens scored per step of a tail cluster's loop (split over the batch rows): big enough for
 # an efficient matmul, small enough that few positions outside the cluster get scored.
@@ -79,7 +79,7 @@ class AdaptiveIO(nn.Module):
         return tables[i]
 
     def embed(self, ids: jax.Array) -> jax.Array:
-        """[...] token ids -> [..., d_model], scaled by sqrt(d_model) as in Transformer-XL."""
+        """[...] token ids -> [..., d_model], scaled by sqrt(d_model) in Transformer-XL's block style."""
         cfg = self.config
         dtype = cfg.dtype
         if cfg.div_val == 1:
@@ -95,6 +95,8 @@ class AdaptiveIO(nn.Module):
                 local = jnp.clip(ids - lo, 0, hi - lo - 1)
                 vectors = jnp.take(table, local, axis=0).astype(dtype) @ proj.astype(dtype)
                 out = out + jnp.where(inside[..., None], vectors, 0)
+        if not BLOCKS[cfg.block].embed_scale:
+            return out
         return out * jnp.asarray(math.sqrt(cfg.d_model), dtype)
 
     def _cluster_logits(self, hidden: jax.Array, i: int) -> jax.Array:

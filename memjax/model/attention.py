@@ -10,7 +10,7 @@ always the last block. Every block has a distance rule:
   scores are computed once per distance row and gathered at each key's distance.
 
 Masks are per block and may differ per head. A memory kind can also read what the attention
-computed (`AttentionView`) and add a second output before the output projection.
+computed (`AttentionView`) and add a second output to the attention's output.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from flax import struct
 
 from memjax.model.config import ModelConfig
 from memjax.model.positions import position_scores, rel_shift
-from memjax.model.primitives import BTHK, Dropout, layer_norm, projection
+from memjax.model.primitives import BLOCKS, BTHK, Dropout, layer_norm, projection
 
 
 @struct.dataclass
@@ -49,11 +49,12 @@ class KeyBlock:
 class AttentionContext:
     """What every layer's attention shares: the distance table and the global biases.
 
-    positions: [R, d_model] encodings of distances R-1, ..., 0 (dropout already applied).
+    positions: [R, d_model] encodings of distances R-1, ..., 0 (dropout already applied), or
+               None with absolute positions (then there are no biases either: content scores only).
     window:    with `same_length`, keys further back than `window` positions are hidden.
     """
 
-    positions: jax.Array
+    positions: Optional[jax.Array]
     u_bias: Optional[jax.Array]  # [H, Dh]; None when every layer has its own (untie_r).
     v_bias: Optional[jax.Array]
     window: int = struct.field(pytree_node=False, default=0)
@@ -70,6 +71,7 @@ class AttentionView:
     project_query: Callable[[jax.Array], jax.Array]  # [..., d_model] -> [..., H, Dh]
     project_key: Callable[[jax.Array], jax.Array]
     project_value: Callable[[jax.Array], jax.Array]
+    project_output: Callable[[jax.Array], jax.Array]  # [..., H, Dh] -> [..., d_model]
 
 
 def _contiguous_tail(blocks: Sequence[KeyBlock]) -> int:
@@ -93,23 +95,27 @@ def _gather_rows(scores: jax.Array, distances: jax.Array) -> jax.Array:
 
 
 def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window):
-    """Positional scores [B, H, T, K] and the mask [B, H or 1, T, K] over every block + segment."""
+    """Positional scores [B, H, T, K] (None without a distance table) and the mask
+    [B, H or 1, T, K] over every block + segment."""
     tail = _contiguous_tail(blocks)
     span = sum(b.rows.shape[1] for b in blocks[tail:]) + qlen
-    if pos_key.shape[0] < span:
+    relative = pos_key is not None
+    if relative and pos_key.shape[0] < span:
         raise ValueError(f'{pos_key.shape[0]} distance rows for a contiguous span of {span} keys: '
                          'the memory kind must ask for at least that many (position_rows).')
     scores, masks = [], []
     explicit = blocks[:tail]
     if explicit:
-        every_row = position_scores(query_v, pos_key)
+        every_row = position_scores(query_v, pos_key) if relative else None
         for b in explicit:
-            scores.append(_gather_rows(every_row, b.distances))
+            if relative:
+                scores.append(_gather_rows(every_row, b.distances))
             visible = b.distances >= 0
             if same_length:
                 visible &= b.distances < window
             masks.append(b.valid & visible)
-    scores.append(rel_shift(position_scores(query_v, pos_key[pos_key.shape[0] - span:])))
+    if relative:
+        scores.append(rel_shift(position_scores(query_v, pos_key[pos_key.shape[0] - span:])))
     i = jnp.arange(qlen)[:, None]
     j = jnp.arange(span)[None, :]
     visible = j <= span - qlen + i
@@ -120,11 +126,12 @@ def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window):
     lead = (batch, max(v.shape[1] for v in valid), max(v.shape[2] for v in valid))
     valid = jnp.concatenate([jnp.broadcast_to(v, lead + v.shape[-1:]) for v in valid], axis=-1)
     masks.append(valid & visible)
-    if len(scores) == 1:
-        return scores[0], masks[0]
+    score = None if not relative else scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
+    if len(masks) == 1:
+        return score, masks[0]
     heads = max(m.shape[1] for m in masks)
     masks = [jnp.broadcast_to(m, (batch, heads, qlen, m.shape[-1])) for m in masks]
-    return jnp.concatenate(scores, axis=-1), jnp.concatenate(masks, axis=-1)
+    return score, jnp.concatenate(masks, axis=-1)
 
 
 def dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
@@ -134,11 +141,13 @@ def dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
 
 
 class RelativeAttention(nn.Module):
-    """Transformer-XL attention: scores (a)+(c) = (q + u).k and (b)+(d) = (q + v).W_r R(distance).
+    """Transformer-XL attention: scores (a)+(c) = (q + u).k and (b)+(d) = (q + v).W_r R(distance);
+    with absolute positions (no distance table) the plain q.k.
 
     The positional term is computed once per distance row, never per query-key pair.
-    `attend(view) -> (extra or None, notes)` lets a memory kind add `extra` [B, T, H, Dh] to the
-    attended values before the output projection; its notes are returned for the kind's write.
+    `attend(view) -> (extra or None, notes)` lets a memory kind add `extra` [B, T, d_model] to the
+    output of the output projection (`view.project_output` is that projection, for a kind whose
+    extra output shares it); its notes are returned for the kind's write.
     """
 
     config: ModelConfig
@@ -149,37 +158,46 @@ class RelativeAttention(nn.Module):
         cfg = self.config
         heads = (cfg.n_head, cfg.d_head)
         in_axes = ('embed', 'heads', 'kv')
+        bias = BLOCKS[cfg.block].bias
         constrain = lambda x: nn.with_logical_constraint(x, BTHK)
         norm = layer_norm(cfg, 'layer_norm') if cfg.pre_lnorm else (lambda x: x)
         segment = norm(h)
-        query_proj = projection(cfg, heads, 'query', in_axes)
+        query_proj = projection(cfg, heads, 'query', in_axes, bias=bias)
         query = constrain(query_proj(segment))  # [B, T, H, Dh]
         # Memory rows are projected apart from the segment's: they carry no gradient, and one
         # projection of [memory; segment] makes the backward compute (and then drop) their input
         # gradient, ~4% of a step's matmul FLOPs.
-        key_proj = projection(cfg, heads, 'key', in_axes)
-        value_proj = projection(cfg, heads, 'value', in_axes)
+        key_proj = projection(cfg, heads, 'key', in_axes, bias=bias)
+        value_proj = projection(cfg, heads, 'value', in_axes, bias=bias)
         rows = [norm(b.rows.astype(h.dtype)) for b in blocks] + [segment]
         key = constrain(jnp.concatenate([key_proj(r) for r in rows], axis=1))  # [B, K, H, Dh]
         value = constrain(jnp.concatenate([value_proj(r) for r in rows], axis=1))
-        span_only = all(b.distances is None for b in blocks)
-        positions = ctx.positions[ctx.positions.shape[0] - key.shape[1]:] if span_only else ctx.positions
-        pos_key = projection(cfg, heads, 'pos', in_axes)(positions.astype(cfg.dtype))  # [R, H, Dh]
 
-        content = jnp.einsum('bthd,bkhd->bhtk', query + u_bias.astype(cfg.dtype), key,
-                             preferred_element_type=jnp.float32)
-        position, mask = _scores_and_mask(query + v_bias.astype(cfg.dtype), pos_key, blocks,
-                                          h.shape[1], cfg.same_length, ctx.window)
-        scores = (content + position) * (cfg.d_head ** -0.5)
+        pos_key = None
+        if ctx.positions is not None:
+            span_only = all(b.distances is None for b in blocks)
+            positions = ctx.positions[ctx.positions.shape[0] - key.shape[1]:] if span_only else ctx.positions
+            pos_key = projection(cfg, heads, 'pos', in_axes)(positions.astype(cfg.dtype))  # [R, H, Dh]
+            content_query, position_query = query + u_bias.astype(cfg.dtype), query + v_bias.astype(cfg.dtype)
+        else:
+            content_query = position_query = query
+        scores = jnp.einsum('bthd,bkhd->bhtk', content_query, key, preferred_element_type=jnp.float32)
+        position, mask = _scores_and_mask(position_query, pos_key, blocks, h.shape[1], cfg.same_length,
+                                          ctx.window)
+        if position is not None:
+            scores = scores + position
+        scores = scores * (cfg.d_head ** -0.5)
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1)
         probs = Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
         attended = jnp.einsum('bhtk,bkhd->bthd', probs, value)
+        out_proj = projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), in_dims=2, bias=bias)
+        out = out_proj(attended)
         notes = None
         if attend is not None:
             extra, notes = attend(AttentionView(query, key, value, lambda x: query_proj(norm(x)),
-                                                lambda x: key_proj(norm(x)), lambda x: value_proj(norm(x))))
+                                                lambda x: key_proj(norm(x)), lambda x: value_proj(norm(x)),
+                                                out_proj))
             if extra is not None:
-                attended = attended + extra.astype(attended.dtype)
-        out = projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), in_dims=2)(attended)
+                out = out + extra.astype(out.dtype)
         return dropout_residual_norm(cfg, h, out, deterministic), notes

@@ -27,9 +27,10 @@ class ModelConfig:
     # What the memory is: a name registered in memjax.model.memories ('none', 'xl', ...).
     memory: str = 'xl'
     # The positional scheme (memjax.model.positions.POSITIONS) and the block style
-    # (memjax.model.stack.BLOCKS), chosen independently of the memory.
+    # (memjax.model.primitives.BLOCKS), chosen independently of the memory.
     positions: str = 'relative_sinusoid'
     block: str = 'xl'
+    n_positions: int = 1024  # Rows of a learned absolute position table: the longest segment.
     d_model: int = 512
     n_layer: int = 12
     n_head: int = 8
@@ -124,11 +125,15 @@ class ModelConfig:
         need(self.compute_dtype in _COMPUTE_DTYPES,
              f'compute_dtype={self.compute_dtype!r} must be one of {tuple(_COMPUTE_DTYPES)}.')
         # Imported here: the registries' modules import this one.
-        from memjax.model import memories, positions, stack  # pylint: disable=import-outside-toplevel
+        from memjax.model import memories, positions, primitives, stack  # pylint: disable=import-outside-toplevel
         need(self.remat in stack.REMAT_POLICIES, f'remat={self.remat!r} must be one of {tuple(stack.REMAT_POLICIES)}.')
         need(self.positions in positions.POSITIONS,
              f'positions={self.positions!r} must be one of {tuple(positions.POSITIONS)}.')
-        need(self.block in stack.BLOCKS, f'block={self.block!r} must be one of {tuple(stack.BLOCKS)}.')
+        need(self.block in primitives.BLOCKS, f'block={self.block!r} must be one of {tuple(primitives.BLOCKS)}.')
+        if self.block in primitives.BLOCKS:
+            need(self.pre_lnorm or not primitives.BLOCKS[self.block].final_norm,
+                 f'block={self.block!r} normalises before each sub-block: set pre_lnorm=True.')
+        need(self.n_positions >= 1, f'n_positions={self.n_positions} must be >= 1.')
         if self.memory in memories.names():
             problems.extend(memories.kind_class(self.memory).validate(self))
         else:

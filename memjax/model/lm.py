@@ -21,7 +21,7 @@ from memjax.model.adaptive import AdaptiveIO
 from memjax.model.attention import AttentionContext
 from memjax.model.config import ModelConfig
 from memjax.model.positions import POSITIONS
-from memjax.model.primitives import BTE, Dropout, normal
+from memjax.model.primitives import BLOCKS, BTE, Dropout, layer_norm, normal
 from memjax.model.stack import layer_stack
 
 
@@ -92,10 +92,19 @@ class MemoryLM(nn.Module):
     def setup(self):
         cfg = self.config
         self.io = AdaptiveIO(cfg)
-        if not cfg.untie_r:
+        if self.relative and not cfg.untie_r:
             self.u_bias = self.param('u_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
             self.v_bias = self.param('v_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
+        if not self.relative:
+            self.position_table = self.param('position_embedding', normal(cfg.init_std, (None, 'embed')),
+                                             (cfg.n_positions, cfg.d_model))
+        if BLOCKS[cfg.block].final_norm:
+            self.final_norm = layer_norm(cfg, 'final_norm')
         self.dropout = Dropout(cfg.dropout)
+
+    @property
+    def relative(self) -> bool:
+        return POSITIONS[self.config.positions] is not None
 
     @nn.compact
     def __call__(self, tokens: jax.Array, memory: memories.MemoryState, targets: Optional[jax.Array] = None,
@@ -111,19 +120,28 @@ class MemoryLM(nn.Module):
         check_ids(tokens, cfg.vocab_size, 'tokens')
         qlen = tokens.shape[1]
         h = self.io.embed(tokens)
+        if not self.relative:
+            if qlen > cfg.n_positions:
+                raise ValueError(f'segments of {qlen} tokens but the learned position table has '
+                                 f'n_positions={cfg.n_positions} rows: shorten tgt_len or raise n_positions.')
+            h = h + self.position_table[:qlen].astype(h.dtype)
         h = jnp.where(ids_in_range(tokens, cfg.vocab_size)[..., None], h, jnp.nan)
         h = self.dropout(h, deterministic=deterministic)
         h = nn.with_logical_constraint(h, BTE)
-        positions = POSITIONS[cfg.positions](kind.position_rows(qlen), cfg.d_model, cfg.clamp_len)
-        positions = self.dropout(positions, deterministic=deterministic)
-        u_bias, v_bias = (None, None) if cfg.untie_r else (self.u_bias, self.v_bias)
+        positions = u_bias = v_bias = None
+        if self.relative:
+            positions = POSITIONS[cfg.positions](kind.position_rows(qlen), cfg.d_model, cfg.clamp_len)
+            positions = self.dropout(positions, deterministic=deterministic)
+            if not cfg.untie_r:
+                u_bias, v_bias = self.u_bias, self.v_bias
         ctx = AttentionContext(positions, u_bias, v_bias, window=kind.window)
         if skip is None and 'skip' in kind.streams and not self.is_initializing():
             skip = kind.skip_layers(self.make_rng('skip'), self.phase)
 
         h, layers, losses = layer_stack(cfg, kind, deterministic)(
             h, memory.layers, memory.shared, ctx, skip)
-        h = self.dropout(h, deterministic=deterministic)
+        # GPT-2 closes with a LayerNorm; Transformer-XL with dropout before the softmax.
+        h = self.final_norm(h) if BLOCKS[cfg.block].final_norm else self.dropout(h, deterministic=deterministic)
 
         new_memory = memories.MemoryState(layers=layers, shared=kind.advance(memory.shared, qlen))
         logprobs = None

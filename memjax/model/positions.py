@@ -1,4 +1,4 @@
-"""Positional schemes. Today one: Transformer-XL's relative sinusoid, shared by every memory kind.
+"""Positional schemes: Transformer-XL's relative sinusoid, or GPT-2's learned absolute positions.
 
 A relative scheme gives the attention a table of distance rows, row p for distance R-1-p (descending,
 so that a contiguous key span of K keys ending at the query block uses the table's last K rows
@@ -32,8 +32,10 @@ def relative_sinusoid_table(rows: int, d_model: int, clamp_len: int) -> jax.Arra
     return sinusoid_encoding(key_distances(rows, clamp_len), d_model)
 
 
-# config.model.positions -> (rows, d_model, clamp_len) -> the descending distance table.
-POSITIONS = {'relative_sinusoid': relative_sinusoid_table}
+# config.model.positions -> (rows, d_model, clamp_len) -> the descending distance table, or None
+# for an absolute scheme: a learned [n_positions, d_model] table added to the token embeddings
+# (MemoryLM), after which the attention scores content alone.
+POSITIONS = {'relative_sinusoid': relative_sinusoid_table, 'learned_absolute': None}
 
 
 def _broadcast_position_scores(query: jax.Array, pos_key: jax.Array) -> jax.Array:

@@ -5,6 +5,10 @@ Logical axis names are given here once; memjax.runtime.sharding maps them onto m
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -14,6 +18,25 @@ from memjax.model.config import ModelConfig
 
 BTE = ('activation_batch', 'activation_length', 'activation_embed')
 BTHK = ('activation_batch', 'activation_length', 'activation_heads', 'activation_kv')
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStyle:
+    """What a block style (config.model.block) changes in the shared layer code."""
+
+    activation: Callable  # of the feed-forward's inner layer
+    bias: bool  # the attention's query/key/value/output maps have biases
+    final_norm: bool  # a LayerNorm after the last layer (pre-LN models need one)
+    embed_scale: bool  # token embeddings multiplied by sqrt(d_model)
+
+
+# config.model.block -> its style. 'gpt2' is GPT-2's block (with pre_lnorm=True): biased maps,
+# GELU in its tanh form (HF's gelu_new), a final LayerNorm, unscaled embeddings.
+BLOCKS = {
+    'xl': BlockStyle(nn.relu, bias=False, final_norm=False, embed_scale=True),
+    'gpt2': BlockStyle(functools.partial(nn.gelu, approximate=True), bias=True, final_norm=True,
+                       embed_scale=False),
+}
 
 
 def normal(std: float, axes: tuple):
@@ -31,7 +54,7 @@ def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
 
 
 class Projection(nn.Module):
-    """Bias-free linear map over the last `in_dims` axes into `features`.
+    """Linear map over the last `in_dims` axes into `features` (bias-free unless `bias`).
 
     The kernel is created in its unflattened [in..., out...] shape (not flattened to 2-D), so
     its logical axis names (one per kernel axis) stay valid when the model is traced under a mesh.
@@ -41,18 +64,24 @@ class Projection(nn.Module):
     axes: tuple
     config: ModelConfig
     in_dims: int = 1
+    bias: bool = False
 
     @nn.compact
     def __call__(self, x):
         cfg = self.config
         shape = x.shape[x.ndim - self.in_dims:] + tuple(self.features)
         kernel = self.param('kernel', normal(cfg.init_std, self.axes), shape)
-        return jnp.tensordot(x.astype(cfg.dtype), kernel.astype(cfg.dtype), axes=self.in_dims)
+        out = jnp.tensordot(x.astype(cfg.dtype), kernel.astype(cfg.dtype), axes=self.in_dims)
+        if self.bias:
+            bias_init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes[self.in_dims:])
+            out = out + self.param('bias', bias_init, tuple(self.features)).astype(cfg.dtype)
+        return out
 
 
-def projection(cfg: ModelConfig, features, name: str, axes: tuple, in_dims: int = 1) -> Projection:
+def projection(cfg: ModelConfig, features, name: str, axes: tuple, in_dims: int = 1,
+               bias: bool = False) -> Projection:
     features = features if isinstance(features, tuple) else (features,)
-    return Projection(features, axes, cfg, in_dims, name=name)
+    return Projection(features, axes, cfg, in_dims, bias, name=name)
 
 
 class Dropout(nn.Module):

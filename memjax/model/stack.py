@@ -15,11 +15,8 @@ import jax.numpy as jnp
 from memjax.model.attention import AttentionContext, RelativeAttention, dropout_residual_norm
 from memjax.model.config import ModelConfig
 from memjax.model.memories import MemoryKind
-from memjax.model.primitives import BTE, Dropout, layer_norm, normal
-
-
-# config.model.block -> the feed-forward activation of that block style.
-BLOCKS = {'xl': nn.relu}
+from memjax.model.positions import POSITIONS
+from memjax.model.primitives import BLOCKS, BTE, Dropout, layer_norm, normal
 
 
 class FeedForward(nn.Module):
@@ -36,7 +33,7 @@ class FeedForward(nn.Module):
                             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]))
 
         x = layer_norm(cfg, 'layer_norm')(h) if cfg.pre_lnorm else h
-        x = BLOCKS[cfg.block](dense(cfg.d_inner, 'inner', ('embed', 'mlp'))(x))
+        x = BLOCKS[cfg.block].activation(dense(cfg.d_inner, 'inner', ('embed', 'mlp'))(x))
         x = nn.with_logical_constraint(x, ('activation_batch', 'activation_length', 'activation_mlp'))
         x = Dropout(cfg.dropout)(x, deterministic=deterministic)
         return dropout_residual_norm(cfg, h, dense(cfg.d_model, 'outer', ('mlp', 'embed'))(x), deterministic)
@@ -66,7 +63,7 @@ class DecoderLayer(nn.Module):
     def compute(self, h, state, shared, ctx):
         cfg = self.config
         u_bias, v_bias = ctx.u_bias, ctx.v_bias
-        if cfg.untie_r:
+        if cfg.untie_r and POSITIONS[cfg.positions] is not None:
             u_bias = self.param('u_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
             v_bias = self.param('v_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
         memory = self.memory
