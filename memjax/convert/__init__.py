@@ -9,12 +9,13 @@ module twice (runpy warns when a package has already imported the module it is a
 
 import importlib
 
-_EXPORTS = ('CheckpointError', 'check_params', 'load_hf_checkpoint', 'load_imported',
-            'model_config_from_hf', 'params_from_hf_state_dict', 'save_imported')
+_EXPORTS = {'CheckpointError': 'hf_io', 'check_params': 'hf_io', 'load_imported': 'hf_io',
+            'save_imported': 'hf_io', 'load_hf_checkpoint': 'hf_transfo_xl',
+            'model_config_from_hf': 'hf_transfo_xl', 'params_from_hf_state_dict': 'hf_transfo_xl'}
 __all__ = list(_EXPORTS)
 
 
 def __getattr__(name):
     if name in _EXPORTS:
-        return getattr(importlib.import_module('memjax.convert.hf_transfo_xl'), name)
+        return getattr(importlib.import_module(f'memjax.convert.{_EXPORTS[name]}'), name)
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
