@@ -58,6 +58,8 @@ def base_config() -> ml_collections.ConfigDict:
         grad_accum_steps=1,
         num_steps=1000,
         learning_rate=2.5e-4,
+        # > 0: the peak learning rate of the memory kind's own parameters (the LTM's); -1: as above.
+        memory_learning_rate=-1.0,
         warmup_steps=0,
         min_lr_ratio=0.0,
         clip_norm=0.25,  # <= 0: no clipping.
@@ -261,7 +263,8 @@ def _validate_model(config: Any, errors: list[str]) -> None:
     stand_in = max([int(c) for c in model_cfg.cutoffs] + [1]) + 1
     try:
         mcfg = ModelConfig.from_config_dict(
-            model_cfg, vocab_size=None if model_cfg.vocab_size > 0 else stand_in)
+            model_cfg, vocab_size=None if model_cfg.vocab_size > 0 else stand_in,
+            segment_len=config.train.tgt_len)
     except ValueError as error:
         errors.append(f'config.model: {error}')
         return
@@ -288,6 +291,8 @@ def eval_model_config(mcfg: ModelConfig, config: ml_collections.ConfigDict) -> M
     if refused:
         raise ValueError(f'{refused} cannot differ at evaluation for memory={mcfg.memory!r}: '
                          f'only {list(allowed)} shape no parameter.')
+    if config.model.segment_len == -1:
+        overrides['segment_len'] = eval_setting(config, 'tgt_len')
     return mcfg.replace(**overrides)
 
 

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
 import sys
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
+from flax import traverse_util
 
 from memjax import errors
 from memjax.convert import hf_io
@@ -136,6 +139,31 @@ def load_hf_checkpoint(path: str, hf_config: Optional[HFConfig] = None) -> tuple
         hf_config = found_config
     config = model_config_from_hf(hf_config)
     return config, params_from_hf_state_dict(state, config, source=path)
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """Whether `path` is a folder holding an HF GPT-2 (its config.json says model_type 'gpt2')."""
+    config = os.path.join(os.path.expanduser(path), hf_io.CONFIG_FILE)
+    if not path or not os.path.isfile(config):
+        return False
+    try:
+        with open(config) as f:
+            return json.load(f).get('model_type') == 'gpt2'
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+def extend(fresh: Mapping[str, Any], pretrained: Mapping[str, Any]) -> dict:
+    """`fresh` parameters with every leaf GPT-2 has taken from `pretrained` (same tree layout):
+    a model extending GPT-2 (a memory kind's parameters) keeps its own initialisation elsewhere."""
+    flat_fresh = traverse_util.flatten_dict(dict(fresh))
+    flat_pretrained = traverse_util.flatten_dict(dict(pretrained))
+    missing = sorted('/'.join(k) for k in set(flat_pretrained) - set(flat_fresh))
+    wrong = sorted('/'.join(k) for k in set(flat_pretrained) & set(flat_fresh)
+                   if np.shape(flat_pretrained[k]) != np.shape(flat_fresh[k]))
+    if missing or wrong:
+        raise CheckpointError(f'the GPT-2 weights do not fit the model: {missing or ""} {wrong or ""}'.strip())
+    return traverse_util.unflatten_dict({k: flat_pretrained.get(k, v) for k, v in flat_fresh.items()})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

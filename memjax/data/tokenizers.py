@@ -1,4 +1,4 @@
-"""Tokenizers: byte (enwik8), char (text8), word (WikiText) and sentencepiece.
+"""Tokenizers: byte (enwik8), char (text8), word (WikiText), sentencepiece and GPT-2's BPE.
 
 All map text to np.int32 ids in [0, vocab_size). Vocabularies are saved as
 JSON (sentencepiece: its own .model protobuf) next to the run, never pickled,
@@ -24,7 +24,9 @@ EOS = '<eos>'
 UNK = '<unk>'
 # Written for characters outside the char vocabulary.
 UNK_CHAR = '\ufffd'
-KINDS = ('byte', 'char', 'word', 'sentencepiece')
+KINDS = ('byte', 'char', 'word', 'sentencepiece', 'gpt2_bpe')
+# GPT-2's byte-level BPE files (data.vocab_path: the folder holding them, e.g. an HF gpt2 download).
+GPT2_FILES = ('vocab.json', 'merges.txt')
 # Bounds sentencepiece's training input; lines beyond it are subsampled.
 SP_MAX_TRAIN_LINES = 2_000_000
 
@@ -329,9 +331,58 @@ class SentencePieceTokenizer(Tokenizer):
         return path
 
 
+class GPT2BPETokenizer(Tokenizer):
+    """GPT-2's byte-level BPE (HF `tokenizers`), from its vocab.json and merges.txt.
+
+    Lossless on any text, like GPT-2 itself (no normalisation, no prefix space), so ids match a
+    pretrained GPT-2's. Saved as one tokenizer.json holding both files' contents.
+    """
+
+    kind = 'gpt2_bpe'
+    unit = 'subword'
+
+    def __init__(self, vocab: dict, merges: Sequence[str]):
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers  # Only needed here.
+        self.vocab, self.merges = dict(vocab), list(merges)
+        model = models.BPE(self.vocab, [tuple(m.split(' ')) for m in self.merges])
+        self._tok = HFTokenizer(model)
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+
+    @classmethod
+    def from_folder(cls, folder: os.PathLike) -> 'GPT2BPETokenizer':
+        folder = Path(folder).expanduser()
+        missing = [name for name in GPT2_FILES if not (folder / name).is_file()]
+        if missing:
+            raise errors.MissingFileError(
+                f'{folder} lacks {missing}: data.tokenizer=gpt2_bpe reads GPT-2\'s {list(GPT2_FILES)} '
+                'from data.vocab_path (e.g. the folder of an HF gpt2 download).')
+        try:
+            vocab = json.loads((folder / 'vocab.json').read_text(encoding='utf-8'))
+        except ValueError as e:
+            raise errors.DataError(f'{folder / "vocab.json"} is not JSON ({e}); download it again.') from e
+        lines = (folder / 'merges.txt').read_text(encoding='utf-8').splitlines()
+        return cls(vocab, [m for m in lines if m and not m.startswith('#version')])
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text).ids, np.int32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(self._check_ids(ids).tolist())
+
+    def to_json(self) -> dict:
+        return {'kind': self.kind, 'vocab': self.vocab, 'merges': self.merges}
+
+
 def load_tokenizer(path: os.PathLike) -> Tokenizer:
     """Loads a tokenizer.json (or its folder) or a sentencepiece .model file."""
     path = Path(path).expanduser()
+    if path.is_dir() and not (path / TOKENIZER_FILE).exists() and (path / GPT2_FILES[0]).exists():
+        return GPT2BPETokenizer.from_folder(path)
     if path.is_dir():
         path = path / TOKENIZER_FILE
     if not path.exists():
@@ -353,6 +404,8 @@ def load_tokenizer(path: os.PathLike) -> Tokenizer:
             return CharTokenizer(spec['chars'])
         if kind == 'word':
             return WordTokenizer(spec['tokens'])
+        if kind == 'gpt2_bpe':
+            return GPT2BPETokenizer(spec['vocab'], spec['merges'])
         if kind == 'sentencepiece':
             model_path = path.parent / spec['model_file']
             if not model_path.is_file():
@@ -387,6 +440,10 @@ def train_tokenizer(kind: str, train_documents: Iterable[str],
     if kind == 'sentencepiece':
         return SentencePieceTokenizer.train(
             train_documents, cfg_get(data_cfg, 'sp_vocab_size', 8000))
+    if kind == 'gpt2_bpe':
+        raise errors.MissingFileError(
+            f'data.tokenizer=gpt2_bpe is not trained: set data.vocab_path to a folder with GPT-2\'s '
+            f'{list(GPT2_FILES)} (e.g. an HF gpt2 download).')
     raise errors.DataError(f'Unknown data.tokenizer {kind!r}; expected one of '
                            f'{KINDS}.')
 

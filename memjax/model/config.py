@@ -58,6 +58,23 @@ class ModelConfig:
     # Stack the layers with nn.scan: compile time stops growing with depth; params get a
     # leading [n_layer] axis under params['layers'] instead of params['layer_{i}'].
     scan_layers: bool = False
+    # Tokens per segment. -1: config.train.tgt_len (config.eval.tgt_len in evaluation), filled in
+    # when the config is resolved. Read by kinds whose state is sized by the segment.
+    segment_len: int = -1
+
+    # The infinity-former's continuous long-term memory (memory='infinity'; Martins et al. 2022).
+    ltm_basis: int = 512  # N Gaussian basis functions: N / len(ltm_widths) centres x the widths.
+    ltm_widths: tuple[float, ...] = (0.01, 0.05)
+    ltm_ridge: float = 1.0  # lambda of the ridge regression.
+    ltm_tau: float = 0.75  # The old signal is contracted into [0, tau].
+    ltm_samples: int = -1  # M positions the old signal is sampled at; -1: ltm_basis.
+    ltm_reset_tokens: int = 0  # Start the memory afresh after this many tokens; 0: only at documents.
+    ltm_min_variance: float = 1e-6  # Floor of the attention density's variance.
+    ltm_kl_weight: float = 1e-5  # lambda_KL; the KL term is also logged on its own (aux/kl).
+    ltm_kl_sigma: float = 0.05  # sigma_0 of the KL prior.
+    ltm_sticky: bool = False  # Sticky memories: sample where last step attended, not evenly.
+    ltm_sticky_bins: int = 128
+
     # Rematerialise each layer in the backward pass: 'none', 'full' (keep only the layer
     # inputs) or 'dots_saveable' (keep matmul outputs, recompute the cheap element-wise ops).
     remat: str = 'none'
@@ -66,13 +83,16 @@ class ModelConfig:
         if self.d_embed == -1:
             object.__setattr__(self, 'd_embed', self.d_model)
         object.__setattr__(self, 'cutoffs', tuple(int(c) for c in self.cutoffs))
+        object.__setattr__(self, 'ltm_widths', tuple(float(w) for w in self.ltm_widths))
         tie_projs = tuple(bool(t) for t in self.tie_projs) or (False,) * (len(self.cutoffs) + 1)
         object.__setattr__(self, 'tie_projs', tie_projs)
         self.validate()
 
     @classmethod
-    def from_config_dict(cls, cfg: Mapping[str, Any], vocab_size: int | None = None) -> ModelConfig:
-        """Builds from an ml_collections ConfigDict (or dict); `vocab_size=-1` there takes `vocab_size`."""
+    def from_config_dict(cls, cfg: Mapping[str, Any], vocab_size: int | None = None,
+                         segment_len: int | None = None) -> ModelConfig:
+        """Builds from an ml_collections ConfigDict (or dict); `vocab_size=-1` there takes
+        `vocab_size`, `segment_len=-1` takes `segment_len` (the data's tgt_len)."""
         fields = dict(cfg.to_dict() if hasattr(cfg, 'to_dict') else cfg)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(fields) - known)
@@ -86,6 +106,8 @@ class ModelConfig:
         elif vocab_size is not None and fields['vocab_size'] != vocab_size:
             raise ValueError(f'config.model.vocab_size={fields["vocab_size"]} but the tokenizer has '
                              f'{vocab_size} tokens; set config.model.vocab_size=-1 to take it from the tokenizer.')
+        if fields.get('segment_len', -1) == -1 and segment_len is not None:
+            fields['segment_len'] = segment_len
         return cls(**fields)
 
     def replace(self, **changes) -> ModelConfig:

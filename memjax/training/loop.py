@@ -29,6 +29,7 @@ from memjax.runtime import sharding
 from memjax.training import step as train_step_lib
 from memjax.data import pipeline
 from memjax.data import tokenizers
+from memjax.convert import hf_gpt2
 
 
 @dataclasses.dataclass
@@ -55,7 +56,8 @@ class Experiment:
 def resolve_model_configs(config: ml_collections.ConfigDict, vocab_size: int) -> tuple[Any, Any]:
     """Training and evaluation model configs; model field errors become ConfigErrors."""
     try:
-        mcfg = model_lib.ModelConfig.from_config_dict(config.model, vocab_size=vocab_size)
+        mcfg = model_lib.ModelConfig.from_config_dict(config.model, vocab_size=vocab_size,
+                                                      segment_len=config.train.tgt_len)
     except ValueError as error:
         raise config_lib.ConfigError(f'invalid config.model: {error}') from error
     try:
@@ -308,6 +310,8 @@ def _init_from(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
     data or the memory length may differ from the source run; the parameters must fit.
     """
     tcfg = exp.config.train
+    if hf_gpt2.is_checkpoint_dir(tcfg.init_from):
+        return _init_from_gpt2(exp)
     source, step = _init_from_dir(tcfg.init_from)
     if not checkpointing.has_checkpoints(source):
         raise errors.CheckpointError(
@@ -338,6 +342,29 @@ def _init_from(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
                  'parameters and optimizer state' if keep_optimizer else 'parameters',
                  ckpt.step_dir(step), f'step {int(state.step)}')
     return state, exp.partitioner.init_memory(exp.mcfg, tcfg.batch_size)
+
+
+def _init_from_gpt2(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
+    """A fresh start from pretrained HF GPT-2 weights: every parameter GPT-2 has is taken from it,
+    the memory kind's own (the infinity-former's LTM) start from their initialisation."""
+    path = exp.config.train.init_from
+    try:
+        gpt2_config, pretrained = hf_gpt2.load_hf_checkpoint(os.path.expanduser(path))
+    except hf_gpt2.CheckpointError as error:
+        raise errors.CheckpointError(f'config.train.init_from={path}: {error}') from None
+    differ = [f'{name}={getattr(gpt2_config, name)} (config: {getattr(exp.mcfg, name)})'
+              for name in ('vocab_size', 'd_model', 'n_layer', 'n_head', 'd_head', 'd_inner', 'n_positions',
+                           'block', 'positions', 'pre_lnorm')
+              if getattr(gpt2_config, name) != getattr(exp.mcfg, name)]
+    if differ:
+        raise errors.CheckpointError(f'config.train.init_from={path} is a GPT-2 with {", ".join(differ)}: '
+                                     'set config.model to match it.')
+    fresh = model_lib.init_params(exp.mcfg, jax.random.split(jax.random.PRNGKey(exp.config.seed))[0])
+    pretrained = model_lib.convert_layer_layout(
+        model_lib.convert_layer_layout(pretrained, scan_layers=False), exp.mcfg.scan_layers)
+    params = hf_gpt2.extend(fresh, pretrained)
+    logging.info('Started from the GPT-2 weights in %s; the memory\'s own parameters are new.', path)
+    return init_state(exp, params)[0], exp.partitioner.init_memory(exp.mcfg, exp.config.train.batch_size)
 
 
 def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer,
@@ -404,7 +431,7 @@ def _init_from_dir(init_from: str) -> tuple[str, Optional[int]]:
 def _adopt_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> None:
     """A run started with init_from takes the source run's tokenizer: a tokenizer built afresh
     could give the same vocabulary size with other ids, and the parameters would still load."""
-    if not config.train.init_from:
+    if not config.train.init_from or hf_gpt2.is_checkpoint_dir(config.train.init_from):
         return  # The same on every process: the barrier below is reached by all or by none.
     source = os.path.dirname(_init_from_dir(config.train.init_from)[0])
     if (jax.process_index() == 0 and not checkpointing.has_checkpoints(checkpoint_dir(workdir))

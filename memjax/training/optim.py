@@ -8,13 +8,13 @@ import ml_collections
 import optax
 
 
-def learning_rate_schedule(train_cfg: ml_collections.ConfigDict) -> optax.Schedule:
+def learning_rate_schedule(train_cfg: ml_collections.ConfigDict, peak: float | None = None) -> optax.Schedule:
     """Linear warmup to `learning_rate`, then cosine decay to `min_lr_ratio * learning_rate`.
 
     `step` counts updates already applied, so the first update uses lr / warmup_steps rather
     than a wasted zero; the decay spans the remaining `num_steps - warmup_steps` updates.
     """
-    peak = train_cfg.learning_rate
+    peak = train_cfg.learning_rate if peak is None else peak
     warmup = train_cfg.warmup_steps
     decay_steps = max(1, train_cfg.num_steps - warmup)
     floor = train_cfg.min_lr_ratio
@@ -34,13 +34,30 @@ def _decay_mask(params):
     return jax.tree_util.tree_map(lambda p: p.ndim > 1, params)
 
 
+def _memory_label(params):
+    # A memory kind's own parameters live under a 'memory' module in every layer.
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: 'memory' if any(getattr(k, 'key', None) == 'memory' for k in path) else 'model', params)
+
+
 def make_optimizer(train_cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """Global-norm clipping, Adam, optional decoupled weight decay, scheduled step size."""
+    """Global-norm clipping, Adam, optional decoupled weight decay, scheduled step size.
+
+    `memory_learning_rate` > 0 gives the memory kind's own parameters (the infinity-former's LTM)
+    their own peak on the same schedule, as the paper fine-tunes GPT-2 at 5e-5 and its LTM at 2.5e-4.
+    """
     parts = []
     if train_cfg.clip_norm > 0:
         parts.append(optax.clip_by_global_norm(train_cfg.clip_norm))
     parts.append(optax.scale_by_adam(b1=train_cfg.b1, b2=train_cfg.b2, eps=train_cfg.eps))
     if train_cfg.weight_decay > 0:
         parts.append(optax.add_decayed_weights(train_cfg.weight_decay, mask=_decay_mask))
-    parts.append(optax.scale_by_learning_rate(learning_rate_schedule(train_cfg)))
+    step_size = optax.scale_by_learning_rate(learning_rate_schedule(train_cfg))
+    memory_lr = train_cfg.get('memory_learning_rate', -1)
+    if memory_lr > 0:
+        step_size = optax.multi_transform(
+            {'model': step_size,
+             'memory': optax.scale_by_learning_rate(learning_rate_schedule(train_cfg, memory_lr))},
+            _memory_label)
+    parts.append(step_size)
     return optax.chain(*parts)

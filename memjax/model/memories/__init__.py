@@ -165,4 +165,4 @@ def get(config: ModelConfig) -> MemoryKind:
 
 
 register(MemoryKind)
-from memjax.model.memories import xl  # noqa: E402,F401  pylint: disable=unused-import (registers itself)
+from memjax.model.memories import infinity, xl  # noqa: E402,F401  pylint: disable=unused-import (register themselves)

@@ -1,0 +1,296 @@
+"""The infinity-former's memory (Martins et al., 2022): a continuous, unbounded long-term memory
+(LTM) in every layer, beside Transformer-XL's short-term memory (STM).
+
+Each layer keeps its past as a continuous signal X(t) = B^T psi(t) over t in [0, 1]: N Gaussian
+basis functions psi and coefficients B [N, d_model], fitted by ridge regression (eq. 5). Each step:
+
+1. The rows that left the STM the step before (the previous segment when mem_len = 0), smoothed by
+   a convolutional gate (eq. 18), are appended to the old signal contracted into [0, tau] and
+   sampled at M positions (eq. 13-15), and B is refitted. The sample positions are evenly spaced
+   or, with sticky memories (section 3.3), drawn where the previous step's attention went.
+2. Every query attends the signal with a Gaussian density N(mu, sigma^2) whose parameters come
+   from its scores against the LTM keys (eq. 8-10); the closed form E_p[psi] gives the context
+   (eq. 11), projected and added to the attention output (eq. 12).
+3. A KL term pulls sigma^2 towards sigma_0^2 (eq. 20-22), reported as the auxiliary loss 'kl'.
+
+Per-step cost is independent of how much text the memory holds: N, M and the segment fix every
+shape. Where the paper and the authors' code differ, memjax follows the code and says so:
+the mu / sigma networks have no bias; the regression zero-pads the signal on both sides; the KL
+term is averaged over heads (the code's mean, which its lambda_KL values were tuned with) and
+its log is log(sigma^2 / sigma_0^2), the true KL of eq. 20 (eq. 21 as printed drops the 2). A
+sticky sample is uniform inside its histogram bin (the code takes the bin's left edge).
+
+State per layer: `hidden` [B, segment_len + mem_len, d_model] (oldest segment_len rows: waiting
+for the LTM; the rest: the STM), `coefficients` [B, N, d_model] float32, and the previous step's
+`mu`, `sigma2` [B, H, segment_len]. Shared: `valid` [B, segment_len + mem_len] and `ltm_tokens`
+[B], the tokens the LTM holds since it last started afresh.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from memjax.model.attention import KeyBlock
+from memjax.model.memories import LayerMemory, MemoryState, register
+from memjax.model.memories.xl import XLMemory
+from memjax.model.primitives import normal, projection
+
+
+# ----------------------------------------------------------------------------------------------
+# The continuous signal: basis, ridge regression, continuous attention, sticky sampling.
+
+
+def gaussian_basis(n_basis: int, widths: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(centres, widths) [N] of the basis: N / len(widths) centres evenly spaced over [0, 1], each
+    with every width."""
+    centres = np.linspace(0.0, 1.0, n_basis // len(widths))
+    return np.repeat(centres, len(widths)), np.tile(np.asarray(widths, np.float64), len(centres))
+
+
+def basis_values(t, centres, widths):
+    """psi(t) [..., N]: Gaussian densities N(t; centre_j, width_j^2) (numpy or jax)."""
+    xp = jnp if isinstance(t, jax.Array) else np
+    z = (t[..., None] - centres) / widths
+    return xp.exp(-0.5 * z * z) / (widths * np.sqrt(2.0 * np.pi))
+
+
+@functools.lru_cache(maxsize=32)
+def ridge_matrix(positions: tuple[float, ...], n_basis: int, widths: tuple[float, ...],
+                 ridge: float) -> np.ndarray:
+    """G [len(positions), N] with B^T = X^T G the ridge fit of rows X placed at `positions` (eq. 5).
+
+    Static: computed once per shape in float64 (numpy), never per step. The signal is zero-padded
+    on both sides over [-0.5, 0) and (1, 1.5] at the same spacing, as the authors' code does, so
+    the fit does not bend towards the interval's ends; padded rows are zero, so only the real
+    positions' rows of G are kept.
+    """
+    real = np.asarray(positions, np.float64)
+    n = len(real)
+    pad = (np.arange(n // 2) + 0.5) / n
+    every = np.concatenate([-pad[::-1], real, 1.0 + pad])
+    centres, sigmas = gaussian_basis(n_basis, widths)
+    f = basis_values(every, centres, sigmas).T  # [N, n + pads]
+    g = np.linalg.solve(f @ f.T + ridge * np.eye(n_basis), f).T  # F^T (F F^T + lambda I)^-1
+    return g[len(pad):len(pad) + n].astype(np.float32)
+
+
+def expected_basis(mu: jax.Array, sigma2: jax.Array, centres, widths) -> jax.Array:
+    """E_{t ~ N(mu, sigma2)}[psi(t)] [..., N] in closed form: the integral over the real line of
+    two Gaussian densities is N(mu; centre_j, sigma2 + width_j^2)."""
+    var = sigma2[..., None] + jnp.asarray(widths ** 2, jnp.float32)
+    return jnp.exp(-0.5 * (mu[..., None] - jnp.asarray(centres, jnp.float32)) ** 2 / var) / jnp.sqrt(
+        2.0 * np.pi * var)
+
+
+def kl_to_prior(sigma2: jax.Array, sigma0: float) -> jax.Array:
+    """KL(N(mu, sigma2) || N(mu, sigma0^2)) = (sigma2 / s0^2 - log(sigma2 / s0^2) - 1) / 2 (eq. 20)."""
+    ratio = sigma2 / sigma0 ** 2
+    return 0.5 * (ratio - jnp.log(ratio) - 1.0)
+
+
+def sticky_histogram(mu: jax.Array, sigma2: jax.Array, bins: int) -> jax.Array:
+    """[B, bins] attention mass per bin of [0, 1], summed over heads and queries and normalised
+    (eq. 16-17): Phi(edge_{k+1}) - Phi(edge_k) under each N(mu, sigma2); mu, sigma2 [B, H, T]."""
+    edges = jnp.linspace(0.0, 1.0, bins + 1)
+    cdf = 0.5 * jax.scipy.special.erf((edges - mu[..., None]) / jnp.sqrt(2.0 * sigma2[..., None]))
+    mass = (cdf[..., 1:] - cdf[..., :-1]).sum(axis=(1, 2))
+    mass = mass + jnp.finfo(jnp.float32).tiny  # No row without mass (all of it outside [0, 1]).
+    return mass / mass.sum(-1, keepdims=True)
+
+
+def sticky_positions(key: jax.Array, histogram: jax.Array, samples: int) -> jax.Array:
+    """[B, samples] sorted positions in [0, 1]: a bin drawn from each row's histogram, then a
+    uniform position inside it."""
+    bins = histogram.shape[-1]
+    k_bin, k_pos = jax.random.split(key)
+    chosen = jax.random.categorical(k_bin, jnp.log(histogram), axis=-1, shape=(samples,) + histogram.shape[:1])
+    offset = jax.random.uniform(k_pos, chosen.shape)
+    return jnp.sort(((chosen + offset) / bins).T, axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The memory kind.
+
+
+class InfinityLayerMemory(LayerMemory):
+    """One layer's LTM: the gate, the LTM's key/value/output maps and the mu / sigma networks."""
+
+    def setup(self):
+        cfg = self.config
+        heads, in_axes = (cfg.n_head, cfg.d_head), ('embed', 'heads', 'kv')
+        self.gate = nn.Conv(cfg.d_model, kernel_size=(3,), padding=((1, 1),), dtype=cfg.dtype,
+                            kernel_init=normal(cfg.init_std, (None, 'embed', 'mlp')),
+                            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('mlp',)))
+        self.key = projection(cfg, heads, 'key', in_axes)
+        self.value = projection(cfg, heads, 'value', in_axes)
+        self.out = projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), in_dims=2)
+        self.mu = projection(cfg, 1, 'mu', (None, None))
+        self.sigma = projection(cfg, 1, 'sigma', (None, None))
+
+    def blocks(self, state, shared, layer_input):
+        cfg = self.config
+        if cfg.mem_len == 0:
+            return []
+        return [KeyBlock(rows=state['hidden'][:, cfg.segment_len:],
+                         valid=shared['valid'][:, None, None, cfg.segment_len:])]
+
+    def _refit(self, state, shared):
+        """Coefficients [B, N, D] of the old signal, contracted, plus the gated waiting rows."""
+        cfg = self.config
+        kind = InfinityMemory(cfg)
+        waiting = state['hidden'][:, :cfg.segment_len]
+        new = (waiting * nn.sigmoid(self.gate(waiting))).astype(jnp.float32)
+        past_rows, new_rows = kind.update_matrices()
+        fresh = kind.starts_afresh(shared)[:, None, None]
+        g_new = jnp.where(fresh, kind.fresh_matrix(), new_rows)  # [B, S, N]
+        coefficients = jnp.einsum('bsn,bsd->bnd', g_new, new)
+        old = state['coefficients']
+        if cfg.ltm_sticky:
+            positions = sticky_positions(self.make_rng('sticky'),
+                                         sticky_histogram(state['mu'], state['sigma2'], cfg.ltm_sticky_bins),
+                                         kind.samples)
+            sampled = jnp.einsum('bmn,bnd->bmd', basis_values(positions, *kind.basis), old)
+            past = jnp.einsum('mn,bmd->bnd', past_rows, sampled)
+        else:  # Evenly spaced samples: sampling and refitting fold into one static [N, N] map.
+            past = jnp.einsum('nk,bkd->bnd', kind.even_resample_matrix(), old)
+        return coefficients + jnp.where(fresh, 0.0, past)
+
+    def attend(self, state, shared, view):
+        cfg = self.config
+        kind = InfinityMemory(cfg)
+        used = shared['valid'][:, 0]  # The waiting rows exist: the LTM holds something this step.
+        coefficients = self._refit(state, shared)
+        keys, values = self.key(coefficients), self.value(coefficients)  # [B, N, H, Dh]
+        scores = jnp.einsum('bthd,bnhd->bhtn', view.query, keys,
+                            preferred_element_type=jnp.float32) * cfg.d_head ** -0.5
+        mu = nn.sigmoid(self.mu(scores)[..., 0].astype(jnp.float32))  # [B, H, T]
+        sigma2 = jnp.maximum(nn.softplus(self.sigma(scores)[..., 0].astype(jnp.float32)), cfg.ltm_min_variance)
+        density = expected_basis(mu, sigma2, *kind.basis)  # [B, H, T, N]
+        context = jnp.einsum('bhtn,bnhd->bthd', density.astype(cfg.dtype), values)
+        extra = self.out(context) * used[:, None, None].astype(cfg.dtype)
+        kl = (kl_to_prior(sigma2, cfg.ltm_kl_sigma).mean(axis=1).sum(axis=-1) * used).sum()
+        return extra, {'coefficients': coefficients, 'mu': mu, 'sigma2': sigma2, 'used': used, 'kl': kl}
+
+    def write(self, state, shared, layer_input, notes):
+        keep = state['hidden'].shape[1]
+        hidden = jnp.concatenate([state['hidden'], layer_input.astype(state['hidden'].dtype)], axis=1)
+        used = notes['used']
+        pick = lambda new, old: jnp.where(used.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+        written = {'hidden': hidden[:, -keep:],
+                   **{name: pick(notes[name], state[name]) for name in ('coefficients', 'mu', 'sigma2')}}
+        # Gradients never flow into a past segment.
+        return jax.lax.stop_gradient(written), {'kl': notes['kl']}
+
+
+@register
+class InfinityMemory(XLMemory):
+    """The XL memory extended by segment_len waiting rows and the continuous LTM (module docstring)."""
+
+    name = 'infinity'
+    layer = InfinityLayerMemory
+    run_time_fields = ('mem_len', 'memory_start', 'ltm_reset_tokens', 'ltm_sticky', 'ltm_sticky_bins',
+                       'ltm_tau', 'ltm_samples')
+    # Sticky samples: every accumulation chunk draws its own (its rows are other sequences).
+    streams = {'sticky': False}
+
+    @classmethod
+    def validate(cls, config):
+        problems = []
+
+        def need(ok, message):
+            if not ok:
+                problems.append(message)
+
+        need(config.segment_len >= 1, f'memory=\'infinity\' sizes its state by the segment: segment_len='
+             f'{config.segment_len} must be >= 1 (-1 takes config.train.tgt_len).')
+        need(config.ltm_basis >= 1 and config.ltm_widths and config.ltm_basis % len(config.ltm_widths) == 0,
+             f'ltm_basis={config.ltm_basis} must be a positive multiple of len(ltm_widths)='
+             f'{len(config.ltm_widths)} (centres x widths).')
+        need(all(w > 0 for w in config.ltm_widths), f'ltm_widths={config.ltm_widths} must be > 0.')
+        need(0.0 < config.ltm_tau < 1.0, f'ltm_tau={config.ltm_tau} must be in (0, 1).')
+        for name in ('ltm_ridge', 'ltm_min_variance', 'ltm_kl_sigma'):
+            need(getattr(config, name) > 0, f'{name}={getattr(config, name)} must be > 0.')
+        need(config.ltm_kl_weight >= 0, f'ltm_kl_weight={config.ltm_kl_weight} must be >= 0.')
+        need(config.ltm_samples == -1 or config.ltm_samples >= 1,
+             f'ltm_samples={config.ltm_samples} must be >= 1 (-1: ltm_basis).')
+        need(config.ltm_reset_tokens >= 0, f'ltm_reset_tokens={config.ltm_reset_tokens} must be >= 0 '
+             '(0: only at document boundaries).')
+        need(config.ltm_sticky_bins >= 1, f'ltm_sticky_bins={config.ltm_sticky_bins} must be >= 1.')
+        return problems
+
+    @property
+    def loss_weights(self):
+        return {'kl': self.config.ltm_kl_weight}
+
+    @property
+    def samples(self) -> int:
+        cfg = self.config
+        return cfg.ltm_basis if cfg.ltm_samples == -1 else cfg.ltm_samples
+
+    @property
+    def basis(self) -> tuple[np.ndarray, np.ndarray]:
+        return gaussian_basis(self.config.ltm_basis, self.config.ltm_widths)
+
+    def _ridge(self, positions) -> np.ndarray:
+        cfg = self.config
+        return ridge_matrix(tuple(float(p) for p in positions), cfg.ltm_basis, cfg.ltm_widths, cfg.ltm_ridge)
+
+    def fresh_matrix(self) -> np.ndarray:
+        """G [S, N] of a memory starting afresh: the S rows evenly spaced over [0, 1]."""
+        s = self.config.segment_len
+        return self._ridge((np.arange(s) + 0.5) / s)
+
+    def update_matrices(self) -> tuple[np.ndarray, np.ndarray]:
+        """G's rows [M, N] for the old signal's samples at k tau / M and [S, N] for the new rows at
+        tau + (1 - tau) k / S (eq. 15; k from 1)."""
+        cfg, m, s = self.config, self.samples, self.config.segment_len
+        positions = np.concatenate([np.arange(1, m + 1) * cfg.ltm_tau / m,
+                                    cfg.ltm_tau + (1.0 - cfg.ltm_tau) * np.arange(1, s + 1) / s])
+        g = self._ridge(positions)
+        return g[:m], g[m:]
+
+    def even_resample_matrix(self) -> np.ndarray:
+        """[N, N]: old coefficients -> their part of the new ones, sampling at k / M (eq. 14)."""
+        past_rows, _ = self.update_matrices()
+        centres, widths = self.basis
+        samples = basis_values(np.arange(1, self.samples + 1) / self.samples, centres, widths)  # [M, N]
+        return (past_rows.astype(np.float64).T @ samples).astype(np.float32)
+
+    def starts_afresh(self, shared) -> jax.Array:
+        """[B] rows whose LTM is empty or has reached ltm_reset_tokens: refit from the new rows only."""
+        tokens = shared['ltm_tokens']
+        fresh = tokens == 0
+        if self.config.ltm_reset_tokens:
+            fresh |= tokens >= self.config.ltm_reset_tokens
+        return fresh
+
+    def init(self, batch_size):
+        cfg = self.config
+        rows = cfg.segment_len + cfg.mem_len
+        per_query = jnp.zeros((cfg.n_layer, batch_size, cfg.n_head, cfg.segment_len), jnp.float32)
+        return MemoryState(
+            layers={'hidden': jnp.zeros((cfg.n_layer, batch_size, rows, cfg.d_model), cfg.dtype),
+                    'coefficients': jnp.zeros((cfg.n_layer, batch_size, cfg.ltm_basis, cfg.d_model), jnp.float32),
+                    'mu': per_query, 'sigma2': per_query + 1.0},
+            shared={'valid': jnp.full((batch_size, rows), cfg.memory_start == 'zeros'),
+                    'ltm_tokens': jnp.zeros((batch_size,), jnp.int32)})
+
+    def logical_axes(self):
+        per_query = P(None, 'activation_batch', 'activation_heads', 'activation_length')
+        return MemoryState(
+            layers={'hidden': P(None, 'activation_batch', 'activation_length', 'activation_embed'),
+                    'coefficients': P(None, 'activation_batch', None, 'activation_embed'),
+                    'mu': per_query, 'sigma2': per_query},
+            shared={'valid': P('activation_batch', 'activation_length'), 'ltm_tokens': P('activation_batch')})
+
+    def advance(self, shared, seg_len):
+        used = shared['valid'][:, 0]
+        tokens = jnp.where(self.starts_afresh(shared), 0, shared['ltm_tokens']) + self.config.segment_len
+        return {**super().advance({'valid': shared['valid']}, seg_len),
+                'ltm_tokens': jnp.where(used, tokens, shared['ltm_tokens'])}
