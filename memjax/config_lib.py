@@ -20,7 +20,7 @@ from memjax.model import memories
 from memjax.model.config import RUN_TIME_FIELDS, ModelConfig
 
 DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text')
-TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece')
+TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece', 'gpt2_bpe')
 SPLITS = ('train', 'validation', 'valid', 'test')
 MESH_AXES = ('data', 'fsdp', 'tensor')
 INIT_FROM_STATES = ('params', 'params_and_optimizer')

@@ -16,6 +16,7 @@ from typing import Any, Iterable, List, Optional, Sequence
 import numpy as np
 
 from memjax import errors
+from memjax import config_lib
 from memjax.config_lib import cfg_get
 
 TOKENIZER_FILE = 'tokenizer.json'
@@ -24,7 +25,7 @@ EOS = '<eos>'
 UNK = '<unk>'
 # Written for characters outside the char vocabulary.
 UNK_CHAR = '\ufffd'
-KINDS = ('byte', 'char', 'word', 'sentencepiece', 'gpt2_bpe')
+KINDS = config_lib.TOKENIZERS
 # GPT-2's byte-level BPE files (data.vocab_path: the folder holding them, e.g. an HF gpt2 download).
 GPT2_FILES = ('vocab.json', 'merges.txt')
 # Bounds sentencepiece's training input; lines beyond it are subsampled.

@@ -155,6 +155,8 @@ class InfinityLayerMemory(LayerMemory):
             positions = sticky_positions(self.make_rng('sticky'),
                                          sticky_histogram(state['mu'], state['sigma2'], cfg.ltm_sticky_bins),
                                          kind.samples)
+            # Where the memory was sampled (apply(..., mutable='intermediates') to inspect or plot).
+            self.sow('intermediates', 'sticky_positions', positions)
             sampled = jnp.einsum('bmn,bnd->bmd', basis_values(positions, *kind.basis), old)
             past = jnp.einsum('mn,bmd->bnd', past_rows, sampled)
         else:  # Evenly spaced samples: sampling and refitting fold into one static [N, N] map.
