@@ -19,8 +19,8 @@ from memjax.errors import ConfigError  # re-exported: config_lib.ConfigError is 
 from memjax.model import memories
 from memjax.model.config import RUN_TIME_FIELDS, ModelConfig
 
-DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text')
-TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece', 'gpt2_bpe')
+DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text', 'sorting')
+TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece', 'gpt2_bpe', 'sorting')
 SPLITS = ('train', 'validation', 'valid', 'test')
 MESH_AXES = ('data', 'fsdp', 'tensor')
 INIT_FROM_STATES = ('params', 'params_and_optimizer')
@@ -83,6 +83,8 @@ def base_config() -> ml_collections.ConfigDict:
     # evaluation (unset: as in training); only fields that shape no parameter may be set.
     config.eval = ml_collections.ConfigDict(dict(
         split='validation',
+        # Also report the accuracy of the argmax prediction on the scored tokens (the sorting task).
+        accuracy=False,
         batch_size=-1,
         tgt_len=-1,
         model=eval_model_placeholders(),

@@ -292,3 +292,14 @@ class LMStreams:
         """next() gives batches; get_state()/set_state() resume exactly."""
         options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
         return iter(self.dataset().to_iter_dataset(options))
+
+
+def make_streams(data_cfg: Any, split: str, tokenizer: Tokenizer, **kwargs) -> Any:
+    """The split's batches: LMStreams over a text corpus, or the generated sorting task
+    (data.name='sorting', no corpus; its sequences follow from `seed`)."""
+    seed = kwargs.pop('seed', 0)
+    if cfg_get(data_cfg, 'name', '') == 'sorting':
+        from memjax.data import sorting  # pylint: disable=import-outside-toplevel (imports tokenizers)
+        kwargs.pop('cache_dir', None)
+        return sorting.SortingStreams(data_cfg, builders.canonical_split(split), seed=seed, **kwargs)
+    return LMStreams(data_cfg, split, tokenizer, **kwargs)

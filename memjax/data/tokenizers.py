@@ -26,6 +26,8 @@ UNK = '<unk>'
 # Written for characters outside the char vocabulary.
 UNK_CHAR = '\ufffd'
 KINDS = config_lib.TOKENIZERS
+# Tokenizers whose vocabulary does not depend on the data.
+FIXED_VOCABULARIES = ('byte', 'sorting')
 # GPT-2's byte-level BPE files (data.vocab_path: the folder holding them, e.g. an HF gpt2 download).
 GPT2_FILES = ('vocab.json', 'merges.txt')
 # Bounds sentencepiece's training input; lines beyond it are subsampled.
@@ -407,6 +409,9 @@ def load_tokenizer(path: os.PathLike) -> Tokenizer:
             return WordTokenizer(spec['tokens'])
         if kind == 'gpt2_bpe':
             return GPT2BPETokenizer(spec['vocab'], spec['merges'])
+        if kind == 'sorting':
+            from memjax.data import sorting  # pylint: disable=import-outside-toplevel (imports this module)
+            return sorting.SortingTokenizer()
         if kind == 'sentencepiece':
             model_path = path.parent / spec['model_file']
             if not model_path.is_file():
@@ -431,6 +436,9 @@ def train_tokenizer(kind: str, train_documents: Iterable[str],
     """Builds a new tokenizer of `kind` from the train split's documents."""
     if kind == 'byte':
         return ByteTokenizer()
+    if kind == 'sorting':
+        from memjax.data import sorting  # pylint: disable=import-outside-toplevel (imports this module)
+        return sorting.SortingTokenizer()
     if kind == 'char':
         return CharTokenizer.from_documents(train_documents)
     if kind == 'word':
@@ -469,6 +477,8 @@ def build_tokenizer(data_cfg: Any,
         tok, origin = load_tokenizer(saved), str(saved)
     elif vocab_path:
         tok, origin = load_tokenizer(vocab_path), f'data.vocab_path={vocab_path}'
+    elif kind in FIXED_VOCABULARIES:
+        tok, origin = train_tokenizer(kind, ()), 'its fixed vocabulary'
     else:
         from memjax.data import builders  # Deferred: pulls in TFDS.
         docs = builders.iter_documents(builders.prepare(data_cfg), 'train')

@@ -19,6 +19,11 @@ from memjax.data import pipeline
 class EvalResult(NamedTuple):
     nll_sum: float  # nats, summed in float64 over all scored tokens.
     num_tokens: int
+    num_correct: Optional[int] = None  # With config.eval.accuracy: argmax predictions that are right.
+
+    @property
+    def accuracy(self) -> Optional[float]:
+        return None if self.num_correct is None else self.num_correct / max(self.num_tokens, 1)
 
     @property
     def mean_nll(self) -> float:
@@ -27,8 +32,8 @@ class EvalResult(NamedTuple):
 
 def eval_streams(config: ml_collections.ConfigDict, tokenizer: Any,
                  split: str) -> pipeline.LMStreams:
-    return pipeline.LMStreams(
-        config.data, split, tokenizer,
+    return pipeline.make_streams(
+        config.data, split, tokenizer, seed=config.seed,
         batch_size=config_lib.eval_setting(config, 'batch_size'),
         tgt_len=config_lib.eval_setting(config, 'tgt_len'),
         segments_per_batch=config.train.segments_per_step, repeat=False,
@@ -74,4 +79,5 @@ def evaluate_streams(eval_step: Callable, params: Any, eval_mcfg: model_lib.Mode
     host = jax.device_get(parts)
     nll_sum = sum(float(np.sum(np.asarray(p['nll_sum'], np.float64))) for p in host)
     num_tokens = sum(int(np.sum(p['num_tokens'])) for p in host)
-    return EvalResult(nll_sum, num_tokens)
+    num_correct = sum(int(np.sum(p['num_correct'])) for p in host) if host and 'num_correct' in host[0] else None
+    return EvalResult(nll_sum, num_tokens, num_correct)

@@ -188,7 +188,7 @@ def make_eval_step(exp: Experiment) -> Callable:
     p = exp.partitioner
     eval_memory = p.memory(exp.eval_mcfg, config_lib.eval_setting(exp.config, 'batch_size'))
     return p.jit(
-        train_step_lib.eval_step_fn(exp.eval_model),
+        train_step_lib.eval_step_fn(exp.eval_model, accuracy=exp.config.eval.get('accuracy', False)),
         in_shardings=(exp.state_sharding.params, eval_memory, p.batch, p.replicated),
         out_shardings=(eval_memory, p.replicated), donate_argnums=(1,))
 
@@ -297,8 +297,10 @@ def _validate(exp: Experiment, eval_step: Callable, params: Any, streams: pipeli
     name = metrics_lib.metric_name(exp.unit)
     scalars = {'loss': result.mean_nll, name: metrics_lib.metric_value(result.mean_nll, exp.unit),
                'num_tokens': result.num_tokens}
+    if result.num_correct is not None:
+        scalars['accuracy'] = result.accuracy
     writer.write_scalars(step, 'valid', scalars)
-    metrics_lib.log_eval(step, 'validation', result.mean_nll, result.num_tokens, exp.unit)
+    metrics_lib.log_eval(step, 'validation', result.mean_nll, result.num_tokens, exp.unit, result.accuracy)
     return scalars
 
 
@@ -456,8 +458,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     write_json(os.path.join(workdir, CONFIG_FILE), saved_config)
 
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
-        train_streams = pipeline.LMStreams(
-            exp.config.data, 'train', exp.tokenizer, batch_size=tcfg.batch_size,
+        train_streams = pipeline.make_streams(
+            exp.config.data, 'train', exp.tokenizer, seed=exp.config.seed, batch_size=tcfg.batch_size,
             tgt_len=tcfg.tgt_len, segments_per_batch=tcfg.segments_per_step, repeat=True,
             process_index=jax.process_index(), process_count=jax.process_count())
         valid_streams = evaluation.eval_streams(exp.config, exp.tokenizer, 'validation')
@@ -543,6 +545,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         'valid_loss': final['loss'],
         f'valid_{metric}': final[metric],
         'valid_tokens': final['num_tokens'],
+        **({'valid_accuracy': final['accuracy']} if 'accuracy' in final else {}),
         'train_tokens_per_s': ((logged_tokens - compile_tokens) / train_seconds
                                if train_seconds > 0 else None),
         'wall_seconds': time.time() - wall_start,

@@ -89,10 +89,12 @@ def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
     return scalars
 
 
-def log_eval(step: int, split: str, mean_nll: float, num_tokens: int, unit: str) -> None:
+def log_eval(step: int, split: str, mean_nll: float, num_tokens: int, unit: str,
+             accuracy: Optional[float] = None) -> None:
     name = metric_name(unit)
-    logging.info('eval %s at step %d | loss %.4f | %s %.4f | %d tokens scored', split, step,
-                 mean_nll, name, metric_value(mean_nll, unit), num_tokens)
+    logging.info('eval %s at step %d | loss %.4f | %s %.4f | %s%d tokens scored', split, step,
+                 mean_nll, name, metric_value(mean_nll, unit),
+                 '' if accuracy is None else f'accuracy {accuracy:.4f} | ', num_tokens)
 
 
 class _QuietLibraries(logging_std.Filter):

@@ -116,7 +116,10 @@ def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation,
             {'params': params}, segment['inputs'], memory, targets=segment['targets'],
             reset=segment['reset'], deterministic=False, rngs=rngs)
         nll = _nll_sum(out.target_logprobs, segment['mask'])
-        total = nll + sum(kind.loss_weights[name] * value for name, value in out.losses.items())
+        aux = sum(kind.loss_weights[name] * value for name, value in out.losses.items())
+        # A segment with nothing scored only builds memory (the sorting task's question): no
+        # auxiliary loss trains on it either.
+        total = nll + jnp.where(jnp.sum(segment['mask']) > 0, aux, 0.0)
         return total / num_tokens, (new_memory, nll, out.losses)
 
     grad_fn = jax.value_and_grad(chunk_loss, has_aux=True)
@@ -160,10 +163,11 @@ def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation,
     return train_step
 
 
-def eval_step_fn(model: model_lib.MemoryLM) -> Callable:
+def eval_step_fn(model: model_lib.MemoryLM, accuracy: bool = False) -> Callable:
     """Returns `(params, memory, batch[S, B, ...], key) -> (memory, metrics[S])`, to be jitted.
 
-    metrics: 'nll_sum' and 'num_tokens' per segment, both summed over the global batch, so
+    metrics: 'nll_sum' and 'num_tokens' per segment (with `accuracy`, also 'num_correct': scored
+    tokens whose target is the most probable token), summed over the global batch, so
     every process reads the same totals. `key` feeds the memory kind's random streams (a
     kind that samples at evaluation); segment s draws from `fold_in(key, s)`.
     """
@@ -173,8 +177,12 @@ def eval_step_fn(model: model_lib.MemoryLM) -> Callable:
         out, memory = model.apply(
             {'params': params}, segment['inputs'], memory, targets=segment['targets'],
             reset=segment['reset'], deterministic=True, rngs=stream_keys(key, kind, 0))
-        return memory, {'nll_sum': _nll_sum(out.target_logprobs, segment['mask']),
-                        'num_tokens': jnp.sum(segment['mask'] > 0)}
+        metrics = {'nll_sum': _nll_sum(out.target_logprobs, segment['mask']),
+                   'num_tokens': jnp.sum(segment['mask'] > 0)}
+        if accuracy:
+            guess = jnp.argmax(model.apply({'params': params}, out.hidden, method=model.logprobs), axis=-1)
+            metrics['num_correct'] = jnp.sum((guess == segment['targets']) & (segment['mask'] > 0))
+        return memory, metrics
 
     def eval_step(params, memory, batch, key):
         batch = {k: batch[k] for k in BATCH_KEYS}

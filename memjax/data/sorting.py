@@ -1,0 +1,137 @@
+"""The infinity-former's sorting task (paper section 4.1), generated on the fly.
+
+A sequence of `length` symbols from a vocabulary of 20 is drawn from a distribution that drifts
+over time, p_t = (1 - r) p0 + r p1 with r = (t + 1) / length and p0, p1 random (integer weights
+1..9, normalised); then comes the separator and the answer: the 20 symbols by descending count in
+the sequence. Ties, absent symbols included, are broken by the smaller symbol id, so symbols that
+never occur close the answer in increasing order. A model must remember counts over the whole
+sequence, and the drift punishes one that only looks at the recent past.
+
+Each sequence is one document: it is left-padded so that its answer ends its last segment, its
+first segment resets the memory, and only the 20 answer predictions are scored (mask 1): the
+loss and accuracy are the answer's; earlier segments only build memory. Sequence i of a split
+is a pure function of (seed, split, i), so every pass, process and resume sees the same data.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable
+
+import grain
+import numpy as np
+
+from memjax import errors
+from memjax.config_lib import cfg_get
+from memjax.data import tokenizers
+
+SYMBOLS = 20
+SEP, PAD = SYMBOLS, SYMBOLS + 1
+VOCAB_SIZE = SYMBOLS + 2
+_SPLIT_IDS = {'train': 0, 'validation': 1, 'test': 2}
+# Sequences per split in the paper: 8,000 / 800 / 800.
+DEFAULT_SEQUENCES = {'train': 8000, 'validation': 800, 'test': 800}
+
+
+def sorted_by_count(symbols: np.ndarray) -> np.ndarray:
+    """The answer: every symbol by descending count, ties by increasing id."""
+    counts = np.bincount(symbols, minlength=SYMBOLS)
+    return np.lexsort((np.arange(SYMBOLS), -counts)).astype(np.int32)
+
+
+def make_sequence(rng: np.random.Generator, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(symbols [length], answer [20]) drawn from the drifting mixture."""
+    p0, p1 = (w / w.sum() for w in rng.integers(1, 10, (2, SYMBOLS)).astype(np.float64))
+    r = (np.arange(length) + 1.0) / length
+    cdf = np.cumsum((1 - r)[:, None] * p0 + r[:, None] * p1, axis=1)
+    symbols = np.minimum((rng.random(length)[:, None] > cdf).sum(1), SYMBOLS - 1).astype(np.int32)
+    return symbols, sorted_by_count(symbols)
+
+
+class SortingTokenizer(tokenizers.Tokenizer):
+    """Symbols '0'..'19', '<sep>', '<pad>' as space-separated text (for generation and reading)."""
+
+    kind = 'sorting'
+    unit = 'symbol'
+    _NAMES = [str(i) for i in range(SYMBOLS)] + ['<sep>', '<pad>']
+
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB_SIZE
+
+    def encode(self, text: str) -> np.ndarray:
+        try:
+            return np.asarray([self._NAMES.index(t) for t in text.split()], np.int32)
+        except ValueError as e:
+            raise errors.DataError(f'sorting text holds symbols 0..19, <sep> and <pad>: {e}') from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return ' '.join(self._NAMES[i] for i in self._check_ids(ids))
+
+    def to_json(self) -> dict:
+        return {'kind': self.kind}
+
+
+class SortingStreams:
+    """LMStreams' interface over generated sorting sequences: batches of inputs / targets / mask
+    [S, B_local, T] and reset [S, B_local]; B streams each read whole sequences of K segments."""
+
+    def __init__(self, data_cfg: Any, split: str, *, batch_size: int, tgt_len: int,
+                 segments_per_batch: int = 1, repeat: bool = False, process_index: int = 0,
+                 process_count: int = 1, seed: int = 0):
+        if split not in _SPLIT_IDS:
+            raise errors.DataError(f'sorting has splits {sorted(_SPLIT_IDS)}, not {split!r}.')
+        self.split, self.batch_size, self.tgt_len = split, batch_size, tgt_len
+        self.segments_per_batch, self.repeat, self.seed = segments_per_batch, repeat, seed
+        self.length = int(cfg_get(data_cfg, 'sort_length', 4000))
+        sequences = int(cfg_get(data_cfg, f'sort_{split}_sequences', DEFAULT_SEQUENCES[split]))
+        if sequences < batch_size:
+            raise errors.DataError(f'sorting {split}: {sequences} sequences for {batch_size} streams; '
+                                   f'raise data.sort_{split}_sequences or lower the batch size.')
+        self.groups = sequences // batch_size  # Sequences per stream in a pass.
+        self.segments = -(-(self.length + SYMBOLS + 1) // tgt_len)  # K: inputs are length + 20 tokens.
+        self.num_batches = -(-self.groups * self.segments // segments_per_batch)
+        self._local = range(process_index * batch_size // process_count,
+                            (process_index + 1) * batch_size // process_count)
+        self.num_target_tokens = self.groups * batch_size * SYMBOLS
+        self.num_local_target_tokens = self.groups * len(self._local) * SYMBOLS
+
+    def document(self, index: int) -> Dict[str, np.ndarray]:
+        """Sequence `index` laid out over K segments: inputs, targets, mask [K * T]."""
+        rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split], index])
+        symbols, answer = make_sequence(rng, self.length)
+        tokens = np.concatenate([symbols, [SEP], answer]).astype(np.int32)
+        pad = self.segments * self.tgt_len - (len(tokens) - 1)
+        mask = np.zeros(len(tokens) - 1, np.float32)
+        mask[-SYMBOLS:] = 1.0  # Targets tokens[length + 1:], the answer.
+        return {'inputs': np.pad(tokens[:-1], (pad, 0), constant_values=PAD),
+                'targets': np.pad(tokens[1:], (pad, 0), constant_values=PAD),
+                'mask': np.pad(mask, (pad, 0))}
+
+    def batch(self, index: int) -> Dict[str, np.ndarray]:
+        out = {'inputs': [], 'targets': [], 'mask': [], 'reset': []}
+        for g in range(index * self.segments_per_batch, (index + 1) * self.segments_per_batch):
+            group, k = divmod(g, self.segments)
+            rows = {name: [] for name in out}
+            for stream in self._local:
+                if group < self.groups:
+                    doc = self.document(group * self.batch_size + stream)
+                    for name in ('inputs', 'targets', 'mask'):
+                        rows[name].append(doc[name][k * self.tgt_len:(k + 1) * self.tgt_len])
+                else:  # Past the last sequence of the pass: an empty segment.
+                    rows['inputs'].append(np.full(self.tgt_len, PAD, np.int32))
+                    rows['targets'].append(np.full(self.tgt_len, PAD, np.int32))
+                    rows['mask'].append(np.zeros(self.tgt_len, np.float32))
+                rows['reset'].append(k == 0)
+            for name in out:
+                out[name].append(np.stack(rows[name]))
+        return {name: np.stack(value) for name, value in out.items()}
+
+    def dataset(self) -> grain.MapDataset:
+        ds = grain.MapDataset.range(self.num_batches)
+        if self.repeat:
+            ds = ds.repeat(None)
+        return ds.map(self.batch)
+
+    def iterator(self) -> grain.DatasetIterator:
+        options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+        return iter(self.dataset().to_iter_dataset(options))
