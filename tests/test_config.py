@@ -14,10 +14,13 @@ from memjax import model as model_lib
 from memjax.training import loop as trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py')))
+CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py'))) + [
+    os.path.join(REPO, 'configs', name) for name in (
+        'inftyformer_pg19.py:smoke', 'inftyformer_pg19.py:sticky', 'inftyformer_wt103.py:smoke,sticky',
+        'inftyformer_sorting.py:16000', 'inftyformer_sorting.py:4000,xl')]
 TINY = os.path.join(REPO, 'configs', 'tiny.py')
 # Vocabulary sizes the tokenizers give (the word vocabulary of WikiText-103 train).
-VOCAB = {'byte': 256, 'char': 256, 'word': 267735, 'sentencepiece': 8000}
+VOCAB = {'byte': 256, 'char': 256, 'word': 267735, 'sentencepiece': 8000, 'gpt2_bpe': 50257, 'sorting': 22}
 
 
 def parse(argv):
@@ -44,7 +47,7 @@ def test_every_config_is_valid(path):
 
 def dataclasses_without(mcfg):
     fields = dict(vars(mcfg))
-    for name in config_lib.run_time_fields(mcfg.memory):
+    for name in config_lib.run_time_fields(mcfg.memory) + ('segment_len',):  # That of eval.tgt_len.
         fields.pop(name)
     return fields
 
