@@ -41,14 +41,20 @@ def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation) -
     """`(params, opt_state, memory, batch, key) -> (params, opt_state, memory, loss)`, unjitted.
 
     batch['skip'] ([n_layer] bool), when present, is the layers skipped (an argument, so one
-    executable serves every pattern).
+    executable serves every pattern). A memory kind's random streams and weighted auxiliary
+    losses (the infinity-former's sampling and KL term) are part of the step, as in training.
     """
+    kind = model.kind
 
     def loss_fn(params, memory, batch, key):
+        streams = {name: jax.random.fold_in(key, i + 1) for i, name in enumerate(kind.streams)}
         out, new_memory = model.apply({'params': params}, batch['inputs'], memory,
                                       targets=batch['targets'], deterministic=False,
-                                      rngs={'dropout': key}, skip=batch.get('skip'))
-        return model_lib.lm_loss(out.target_logprobs), new_memory
+                                      rngs={'dropout': key, **streams}, skip=batch.get('skip'))
+        loss = model_lib.lm_loss(out.target_logprobs)
+        if out.losses:
+            loss += sum(kind.loss_weights[n] * v for n, v in out.losses.items()) / out.target_logprobs.size
+        return loss, new_memory
 
     def step(params, opt_state, memory, batch, key):
         (loss, new_memory), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, memory, batch, key)

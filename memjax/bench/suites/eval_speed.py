@@ -59,17 +59,18 @@ def eval_batch(inputs: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
 
 
 class EvalLoop:
-    """Calls a compiled evaluation step per segment, feeding its (donated) memory back in."""
+    """Calls a compiled evaluation step per segment, feeding its (donated) memory back in
+    (`memory`: the current one)."""
 
     def __init__(self, executable: Callable, params, memory, batch, key):
         self._executable = executable
         self._params = params
-        self._memory = memory
+        self.memory = memory
         self._batch = batch
         self._key = key
 
     def __call__(self):
-        self._memory, metrics = self._executable(self._params, self._memory, self._batch, self._key)
+        self.memory, metrics = self._executable(self._params, self.memory, self._batch, self._key)
         return metrics
 
 

@@ -1,0 +1,102 @@
+"""`infinity`: the infinity-former's cost against the context it holds, and its LTM overhead.
+
+Context rows: per-token training and evaluation time once the memory holds C tokens of context
+(C = 2k, 8k, 32k), for the infinity-former (short-term memory of one segment + a long-term memory
+of N basis functions) and for a Transformer-XL whose memory covers the same C tokens (mem_len = C).
+The infinity-former's step has the same shapes whatever it holds; it is timed after C / T real
+memory updates anyway, so the row shows it, not assumes it. Overhead row: the paper's PG-19 shape
+(GPT-2 small, 512-token segments, batch 1, N = 512): step time with the LTM over the same GPT-2
+without it.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from memjax.bench import harness
+from memjax.bench import workload
+from memjax.bench.suites import eval_speed
+
+SHAPES = {
+    'full': dict(contexts=(2048, 8192, 32768), batch=1, tgt_len=256, model=dict(
+        n_layer=4, d_model=256, n_head=4, d_head=64, d_inner=1024, ltm_basis=256, ltm_widths=(0.01, 0.05))),
+    'tiny': dict(contexts=(16, 64), batch=1, tgt_len=8, model=dict(
+        n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, ltm_basis=8, ltm_widths=(0.05, 0.1))),
+}
+GPT2_SMALL = dict(block='gpt2', positions='learned_absolute', pre_lnorm=True, vocab_size=50257, n_layer=12,
+                  d_model=768, n_head=12, d_head=64, d_inner=3072, n_positions=1024, mem_len=0,
+                  ltm_basis=512, ltm_widths=(0.005, 0.01), ltm_ridge=0.5, ltm_tau=0.5, ltm_reset_tokens=2048,
+                  ltm_min_variance=1e-4, ltm_kl_weight=1e-6)
+OVERHEAD = {'full': (GPT2_SMALL, 512), 'tiny': (dict(GPT2_SMALL, n_layer=1, d_model=32, n_head=2, d_head=16,
+                                                      d_inner=64, vocab_size=64, ltm_basis=8), 8)}
+
+
+def _filled_memory(mcfg, params, batch, tgt_len: int, context: int):
+    """The memory after `context` tokens of random text (context / tgt_len evaluation steps)."""
+    _, loop = eval_speed.compile_eval(mcfg, params, batch)
+    for _ in range(context // tgt_len):
+        loop()
+    return loop.memory
+
+
+def _time(ctx, mcfg, batch_size, tgt_len, context=None):
+    """Per-token train and eval milliseconds of `mcfg`, its memory first filled with `context` tokens."""
+    work = workload.build(mcfg, batch_size, tgt_len, ctx.config)
+    eval_batch = eval_speed.eval_batch(work.batch['inputs'], work.batch['targets'])
+    if context:
+        work.memory = _filled_memory(mcfg, work.params, eval_batch, tgt_len, context)
+    params, memory = jax.tree.map(lambda x: x.copy(), (work.params, work.memory))
+    train = workload.measure(work, ctx)
+    _, loop = eval_speed.compile_eval(mcfg, params, eval_batch)
+    loop.memory = memory
+    evaluation = harness.time_fn(loop, warmup=ctx.warmup, repeats=ctx.repeats)
+    tokens = batch_size * tgt_len
+    return {'train_ms_per_token': train['step_s'] * 1e3 / tokens,
+            'eval_ms_per_token': evaluation.median_s * 1e3 / tokens, 'train_timing': train}
+
+
+@harness.register('infinity')
+def run(ctx: harness.Context) -> harness.SuiteResult:
+    shape = SHAPES['tiny' if ctx.tiny else 'full']
+    seq, batch = shape['tgt_len'], shape['batch']
+    rows = []
+    for context in shape['contexts']:
+        for memory in ('infinity', 'xl'):
+            mem_len = seq if memory == 'infinity' else context
+            mcfg = workload.model_config(ctx.config, memory=memory, mem_len=mem_len, segment_len=seq,
+                                         dropout=0.0, **shape['model'])
+            ctx.log(f'infinity: {memory}, {context} tokens of context')
+            rows.append({'row': 'context', 'memory': memory, 'context': context, 'mem_len': mem_len,
+                         **_time(ctx, mcfg, batch, seq, context if memory == 'infinity' else None)})
+    model, seg = OVERHEAD['tiny' if ctx.tiny else 'full']
+    overhead = {}
+    for memory in ('none', 'infinity'):
+        mcfg = workload.model_config(ctx.config, memory=memory, segment_len=seg, dropout=0.0, **model)
+        ctx.log(f'infinity: overhead, GPT-2 shape, memory={memory}')
+        # Filled with two segments: the LTM is in use (it is empty, and skipped, only at the start).
+        overhead[memory] = _time(ctx, mcfg, 1, seg, 2 * seg if memory == 'infinity' else None)
+        rows.append({'row': 'overhead', 'memory': memory, 'context': 2 * seg, 'mem_len': 0, **overhead[memory]})
+    # Context rows against the shortest context of the same memory; overhead rows against no LTM.
+    for r in rows:
+        base = overhead['none'] if r['row'] == 'overhead' else next(
+            b for b in rows if b['row'] == 'context' and b['memory'] == r['memory'])
+        for phase in ('train', 'eval'):
+            r[f'{phase}_vs_base'] = r[f'{phase}_ms_per_token'] / base[f'{phase}_ms_per_token']
+    longest = {m: next(r for r in reversed(rows) if r['memory'] == m and r['row'] == 'context') for m in ('infinity', 'xl')}
+    figures = {
+        'infinity_train_longest_vs_shortest': longest['infinity']['train_vs_base'],
+        'infinity_eval_longest_vs_shortest': longest['infinity']['eval_vs_base'],
+        'xl_train_longest_vs_shortest': longest['xl']['train_vs_base'],
+        'xl_eval_longest_vs_shortest': longest['xl']['eval_vs_base'],
+        'ltm_train_overhead': overhead['infinity']['train_ms_per_token'] / overhead['none']['train_ms_per_token'] - 1,
+        'ltm_eval_overhead': overhead['infinity']['eval_ms_per_token'] / overhead['none']['eval_ms_per_token'] - 1,
+    }
+    for r in rows:
+        r.pop('train_timing')
+    return harness.SuiteResult(
+        rows=rows, columns=('row', 'memory', 'context', 'mem_len', 'train_ms_per_token', 'eval_ms_per_token',
+                            'train_vs_base', 'eval_vs_base'),
+        figures=figures,
+        config={'batch': batch, 'tgt_len': seq, 'model': shape['model'], 'overhead_model': model,
+                'overhead_tgt_len': seg, 'step': 'memjax.bench.workload train step (aux losses, streams); '
+                'eval = train_step.eval_step_fn, one segment per call, memory donated; float32'})
