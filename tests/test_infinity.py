@@ -127,7 +127,7 @@ def forward():
 
 
 def test_per_step_cost_and_shapes_do_not_grow_with_the_context(forward):
-    cfg = tiny()
+    cfg = tiny(n_layer=1)
     params = model_lib.init_params(cfg, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 60 * SEG), 0, cfg.vocab_size)
     memory = after_one = model_lib.init_memory(cfg, 2)
@@ -173,7 +173,7 @@ def test_layers_draw_their_own_sticky_positions(forward):
 
 
 def test_gradients_are_finite_with_bf16_compute():
-    cfg = tiny(compute_dtype='bfloat16', ltm_sticky=True)
+    cfg = tiny(compute_dtype='bfloat16', ltm_sticky=True, n_layer=1)
     params = model_lib.init_params(cfg, jax.random.key(0))
     model = model_lib.build_model(cfg)
     tokens = jax.random.randint(jax.random.key(3), (2, SEG), 0, cfg.vocab_size)
