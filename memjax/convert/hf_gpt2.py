@@ -132,13 +132,7 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: ModelConfig
 
 def load_hf_checkpoint(path: str, hf_config: Optional[HFConfig] = None) -> tuple[ModelConfig, dict]:
     """(ModelConfig, params) from an HF GPT-2 checkpoint; the config defaults to the config.json beside it."""
-    state, found_config = hf_io.read_hf_checkpoint(path)
-    if hf_config is None:
-        if found_config is None:
-            raise CheckpointError(f'no {hf_io.CONFIG_FILE} next to {path}; pass the HF config (--config).')
-        hf_config = found_config
-    config = model_config_from_hf(hf_config)
-    return config, params_from_hf_state_dict(state, config, source=path)
+    return hf_io.load_checkpoint(path, hf_config, model_config_from_hf, params_from_hf_state_dict)
 
 
 def is_checkpoint_dir(path: str) -> bool:

@@ -203,6 +203,19 @@ def read_hf_checkpoint(path: str) -> tuple[Mapping[str, Any], Optional[str]]:
 # it is HF-specific, so importers from other families can save through it too.
 
 
+def load_checkpoint(path: str, hf_config: Optional[HFConfig], config_from_hf: Callable[[HFConfig], ModelConfig],
+                    params_from_state_dict: Callable[..., dict]) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, params) from an HF checkpoint through one family's importer; the HF config
+    defaults to the config.json beside the weights."""
+    state, found_config = read_hf_checkpoint(path)
+    if hf_config is None:
+        if found_config is None:
+            raise CheckpointError(f'no {CONFIG_FILE} next to {path}; pass the HF config (--config).')
+        hf_config = found_config
+    config = config_from_hf(hf_config)
+    return config, params_from_state_dict(state, config, source=path)
+
+
 def save_imported(out_dir: str, config: ModelConfig, params: Mapping[str, Any]) -> None:
     """Writes `out_dir/config.json` (the ModelConfig) and `out_dir/params.msgpack`."""
     check_params(config, params, 'params to save')

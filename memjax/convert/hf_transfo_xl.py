@@ -41,7 +41,7 @@ import numpy as np
 
 from memjax import errors
 from memjax.convert import hf_io
-from memjax.convert.hf_io import (CheckpointError, HFConfig, Tensor, config_summary, read_hf_checkpoint,
+from memjax.convert.hf_io import (CheckpointError, HFConfig, Tensor, config_summary,
                                   same, save_imported, transpose)
 from memjax.model import ModelConfig
 
@@ -220,13 +220,7 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: ModelConfig
 
 def load_hf_checkpoint(path: str, hf_config: Optional[HFConfig] = None) -> tuple[ModelConfig, dict]:
     """(ModelConfig, params) from an HF checkpoint; the config defaults to the config.json beside it."""
-    state, found_config = read_hf_checkpoint(path)
-    if hf_config is None:
-        if found_config is None:
-            raise CheckpointError(f'no {hf_io.CONFIG_FILE} next to {path}; pass the HF config (--config).')
-        hf_config = found_config
-    config = model_config_from_hf(hf_config)
-    return config, params_from_hf_state_dict(state, config, source=path)
+    return hf_io.load_checkpoint(path, hf_config, model_config_from_hf, params_from_hf_state_dict)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

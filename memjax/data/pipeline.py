@@ -192,7 +192,28 @@ def load_token_ids(data_cfg: Any, split: str, tokenizer: Tokenizer,
     return cached
 
 
-class LMStreams:
+class BatchedStreams:
+    """A pass of `num_batches` batches (`batch(index)`), repeated forever with `repeat`, read with
+    grain: next() gives batches; get_state()/set_state() resume exactly."""
+
+    num_batches: int
+    repeat: bool
+
+    def batch(self, index: int) -> Dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def dataset(self) -> grain.MapDataset:
+        ds = grain.MapDataset.range(self.num_batches)
+        if self.repeat:
+            ds = ds.repeat(None)
+        return ds.map(self.batch)
+
+    def iterator(self) -> grain.DatasetIterator:
+        options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+        return iter(self.dataset().to_iter_dataset(options))
+
+
+class LMStreams(BatchedStreams):
     """Batches of B streams x S consecutive segments of T tokens for a split.
 
     Arrays per batch: inputs / targets int32 [S, B_local, T], mask float32
@@ -282,16 +303,6 @@ class LMStreams:
             'reset': self._reset[:, ks].T.copy(),
         }
 
-    def dataset(self) -> grain.MapDataset:
-        ds = grain.MapDataset.range(self.num_batches)
-        if self.repeat:
-            ds = ds.repeat(None)
-        return ds.map(self.batch)
-
-    def iterator(self) -> grain.DatasetIterator:
-        """next() gives batches; get_state()/set_state() resume exactly."""
-        options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
-        return iter(self.dataset().to_iter_dataset(options))
 
 
 def make_streams(data_cfg: Any, split: str, tokenizer: Tokenizer, **kwargs) -> Any:

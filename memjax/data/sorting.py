@@ -17,12 +17,11 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable
 
-import grain
 import numpy as np
 
 from memjax import errors
 from memjax.config_lib import cfg_get
-from memjax.data import tokenizers
+from memjax.data import pipeline, tokenizers
 
 SYMBOLS = 20
 SEP, PAD = SYMBOLS, SYMBOLS + 1
@@ -71,7 +70,7 @@ class SortingTokenizer(tokenizers.Tokenizer):
         return {'kind': self.kind}
 
 
-class SortingStreams:
+class SortingStreams(pipeline.BatchedStreams):
     """LMStreams' interface over generated sorting sequences: batches of inputs / targets / mask
     [S, B_local, T] and reset [S, B_local]; B streams each read whole sequences of K segments."""
 
@@ -125,13 +124,3 @@ class SortingStreams:
             for name in out:
                 out[name].append(np.stack(rows[name]))
         return {name: np.stack(value) for name, value in out.items()}
-
-    def dataset(self) -> grain.MapDataset:
-        ds = grain.MapDataset.range(self.num_batches)
-        if self.repeat:
-            ds = ds.repeat(None)
-        return ds.map(self.batch)
-
-    def iterator(self) -> grain.DatasetIterator:
-        options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
-        return iter(self.dataset().to_iter_dataset(options))
