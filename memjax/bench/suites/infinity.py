@@ -11,6 +11,8 @@ without it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
 from memjax.bench import harness
@@ -31,28 +33,38 @@ OVERHEAD = {'full': (GPT2_SMALL, 512), 'tiny': (dict(GPT2_SMALL, n_layer=1, d_mo
                                                       d_inner=64, vocab_size=64, ltm_basis=8), 8)}
 
 
-def _filled_memory(mcfg, params, batch, tgt_len: int, context: int):
-    """The memory after `context` tokens of random text (context / tgt_len evaluation steps)."""
-    _, loop = eval_speed.compile_eval(mcfg, params, batch)
-    for _ in range(context // tgt_len):
-        loop()
-    return loop.memory
+def _copy(tree):
+    return jax.tree.map(lambda x: x.copy(), tree)
 
 
-def _time(ctx, mcfg, batch_size, tgt_len, context=None):
-    """Per-token train and eval milliseconds of `mcfg`, its memory first filled with `context` tokens."""
+def _per_token(timings, tokens: int) -> dict:
+    return {name: t.median_s * 1e3 / tokens for name, t in timings.items()}
+
+
+def _time(ctx, mcfg, batch_size: int, tgt_len: int, contexts: tuple) -> dict:
+    """{context: (train, eval) ms per token} of `mcfg` once its memory holds `context` tokens of
+    random text (reached by real evaluation steps). One compiled train and eval step serve every
+    context (the shapes do not change), timed round-robin over the contexts."""
     work = workload.build(mcfg, batch_size, tgt_len, ctx.config)
-    eval_batch = eval_speed.eval_batch(work.batch['inputs'], work.batch['targets'])
-    if context:
-        work.memory = _filled_memory(mcfg, work.params, eval_batch, tgt_len, context)
-    params, memory = jax.tree.map(lambda x: x.copy(), (work.params, work.memory))
-    train = workload.measure(work, ctx)
-    _, loop = eval_speed.compile_eval(mcfg, params, eval_batch)
-    loop.memory = memory
-    evaluation = harness.time_fn(loop, warmup=ctx.warmup, repeats=ctx.repeats)
+    batch = eval_speed.eval_batch(work.batch['inputs'], work.batch['targets'])
+    compiled_eval, filler = eval_speed.compile_eval(mcfg, work.params, batch)
+    memories, filled = {}, 0
+    for context in sorted(contexts):
+        for _ in range((context - filled) // tgt_len):
+            filler()
+        filled = context
+        memories[context] = _copy(filler.memory)
+    step = workload.compile_step(work).executable
+    key = jax.random.PRNGKey(0)
+    train = harness.time_interleaved(
+        {c: workload.StepLoop(step, dataclasses.replace(workload.copy_state(work), memory=_copy(m)))
+         for c, m in memories.items()}, warmup=ctx.warmup, repeats=ctx.repeats)
+    evaluation = harness.time_interleaved(
+        {c: eval_speed.EvalLoop(compiled_eval.executable, work.params, _copy(m), batch, key)
+         for c, m in memories.items()}, warmup=ctx.warmup, repeats=ctx.repeats)
     tokens = batch_size * tgt_len
-    return {'train_ms_per_token': train['step_s'] * 1e3 / tokens,
-            'eval_ms_per_token': evaluation.median_s * 1e3 / tokens, 'train_timing': train}
+    train, evaluation = _per_token(train, tokens), _per_token(evaluation, tokens)
+    return {c: {'train_ms_per_token': train[c], 'eval_ms_per_token': evaluation[c]} for c in contexts}
 
 
 @harness.register('infinity')
@@ -60,21 +72,24 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     shape = SHAPES['tiny' if ctx.tiny else 'full']
     seq, batch = shape['tgt_len'], shape['batch']
     rows = []
-    for context in shape['contexts']:
-        for memory in ('infinity', 'xl'):
-            mem_len = seq if memory == 'infinity' else context
-            mcfg = workload.model_config(ctx.config, memory=memory, mem_len=mem_len, segment_len=seq,
-                                         dropout=0.0, **shape['model'])
-            ctx.log(f'infinity: {memory}, {context} tokens of context')
-            rows.append({'row': 'context', 'memory': memory, 'context': context, 'mem_len': mem_len,
-                         **_time(ctx, mcfg, batch, seq, context if memory == 'infinity' else None)})
+    contexts = shape['contexts']
+    ctx.log(f'infinity: infinity-former, {contexts} tokens of context (one executable, interleaved)')
+    mcfg = workload.model_config(ctx.config, memory='infinity', mem_len=seq, segment_len=seq, dropout=0.0,
+                                 **shape['model'])
+    for context, times in _time(ctx, mcfg, batch, seq, contexts).items():
+        rows.append({'row': 'context', 'memory': 'infinity', 'context': context, 'mem_len': seq, **times})
+    for context in contexts:  # XL: a memory of `context` rows, one executable per length.
+        ctx.log(f'infinity: xl, mem_len {context}')
+        mcfg = workload.model_config(ctx.config, memory='xl', mem_len=context, dropout=0.0, **shape['model'])
+        rows.append({'row': 'context', 'memory': 'xl', 'context': context, 'mem_len': context,
+                     **_time(ctx, mcfg, batch, seq, (0,))[0]})
     model, seg = OVERHEAD['tiny' if ctx.tiny else 'full']
     overhead = {}
     for memory in ('none', 'infinity'):
         mcfg = workload.model_config(ctx.config, memory=memory, segment_len=seg, dropout=0.0, **model)
         ctx.log(f'infinity: overhead, GPT-2 shape, memory={memory}')
         # Filled with two segments: the LTM is in use (it is empty, and skipped, only at the start).
-        overhead[memory] = _time(ctx, mcfg, 1, seg, 2 * seg if memory == 'infinity' else None)
+        overhead[memory] = _time(ctx, mcfg, 1, seg, (2 * seg,))[2 * seg]
         rows.append({'row': 'overhead', 'memory': memory, 'context': 2 * seg, 'mem_len': 0, **overhead[memory]})
     # Context rows against the shortest context of the same memory; overhead rows against no LTM.
     for r in rows:
@@ -91,8 +106,6 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
         'ltm_train_overhead': overhead['infinity']['train_ms_per_token'] / overhead['none']['train_ms_per_token'] - 1,
         'ltm_eval_overhead': overhead['infinity']['eval_ms_per_token'] / overhead['none']['eval_ms_per_token'] - 1,
     }
-    for r in rows:
-        r.pop('train_timing')
     return harness.SuiteResult(
         rows=rows, columns=('row', 'memory', 'context', 'mem_len', 'train_ms_per_token', 'eval_ms_per_token',
                             'train_vs_base', 'eval_vs_base'),
