@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import KeyBlock
+from memjax.model.config import ModelConfig
 from memjax.model.memories import LayerMemory, MemoryState, register
 from memjax.model.memories.xl import XLMemory
 from memjax.model.primitives import normal, projection
@@ -118,15 +119,32 @@ def sticky_positions(key: jax.Array, histogram: jax.Array, samples: int) -> jax.
 # The memory kind.
 
 
+class Gate(nn.Module):
+    """The smoothing gate's convolution (eq. 18): width 3, stride 1, zero-padded, d_model -> d_model,
+    with nn.Conv's parameters (kernel [3, in, out], bias [out]).
+
+    Written as one matmul over each row and its two neighbours: XLA:CPU's convolution backward ran
+    this layer at a fraction of the matmul's speed at some shapes (BENCHMARKS.md, infinity)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        kernel = self.param('kernel', normal(cfg.init_std, (None, 'embed', 'mlp')), (3, x.shape[-1], cfg.d_model))
+        bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('mlp',)), (cfg.d_model,))
+        padded = jnp.pad(x, ((0, 0), (1, 1), (0, 0)))
+        window = jnp.stack([padded[:, :-2], padded[:, 1:-1], padded[:, 2:]], axis=2)  # [B, S, 3, D]
+        return jnp.einsum('bskd,kde->bse', window.astype(cfg.dtype), kernel.astype(cfg.dtype)) + bias.astype(cfg.dtype)
+
+
 class InfinityLayerMemory(LayerMemory):
     """One layer's LTM: the gate, the LTM's key/value/output maps and the mu / sigma networks."""
 
     def setup(self):
         cfg = self.config
         heads, in_axes = (cfg.n_head, cfg.d_head), ('embed', 'heads', 'kv')
-        self.gate = nn.Conv(cfg.d_model, kernel_size=(3,), padding=((1, 1),), dtype=cfg.dtype,
-                            kernel_init=normal(cfg.init_std, (None, 'embed', 'mlp')),
-                            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('mlp',)))
+        self.gate = Gate(cfg)
         self.key = projection(cfg, heads, 'key', in_axes)
         self.value = projection(cfg, heads, 'value', in_axes)
         self.out = projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), in_dims=2)
