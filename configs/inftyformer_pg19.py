@@ -7,7 +7,7 @@ PG19: the deepmind/pg19 folders train/, validation/, test/ of <book_id>.txt file
 fine-tunes on the first 2,000 training books: put those in train/). GPT2: an HF gpt2 download
 (config.json, model.safetensors, vocab.json, merges.txt); without init_from the model trains from
 scratch. Arguments, comma-separated: 'sticky' (sticky memories, the paper's "SM" row), 'smoke' (the
-same model family at tiny size on the embedded corpus, byte tokens: trains in about a minute):
+same model family at tiny size on the embedded corpus, byte tokens: trains in under a minute):
 
   python -m memjax.train --config=configs/inftyformer_pg19.py:smoke --workdir=/tmp/inftyformer_smoke
 
