@@ -1,4 +1,4 @@
-"""Weight importers from other Transformer-XL implementations, and memjax's saved-params format.
+"""Weight importers (HF Transformer-XL: hf_transfo_xl; HF GPT-2: hf_gpt2) and memjax's saved-params format.
 
     from memjax.convert import load_imported
     config, params = load_imported(directory)   # written by python -m memjax.convert.hf_transfo_xl
