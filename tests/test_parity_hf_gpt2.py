@@ -13,15 +13,21 @@ torch = pytest.importorskip('torch', reason="HF parity tests need torch: pip ins
 transformers = pytest.importorskip(
     'transformers', reason="HF parity tests need transformers 4.37.2: pip install -e '.[parity]'")
 
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import jax  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+from flax import traverse_util  # pylint: disable=g-import-not-at-top
 
+from memjax import errors  # pylint: disable=g-import-not-at-top
+from memjax import model as model_lib  # pylint: disable=g-import-not-at-top
 from memjax.convert import hf_gpt2, hf_io  # pylint: disable=g-import-not-at-top
 from memjax.model import build_model, init_memory  # pylint: disable=g-import-not-at-top
+from memjax.training import loop as trainer  # pylint: disable=g-import-not-at-top
+import training_fixtures  # pylint: disable=g-import-not-at-top
 
 pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning', 'ignore::FutureWarning',
                                         'ignore::UserWarning')
 
-VOCAB, BATCH, LENGTH = 97, 2, 12
+VOCAB, BATCH, LENGTH = 256, 2, 12  # 256: the byte tokenizer's, for the training test.
 
 
 @pytest.fixture(scope='module')
@@ -69,3 +75,28 @@ def test_unsupported_gpt2_options_are_named():
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, activation_function='relu')
     with pytest.raises(hf_io.CheckpointError, match="activation_function='relu'"):
         hf_gpt2.model_config_from_hf(config)
+
+
+def test_training_starts_from_the_gpt2_weights_with_a_fresh_memory(hf_directory, tmp_path):
+    """config.train.init_from=<HF gpt2 folder>: every GPT-2 parameter is the checkpoint's, the LTM's
+    are their initialisation; a GPT-2 of another size is refused naming the field."""
+    _, path = hf_directory
+    corpus = training_fixtures.write_text_corpus(str(tmp_path / 'corpus'))
+    gpt2 = dict(memory='infinity', block='gpt2', positions='learned_absolute', pre_lnorm=True, d_model=32,
+                n_layer=2, n_head=4, d_head=8, d_inner=128, n_positions=16, mem_len=0, ltm_basis=8,
+                ltm_widths=(0.05, 0.1))
+    config = training_fixtures.tiny_config(corpus, train__init_from=path,
+                                           **{f'model__{k}': v for k, v in gpt2.items()})
+    exp = trainer.setup(config, str(tmp_path / 'run'))
+    state, _ = trainer._init_from(exp)  # pylint: disable=protected-access
+    started = traverse_util.flatten_dict(jax.device_get(state.params))
+    imported = traverse_util.flatten_dict(hf_gpt2.load_hf_checkpoint(path)[1])
+    fresh = traverse_util.flatten_dict(model_lib.init_params(exp.mcfg, jax.random.split(jax.random.PRNGKey(config.seed))[0]))
+    assert set(imported) < set(started)
+    for name, value in started.items():
+        expected = imported.get(name, fresh[name])
+        np.testing.assert_array_equal(value, expected, err_msg='/'.join(name))
+    assert any('memory' in name for name in set(started) - set(imported))
+    config.model.n_layer = 3
+    with pytest.raises(errors.CheckpointError, match=r'n_layer=2 \(config: 3\)'):
+        trainer._init_from(trainer.setup(config, str(tmp_path / 'other')))  # pylint: disable=protected-access

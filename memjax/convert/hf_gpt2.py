@@ -156,7 +156,8 @@ def extend(fresh: Mapping[str, Any], pretrained: Mapping[str, Any]) -> dict:
     wrong = sorted('/'.join(k) for k in set(flat_pretrained) & set(flat_fresh)
                    if np.shape(flat_pretrained[k]) != np.shape(flat_fresh[k]))
     if missing or wrong:
-        raise CheckpointError(f'the GPT-2 weights do not fit the model: {missing or ""} {wrong or ""}'.strip())
+        raise CheckpointError(f'the GPT-2 weights do not fit the model: not in the model {missing}, '
+                              f'other shapes {wrong}; set config.model to the GPT-2\'s sizes.')
     return traverse_util.unflatten_dict({k: flat_pretrained.get(k, v) for k, v in flat_fresh.items()})
 
 

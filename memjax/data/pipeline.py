@@ -10,6 +10,7 @@ state a single batch index (exact, JSON-serialisable) and lets every process
 slice the same global layout.
 """
 
+import abc
 import dataclasses
 import hashlib
 import heapq
@@ -192,15 +193,16 @@ def load_token_ids(data_cfg: Any, split: str, tokenizer: Tokenizer,
     return cached
 
 
-class BatchedStreams:
+class BatchedStreams(abc.ABC):
     """A pass of `num_batches` batches (`batch(index)`), repeated forever with `repeat`, read with
     grain: next() gives batches; get_state()/set_state() resume exactly."""
 
     num_batches: int
     repeat: bool
 
+    @abc.abstractmethod
     def batch(self, index: int) -> Dict[str, np.ndarray]:
-        raise NotImplementedError
+        """Batch `index` (0 <= index < num_batches) of a pass."""
 
     def dataset(self) -> grain.MapDataset:
         ds = grain.MapDataset.range(self.num_batches)

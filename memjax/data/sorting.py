@@ -108,12 +108,16 @@ class SortingStreams(pipeline.BatchedStreams):
 
     def batch(self, index: int) -> Dict[str, np.ndarray]:
         out = {'inputs': [], 'targets': [], 'mask': [], 'reset': []}
+        documents = {}  # A sequence spans K segments: generate it once per batch.
         for g in range(index * self.segments_per_batch, (index + 1) * self.segments_per_batch):
             group, k = divmod(g, self.segments)
             rows = {name: [] for name in out}
             for stream in self._local:
                 if group < self.groups:
-                    doc = self.document(group * self.batch_size + stream)
+                    number = group * self.batch_size + stream
+                    if number not in documents:
+                        documents[number] = self.document(number)
+                    doc = documents[number]
                     for name in ('inputs', 'targets', 'mask'):
                         rows[name].append(doc[name][k * self.tgt_len:(k + 1) * self.tgt_len])
                 else:  # Past the last sequence of the pass: an empty segment.

@@ -111,15 +111,17 @@ def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation,
     chunks = grad_accum_steps
     kind = model.kind
 
-    def chunk_loss(params, segment, memory, rngs, num_tokens):
+    def chunk_loss(params, segment, memory, rngs, num_tokens, scored):
         out, new_memory = model.apply(
             {'params': params}, segment['inputs'], memory, targets=segment['targets'],
             reset=segment['reset'], deterministic=False, rngs=rngs)
         nll = _nll_sum(out.target_logprobs, segment['mask'])
-        aux = sum(kind.loss_weights[name] * value for name, value in out.losses.items())
-        # A segment with nothing scored only builds memory (the sorting task's question): no
-        # auxiliary loss trains on it either.
-        total = nll + jnp.where(jnp.sum(segment['mask']) > 0, aux, 0.0)
+        total = nll
+        if out.losses:
+            # A segment with nothing scored (in any chunk) only builds memory, as the sorting
+            # task's question does: no auxiliary loss trains on it either.
+            aux = sum(kind.loss_weights[name] * value for name, value in out.losses.items())
+            total = nll + jnp.where(scored, aux, 0.0)
         return total / num_tokens, (new_memory, nll, out.losses)
 
     grad_fn = jax.value_and_grad(chunk_loss, has_aux=True)
@@ -128,6 +130,7 @@ def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation,
         state, memory = carry
         key = jax.random.fold_in(state.rng, state.step)
         num_tokens = jnp.maximum(jnp.sum(segment['mask']), 1.0)
+        scored = jnp.sum(segment['mask']) > 0
         split_segment = jax.tree_util.tree_map(lambda x: _split_streams(x, chunks), segment)
         split_memory = _split_memory(memory, memory_axes, chunks)
 
@@ -135,7 +138,7 @@ def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation,
             chunk_segment, chunk_memory, index = xs
             (_, (new_memory, nll, losses)), grads = grad_fn(
                 state.params, chunk_segment, chunk_memory,
-                {'dropout': jax.random.fold_in(key, index), **stream_keys(key, kind, index)}, num_tokens)
+                {'dropout': jax.random.fold_in(key, index), **stream_keys(key, kind, index)}, num_tokens, scored)
             return jax.tree_util.tree_map(jnp.add, grad_sum, grads), (new_memory, nll, losses)
 
         zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
