@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from memjax.model import ModelConfig
-from memjax.model.attention import AttentionContext, KeyBlock, RelativeAttention, _scores_and_mask
+from memjax.model.attention import Attended, AttentionContext, KeyBlock, RelativeAttention, _scores_and_mask
 from memjax.model.positions import (key_distances, position_scores, rel_shift, relative_sinusoid_table,
                                     sinusoid_encoding)
 
@@ -193,7 +193,7 @@ def test_attend_hook_sees_the_layer_projections_and_adds_to_the_attention_output
     extra = jax.random.normal(jax.random.key(5), (2, 4, 2, 3))
 
     def attend(view):
-        return view.project_output(extra), (view.project_query(mem), view.key)
+        return Attended(view.project_output(extra), notes=(view.project_query(mem), view.key))
 
     plain, _ = module.apply({'params': params}, h, [block], ctx, u, v, True)
     moved, (memory_queries, keys) = module.apply({'params': params}, h, [block], ctx, u, v, True, attend=attend)

@@ -72,7 +72,8 @@ class EveryOtherMemory(memories.MemoryKind):
                     'same_in_chunks': per_layer, 'own': per_layer},
             shared={'valid': P('activation_batch', 'activation_length'), 'distance': P(None)})
 
-    def advance(self, shared, seg_len):
+    def advance(self, shared, embedded):
+        seg_len = embedded.shape[1]
         keep = shared['distance'].shape[0]
         new = jnp.asarray([seg_len - t for t in _kept_positions(seg_len)], jnp.int32)
         valid = jnp.concatenate([shared['valid'], jnp.ones((shared['valid'].shape[0], len(new)), bool)], axis=1)

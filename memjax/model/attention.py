@@ -10,13 +10,14 @@ always the last block. Every block has a distance rule:
   scores are computed once per distance row and gathered at each key's distance.
 
 Masks are per block and may differ per head. A memory kind can also read what the attention
-computed (`AttentionView`) and add a second output to the attention's output.
+computed (`AttentionView`), add a second output to the attention's output, and bring rows of its
+own that are keys for the segment and queries of their own (`rows`: LaMemo's refreshed memory).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -58,6 +59,9 @@ class AttentionContext:
     u_bias: Optional[jax.Array]  # [H, Dh]; None when every layer has its own (untie_r).
     v_bias: Optional[jax.Array]
     window: int = struct.field(pytree_node=False, default=0)
+    # The memory kind's own global biases (MemoryKind.bias_names) -> [H, Dh], shared by the layers
+    # unless untie_r.
+    biases: dict = struct.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,30 @@ class AttentionView:
     project_key: Callable[[jax.Array], jax.Array]
     project_value: Callable[[jax.Array], jax.Array]
     project_output: Callable[[jax.Array], jax.Array]  # [..., H, Dh] -> [..., d_model]
+    scores: jax.Array  # [B, H, T, K] float32 logits of the segment's queries: scaled, masked keys at
+    #                    the float32 minimum (their logsumexp is the softmax's log-denominator).
+    attended: jax.Array  # [B, T, H, Dh] the segment's attention output before the output map.
+    positions: Optional[jax.Array]  # The context's distance table (rows for distances R-1 ... 0).
+    project_position: Optional[Callable[[jax.Array], jax.Array]]  # [R, d_model] -> [R, H, Dh] (W_r)
+    u_bias: Optional[jax.Array]  # [H, Dh] this layer's content bias, and its kind's own biases.
+    biases: dict
+    rows: Optional[jax.Array]  # [B, R, d_model] the kind's stack rows at this layer, or None.
+    deterministic: bool  # No dropout (evaluation).
+
+
+@dataclasses.dataclass(frozen=True)
+class Attended:
+    """What a memory kind's `attend` hook returns.
+
+    extra: [B, T, d_model] added to the segment's output (after the output map), or None.
+    rows:  [B, R, d_model] the output of the kind's own query rows (`rows` of the attention), after
+           the output map; required when the attention has rows.
+    notes: anything, handed to the kind's `write`.
+    """
+
+    extra: Optional[jax.Array] = None
+    rows: Optional[jax.Array] = None
+    notes: Any = None
 
 
 def _contiguous_tail(blocks: Sequence[KeyBlock]) -> int:
@@ -145,17 +173,23 @@ class RelativeAttention(nn.Module):
     with absolute positions (no distance table) the plain q.k.
 
     The positional term is computed once per distance row, never per query-key pair.
-    `attend(view) -> (extra or None, notes)` lets a memory kind add `extra` [B, T, d_model] to the
-    output of the output projection (`view.project_output` is that projection, for a kind whose
-    extra output shares it); its notes are returned for the kind's write.
+    `attend(view) -> Attended` lets a memory kind add `extra` [B, T, d_model] to the output of the
+    output projection (`view.project_output` is that projection, for a kind whose extra output
+    shares it); its notes are returned for the kind's write.
+
+    `rows` (a KeyBlock, or None) are a kind's rows that travel up the stack with the segment: keys
+    right before the segment, and queries whose output the kind's `attend` computes (`Attended.rows`).
+    They share the residual and LayerNorm: the output is then [B, R + T, d_model], rows first.
     """
 
     config: ModelConfig
 
     @nn.compact
     def __call__(self, h, blocks: Sequence[KeyBlock], ctx: AttentionContext, u_bias, v_bias,
-                 deterministic: bool, attend: Optional[Callable] = None):
+                 deterministic: bool, attend: Optional[Callable] = None, rows: Optional[KeyBlock] = None,
+                 biases: Optional[dict] = None):
         cfg = self.config
+        blocks = list(blocks) + ([rows] if rows is not None else [])
         heads = (cfg.n_head, cfg.d_head)
         in_axes = ('embed', 'heads', 'kv')
         bias = BLOCKS[cfg.block].bias
@@ -169,15 +203,16 @@ class RelativeAttention(nn.Module):
         # gradient, ~4% of a step's matmul FLOPs.
         key_proj = projection(cfg, heads, 'key', in_axes, bias=bias)
         value_proj = projection(cfg, heads, 'value', in_axes, bias=bias)
-        rows = [norm(b.rows.astype(h.dtype)) for b in blocks] + [segment]
-        key = constrain(jnp.concatenate([key_proj(r) for r in rows], axis=1))  # [B, K, H, Dh]
-        value = constrain(jnp.concatenate([value_proj(r) for r in rows], axis=1))
+        inputs = [norm(b.rows.astype(h.dtype)) for b in blocks] + [segment]
+        key = constrain(jnp.concatenate([key_proj(r) for r in inputs], axis=1))  # [B, K, H, Dh]
+        value = constrain(jnp.concatenate([value_proj(r) for r in inputs], axis=1))
 
-        pos_key = None
+        pos_key = pos_proj = None
         if ctx.positions is not None:
             span_only = all(b.distances is None for b in blocks)
             positions = ctx.positions[ctx.positions.shape[0] - key.shape[1]:] if span_only else ctx.positions
-            pos_key = projection(cfg, heads, 'pos', in_axes)(positions.astype(cfg.dtype))  # [R, H, Dh]
+            pos_proj = projection(cfg, heads, 'pos', in_axes)
+            pos_key = pos_proj(positions.astype(cfg.dtype))  # [R, H, Dh]
             content_query, position_query = query + u_bias.astype(cfg.dtype), query + v_bias.astype(cfg.dtype)
         else:
             content_query = position_query = query
@@ -193,11 +228,16 @@ class RelativeAttention(nn.Module):
         attended = jnp.einsum('bhtk,bkhd->bthd', probs, value)
         out_proj = projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), in_dims=2, bias=bias)
         out = out_proj(attended)
-        notes = None
+        result = Attended()
         if attend is not None:
-            extra, notes = attend(AttentionView(query, key, value, lambda x: query_proj(norm(x)),
-                                                lambda x: key_proj(norm(x)), lambda x: value_proj(norm(x)),
-                                                out_proj))
-            if extra is not None:
-                out = out + extra.astype(out.dtype)
-        return dropout_residual_norm(cfg, h, out, deterministic), notes
+            result = attend(AttentionView(
+                query, key, value, lambda x: query_proj(norm(x)), lambda x: key_proj(norm(x)),
+                lambda x: value_proj(norm(x)), out_proj, scores, attended, ctx.positions,
+                None if pos_proj is None else lambda x: pos_proj(x.astype(cfg.dtype)), u_bias, biases or {},
+                None if rows is None else rows.rows, deterministic))
+            if result.extra is not None:
+                out = out + result.extra.astype(out.dtype)
+        if rows is not None:
+            h = jnp.concatenate([rows.rows.astype(h.dtype), h], axis=1)
+            out = jnp.concatenate([result.rows.astype(out.dtype), out], axis=1)
+        return dropout_residual_norm(cfg, h, out, deterministic), result.notes

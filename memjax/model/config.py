@@ -75,6 +75,13 @@ class ModelConfig:
     ltm_sticky: bool = False  # Sticky memories: sample where last step attended, not evenly.
     ltm_sticky_bins: int = 128
 
+    # LaMemo's look-ahead memory (memory='lamemo'; Ji et al. 2022) and the paper's ablations.
+    lamemo_look_ahead: bool = True  # False: the memory keeps its causal outputs (Transformer-XL).
+    lamemo_interpolate: bool = True  # False: alpha = 0, the refreshed memory forgets its past.
+    # 'disentangled': R_|i-j| with v+ / v- by direction (eq. 12); 'xl': R_(i-j) and one v (eq. 6).
+    lamemo_encoding: str = 'disentangled'
+    lamemo_eps: float = 1e-6  # epsilon of alpha's denominator (eq. 11).
+
     # Rematerialise each layer in the backward pass: 'none', 'full' (keep only the layer
     # inputs) or 'dots_saveable' (keep matmul outputs, recompute the cheap element-wise ops).
     remat: str = 'none'

@@ -93,8 +93,9 @@ class MemoryLM(nn.Module):
         cfg = self.config
         self.io = AdaptiveIO(cfg)
         if self.relative and not cfg.untie_r:
-            self.u_bias = self.param('u_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
-            self.v_bias = self.param('v_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
+            bias = lambda name: self.param(name, normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
+            self.u_bias, self.v_bias = bias('u_bias'), bias('v_bias')
+            self.kind_biases = {name: bias(name) for name in self.kind.bias_names}
         if not self.relative:
             self.position_table = self.param('position_embedding', normal(cfg.init_std, (None, 'embed')),
                                              (cfg.n_positions, cfg.d_model))
@@ -128,13 +129,15 @@ class MemoryLM(nn.Module):
         h = jnp.where(ids_in_range(tokens, cfg.vocab_size)[..., None], h, jnp.nan)
         h = self.dropout(h, deterministic=deterministic)
         h = nn.with_logical_constraint(h, BTE)
+        embedded = h
         positions = u_bias = v_bias = None
+        biases = {}
         if self.relative:
             positions = POSITIONS[cfg.positions](kind.position_rows(qlen), cfg.d_model, cfg.clamp_len)
             positions = self.dropout(positions, deterministic=deterministic)
             if not cfg.untie_r:
-                u_bias, v_bias = self.u_bias, self.v_bias
-        ctx = AttentionContext(positions, u_bias, v_bias, window=kind.window)
+                u_bias, v_bias, biases = self.u_bias, self.v_bias, self.kind_biases
+        ctx = AttentionContext(positions, u_bias, v_bias, window=kind.window, biases=biases)
         if skip is None and 'skip' in kind.streams and not self.is_initializing():
             skip = kind.skip_layers(self.make_rng('skip'), self.phase)
 
@@ -143,7 +146,7 @@ class MemoryLM(nn.Module):
         # GPT-2 closes with a LayerNorm; Transformer-XL with dropout before the softmax.
         h = self.final_norm(h) if BLOCKS[cfg.block].final_norm else self.dropout(h, deterministic=deterministic)
 
-        new_memory = memories.MemoryState(layers=layers, shared=kind.advance(memory.shared, qlen))
+        new_memory = memories.MemoryState(layers=layers, shared=kind.advance(memory.shared, embedded))
         logprobs = None
         if targets is not None:
             check_ids(targets, cfg.vocab_size, 'targets')

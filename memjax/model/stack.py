@@ -42,39 +42,53 @@ class FeedForward(nn.Module):
 class DecoderLayer(nn.Module):
     """Attention over the memory's key blocks and the segment, then feed-forward.
 
-    `(h, state, shared, ctx, skip) -> (h, (next state, aux losses))`, the signature of both the
-    loop and the nn.scan body. `skip` (a traced bool, or None) runs the layer under `lax.cond`.
+    `(carry, state, shared, ctx, skip) -> (carry, (next state, aux losses))`, the signature of both
+    the loop and the nn.scan body; `carry` is (the kind's stack rows or None, the segment's hidden
+    states). `skip` (a traced bool, or None) runs the layer under `lax.cond`.
     """
 
     config: ModelConfig
     kind: MemoryKind
     deterministic: bool = True
 
-    def __call__(self, h, state, shared, ctx: AttentionContext, skip):
+    def __call__(self, carry, state, shared, ctx: AttentionContext, skip):
         if skip is None or self.is_initializing():
-            return self.compute(h, state, shared, ctx)
-        return nn.cond(skip, DecoderLayer.skip, DecoderLayer.compute, self, h, state, shared, ctx)
+            return self.compute(carry, state, shared, ctx)
+        return nn.cond(skip, DecoderLayer.skip, DecoderLayer.compute, self, carry, state, shared, ctx)
 
-    def skip(self, h, state, shared, ctx):
+    def skip(self, carry, state, shared, ctx):
         losses = {name: jnp.zeros((), jnp.float32) for name in self.kind.loss_weights}
-        return h, (self.memory.skipped(state, shared), losses)
+        return carry, (self.memory.skipped(state, shared), losses)
 
     @nn.compact
-    def compute(self, h, state, shared, ctx):
+    def compute(self, carry, state, shared, ctx):
         cfg = self.config
-        u_bias, v_bias = ctx.u_bias, ctx.v_bias
+        rows, h = carry
+        u_bias, v_bias, biases = ctx.u_bias, ctx.v_bias, ctx.biases
         if cfg.untie_r and POSITIONS[cfg.positions] is not None:
-            u_bias = self.param('u_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
-            v_bias = self.param('v_bias', normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
+            bias = lambda name: self.param(name, normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
+            u_bias, v_bias = bias('u_bias'), bias('v_bias')
+            biases = {name: bias(name) for name in self.kind.bias_names}
         memory = self.memory
+        row_block = None
+        if rows is not None:
+            row_block = self.kind.stack_rows(shared).replace(rows=rows)
         out, notes = RelativeAttention(cfg, name='attention')(
             h, memory.blocks(state, shared, h), ctx, u_bias, v_bias, self.deterministic,
-            attend=lambda view: memory.attend(state, shared, view))
+            attend=lambda view: memory.attend(state, shared, view), rows=row_block, biases=biases)
         out = FeedForward(cfg, name='feed_forward')(out, self.deterministic)
-        return nn.with_logical_constraint(out, BTE), memory.write(state, shared, h, notes)
+        written = memory.write(state, shared, h, notes)
+        if rows is not None:  # The rows leave with their output, refreshed for the next layer.
+            rows, out = out[:, :rows.shape[1]], out[:, rows.shape[1]:]
+        return (rows, nn.with_logical_constraint(out, BTE)), written
 
     def setup(self):
         self.memory = self.kind.layer(self.config, name='memory')
+
+
+def _stack_rows(kind: MemoryKind, shared, h):
+    block = kind.stack_rows(shared)
+    return None if block is None else block.rows.astype(h.dtype)
 
 
 REMAT_POLICIES = {'none': None, 'full': None, 'dots_saveable': jax.checkpoint_policies.dots_saveable}
@@ -85,7 +99,8 @@ def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool):
     created in the calling module's scope (parameter names 'layer_{i}' or 'layers').
 
     layers: the memory state's per-layer pytree; skip: [n_layer] bool or None; losses: summed over
-    layers. Besides 'dropout', the kind's random streams are split per layer.
+    layers. Besides 'dropout', the kind's random streams are split per layer. The kind's stack rows
+    (`MemoryKind.stack_rows`) go up with h and are dropped after the last layer.
     """
     layer_cls = DecoderLayer
     if cfg.remat != 'none':
@@ -97,7 +112,7 @@ def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool):
                           metadata_params={nn.PARTITION_NAME: 'layers'})(cfg, kind, deterministic, name='layers')
 
         def scan(h, layers, shared, ctx, skip):
-            h, (layers, losses) = scanned(h, layers, shared, ctx, skip)
+            (_, h), (layers, losses) = scanned((_stack_rows(kind, shared, h), h), layers, shared, ctx, skip)
             return h, layers, jax.tree.map(lambda x: x.sum(0), losses)
 
         return scan
@@ -105,11 +120,13 @@ def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool):
 
     def loop(h, layers, shared, ctx, skip):
         written, losses = [], []
+        carry = (_stack_rows(kind, shared, h), h)
         for i, layer in enumerate(stack):
-            h, (state, loss) = layer(h, jax.tree.map(lambda x: x[i], layers), shared, ctx,
-                                     None if skip is None else skip[i])
+            carry, (state, loss) = layer(carry, jax.tree.map(lambda x: x[i], layers), shared, ctx,
+                                         None if skip is None else skip[i])
             written.append(state)
             losses.append(loss)
+        h = carry[1]
         return h, jax.tree.map(lambda *xs: jnp.stack(xs), *written), jax.tree.map(lambda *xs: sum(xs), *losses)
 
     return loop

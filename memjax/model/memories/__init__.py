@@ -10,7 +10,10 @@ A memory kind is one class (registered under the name `config.model.memory` take
 - `layer` (a flax module class, `LayerMemory`), run inside every layer: which `KeyBlock`s it offers
   the attention (`blocks`), what it adds to or reads from the attention (`attend`), and how the
   layer's input and notes become its next state (`write`, with any auxiliary losses).
-- `advance(shared, seg_len)`: the shared state after the whole stack.
+- `advance(shared, embedded)`: the shared state after the whole stack (`embedded`: the segment as
+  the first layer saw it).
+- optionally `stack_rows(shared)`: rows that go up the stack with the segment, refreshed by every
+  layer (LaMemo's memory), and `bias_names`: global attention biases of the kind's own.
 
 Everything generic (the scan carry, checkpoints, gradient-accumulation splits, shardings,
 evaluation overrides) walks these pytrees without knowing the kind; docs/architecture.md walks
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from memjax.model.attention import AttentionView, KeyBlock
+from memjax.model.attention import Attended, AttentionView, KeyBlock
 from memjax.model.config import ModelConfig
 
 BATCH_AXIS = 'activation_batch'
@@ -50,9 +53,10 @@ class LayerMemory(nn.Module):
         oldest first."""
         return []
 
-    def attend(self, state: Any, shared: Any, view: AttentionView) -> tuple[Optional[jax.Array], Any]:
-        """(extra [B, T, H, Dh] added before the output projection or None, notes for `write`)."""
-        return None, None
+    def attend(self, state: Any, shared: Any, view: AttentionView) -> Attended:
+        """What the kind adds to the attention (an extra output, its rows' output) and notes for
+        `write`; `view` is the layer's attention after its softmax."""
+        return Attended()
 
     def write(self, state: Any, shared: Any, layer_input: jax.Array, notes: Any) -> tuple[Any, dict]:
         """(this layer's next state, {name: float32 scalar loss summed over batch rows and
@@ -80,6 +84,9 @@ class MemoryKind:
     loss_weights: ClassVar[dict[str, float]] = {}
     # Training steps at which the phase changes; the model is compiled once per phase.
     phase_starts: ClassVar[tuple[int, ...]] = ()
+    # Global [n_head, d_head] attention biases of the kind's own beside u and v (shared by the
+    # layers unless untie_r); the attend hook finds them in `view.biases`.
+    bias_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -117,8 +124,17 @@ class MemoryKind:
 
         return jax.tree.map(where, fresh, state, self.logical_axes(), is_leaf=lambda x: isinstance(x, P))
 
-    def advance(self, shared: Any, seg_len: int) -> Any:
+    def advance(self, shared: Any, embedded: jax.Array) -> Any:
+        """The shared state after the segment; `embedded` [B, T, d_model] is the first layer's input."""
         return shared
+
+    def stack_rows(self, shared: Any) -> Optional[KeyBlock]:
+        """Rows that go up the layer stack with the segment, or None. Each layer offers them as keys
+        right before the segment, computes their output with its `attend` hook (`Attended.rows`),
+        runs them through its residual, LayerNorm and feed-forward with the segment, and hands them
+        to the next layer; the top layer's are dropped. `rows` [B, R, d_model] is the first layer's
+        input, `valid` [B, 1, 1, R] holds for every layer."""
+        return None
 
     def position_rows(self, seg_len: int) -> int:
         """Distance rows the attention needs: one more than the largest query-key distance."""
@@ -165,4 +181,4 @@ def get(config: ModelConfig) -> MemoryKind:
 
 
 register(MemoryKind)
-from memjax.model.memories import infinity, xl  # noqa: E402,F401  pylint: disable=unused-import (register themselves)
+from memjax.model.memories import infinity, lamemo, xl  # noqa: E402,F401  pylint: disable=unused-import (register themselves)

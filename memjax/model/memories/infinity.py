@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from memjax.model.attention import KeyBlock
+from memjax.model.attention import Attended, KeyBlock
 from memjax.model.config import ModelConfig
 from memjax.model.memories import LayerMemory, MemoryState, register
 from memjax.model.memories.xl import XLMemory
@@ -195,7 +195,8 @@ class InfinityLayerMemory(LayerMemory):
         context = jnp.einsum('bhtn,bnhd->bthd', density.astype(cfg.dtype), values)
         extra = self.out(context) * used[:, None, None].astype(cfg.dtype)
         kl = (kl_to_prior(sigma2, cfg.ltm_kl_sigma).mean(axis=1).sum(axis=-1) * used).sum()
-        return extra, {'coefficients': coefficients, 'mu': mu, 'sigma2': sigma2, 'used': used, 'kl': kl}
+        return Attended(extra, notes={'coefficients': coefficients, 'mu': mu, 'sigma2': sigma2, 'used': used,
+                                      'kl': kl})
 
     def write(self, state, shared, layer_input, notes):
         keep = state['hidden'].shape[1]
@@ -309,8 +310,8 @@ class InfinityMemory(XLMemory):
                     'mu': per_query, 'sigma2': per_query},
             shared={'valid': P('activation_batch', 'activation_length'), 'ltm_tokens': P('activation_batch')})
 
-    def advance(self, shared, seg_len):
+    def advance(self, shared, embedded):
         used = shared['valid'][:, 0]
         tokens = jnp.where(self.starts_afresh(shared), 0, shared['ltm_tokens']) + self.config.segment_len
-        return {**super().advance({'valid': shared['valid']}, seg_len),
+        return {**super().advance({'valid': shared['valid']}, embedded),
                 'ltm_tokens': jnp.where(used, tokens, shared['ltm_tokens'])}

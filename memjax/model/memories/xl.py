@@ -56,7 +56,8 @@ class XLMemory(MemoryKind):
             layers={'hidden': P(None, 'activation_batch', 'activation_length', 'activation_embed')},
             shared={'valid': P('activation_batch', 'activation_length')})
 
-    def advance(self, shared, seg_len):
+    def advance(self, shared, embedded):
+        seg_len = embedded.shape[1]
         valid = shared['valid']
         keep = valid.shape[1]
         valid = jnp.concatenate([valid, jnp.ones((valid.shape[0], seg_len), bool)], axis=1)

@@ -1,0 +1,200 @@
+"""LaMemo's look-ahead memory against the paper's equations and naive computations.
+
+Appendix A (the interpolated memory is attention over the keys of both sides), the look-ahead
+distances and v- against a naive score per entry, Transformer-XL recovered without look-ahead
+(also with a longer evaluation memory), no target leaks across segments, bf16 log-denominators
+under large logits, a per-layer cost linear in the memory, and an exact resume through the trainer.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memjax import model as model_lib
+from memjax.model import ModelConfig
+from memjax.model.memories import lamemo
+from memjax.model.positions import relative_sinusoid_table, sinusoid_encoding
+import training_fixtures
+
+SEG = 4
+
+
+def tiny(**changes) -> ModelConfig:
+    fields = dict(vocab_size=13, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, dropout=0.0,
+                  mem_len=6, memory='lamemo')
+    return ModelConfig(**{**fields, **changes})
+
+
+@pytest.fixture(scope='module')
+def forward():
+    """Jitted evaluation forwards, compiled once per config: (params, tokens, targets, memory) ->
+    (target log-probs, memory)."""
+    compiled = {}
+
+    def run(cfg, params, tokens, targets, memory):
+        if cfg not in compiled:
+            def fn(p, x, y, m):
+                out, m = model_lib.build_model(cfg).apply({'params': p}, x, m, targets=y)
+                return out.target_logprobs, m
+            compiled[cfg] = jax.jit(fn)
+        return compiled[cfg](params, tokens, targets, memory)
+
+    return run
+
+
+def run_segments(forward, cfg, params, tokens, targets=None):
+    """Log-probs [B, S * SEG] over consecutive segments, and every memory state after them."""
+    targets = tokens if targets is None else targets
+    memory = model_lib.init_memory(cfg, tokens.shape[0])
+    logprobs, states = [], []
+    for start in range(0, tokens.shape[1], SEG):
+        lp, memory = forward(cfg, params, tokens[:, start:start + SEG], targets[:, start:start + SEG], memory)
+        logprobs.append(lp)
+        states.append(memory)
+    return jnp.concatenate(logprobs, axis=1), states
+
+
+@pytest.mark.parametrize('mem_len,seg_len', [(6, 4), (8, 4), (3, 5), (7, 7)])
+def test_look_ahead_positions_are_r_of_j_minus_i_with_v_minus(mem_len, seg_len):
+    """Each memory row i gets (q_i + v-) . W_r R_(j-i) at every window key j = M-W+1 ... M with
+    j > i (a naive product per entry); entries with j <= i are never attended."""
+    d_model, heads, d_head = 8, 2, 3
+    w = lamemo.look_ahead_window(mem_len, seg_len)
+    distances = lamemo.look_ahead_distances(mem_len, seg_len)
+    window_keys = mem_len - w + 1 + np.arange(w)
+    np.testing.assert_array_equal(distances, window_keys[None, :] - np.arange(mem_len)[:, None])
+    assert window_keys[-1] == mem_len  # The first current token is a key, never a target.
+    assert np.all((distances >= 1).sum(1) >= 1)
+    query = jax.random.normal(jax.random.key(0), (2, mem_len, heads, d_head))
+    kernel = jax.random.normal(jax.random.key(1), (d_model, heads, d_head))
+    table = relative_sinusoid_table(mem_len + seg_len, d_model, -1)
+    project = lambda x: jnp.einsum('rd,dhk->rhk', x, kernel)
+    got = lamemo.look_ahead_position_scores(query, table, project, seg_len)
+    for i in range(mem_len):
+        for k in range(w):
+            if distances[i, k] >= 1:
+                r = project(sinusoid_encoding(jnp.asarray([distances[i, k]]), d_model))[0]
+                np.testing.assert_allclose(got[:, :, i, k], jnp.einsum('bhd,hd->bh', query[:, i], r),
+                                           rtol=1e-5, atol=1e-5)
+
+
+def naive_bidirectional_memory(params, cfg, embedded, t_rows, n_keys):
+    """Appendix A: sum_j beta_j v_j for the rows t_rows over keys 0 ... n_keys-1 of a one-layer
+    model, with the causal scores for j <= t (R_(t-j), v+) and look-ahead ones for j > t (R_(j-t),
+    v-), one softmax over both."""
+    layer = params['layer_0']['attention']
+    proj = lambda name, x: jnp.einsum('bnd,dhk->bnhk', x, layer[name]['kernel'])
+    q, k, v = proj('query', embedded), proj('key', embedded), proj('value', embedded)
+    out = []
+    for t in t_rows:
+        j = np.arange(n_keys)
+        r = jnp.einsum('nd,dhk->nhk', sinusoid_encoding(jnp.asarray(np.abs(t - j)), cfg.d_model),
+                       layer['pos']['kernel'])
+        bias = jnp.where((j <= t)[:, None, None], params['v_bias'], params['v_ahead_bias'])  # [n, H, Dh]
+        scores = (jnp.einsum('bhd,bnhd->bhn', q[:, t] + params['u_bias'], k[:, :n_keys])
+                  + jnp.einsum('bhd,nhd->bhn', q[:, t], r) + jnp.einsum('nhd,nhd->hn', bias, r)[None])
+        beta = jax.nn.softmax(scores * cfg.d_head ** -0.5, axis=-1)
+        out.append(jnp.einsum('bhn,bnhd->bhd', beta, v[:, :n_keys]))
+    return jnp.stack(out, axis=1)
+
+
+def test_interpolated_memory_is_attention_over_both_sides_appendix_a(forward):
+    """One layer, fixed projections, three segments: the memory rows of segment 2 (positions 4-7),
+    attended causally then, refreshed by the look-ahead in segment 3 and interpolated, equal one
+    softmax over all keys 0-8 (their past as computed before, and the new keys on their right)."""
+    cfg = tiny(n_layer=1, mem_len=8)
+    params = model_lib.init_params(cfg, jax.random.key(0))
+    params = jax.tree.map(lambda x: x * 4.0, params)  # Peaked attention: a wrong weight shows.
+    tokens = jax.random.randint(jax.random.key(1), (2, 3 * SEG), 0, cfg.vocab_size)
+    _, states = run_segments(forward, cfg, params, tokens)
+    embedded = jnp.concatenate([states[1].shared['embedded'], states[2].shared['embedded'][:, 4:]], axis=1)
+    expected = naive_bidirectional_memory(params, cfg, embedded, range(4, 8), n_keys=9)
+    got = states[2].layers['context'][0][:, :4]  # Rows 4-7 of the memory that segment 3 refreshed.
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    # Without interpolation (alpha = 0) the same rows forget their past: look-ahead only.
+    cut = cfg.replace(lamemo_interpolate=False)
+    _, states = run_segments(forward, cut, params, tokens)
+    assert np.abs(states[2].layers['context'][0][:, :4] - expected).max() > 1e-3
+
+
+def xl_params(params):
+    return {k: v for k, v in params.items() if k != 'v_ahead_bias'}
+
+
+@pytest.mark.parametrize('eval_mem_len', [6, 12])
+def test_without_look_ahead_the_recomputed_memory_is_transformer_xl(forward, eval_mem_len):
+    """alpha = 1 and no look-ahead: every layer's memory rows, recomputed from the embeddings and
+    the carried attention outputs, are what Transformer-XL kept; also with an evaluation memory
+    twice the training one (the carried state grows with mem_len)."""
+    cfg = tiny(lamemo_look_ahead=False, mem_len=eval_mem_len)
+    params = jax.tree.map(lambda x: x * 6.0, model_lib.init_params(tiny(), jax.random.key(2)))
+    tokens = jax.random.randint(jax.random.key(3), (2, 4 * SEG), 0, cfg.vocab_size)
+    got, states = run_segments(forward, cfg, params, tokens)
+    assert states[-1].layers['context'].shape[2] == eval_mem_len
+    expected, _ = run_segments(forward, cfg.replace(memory='xl', lamemo_look_ahead=True), xl_params(params), tokens)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    refreshed, _ = run_segments(forward, cfg.replace(lamemo_look_ahead=True), params, tokens)
+    assert np.abs(refreshed - expected)[:, SEG:].max() > 1e-4  # The look-ahead does change them.
+
+
+def test_no_target_leaks_across_segments(forward):
+    """Changing the input at position p changes no log-prob before p, in any later segment, while
+    the memory rows look ahead at every segment's first token."""
+    cfg = tiny()
+    params = jax.tree.map(lambda x: x * 3.0, model_lib.init_params(cfg, jax.random.key(4)))
+    tokens = jax.random.randint(jax.random.key(5), (2, 4 * SEG + 1), 0, cfg.vocab_size)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    base, _ = run_segments(forward, cfg, params, inputs, targets)
+    for p in (SEG, SEG + 2, 2 * SEG + 3, 3 * SEG):
+        changed, _ = run_segments(forward, cfg, params, inputs.at[:, p].set((inputs[:, p] + 5) % cfg.vocab_size),
+                                  targets)
+        np.testing.assert_array_equal(changed[:, :p], base[:, :p])
+        assert np.abs(changed[:, p:] - base[:, p:]).max() > 1e-4
+
+
+def test_bf16_log_denominators_stay_finite_under_large_logits(forward):
+    """Logits in the hundreds overflow any exp(); the float32 log-denominators carried across
+    segments stay finite and bf16 log-probs follow float32's."""
+    cfg = tiny()
+    params = model_lib.init_params(cfg, jax.random.key(6))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 100.0 if any(n in str(path) for n in ("'query'", "'key'")) else x, params)
+    tokens = jax.random.randint(jax.random.key(7), (2, 5 * SEG), 0, cfg.vocab_size)
+    full, states32 = run_segments(forward, cfg, params, tokens)
+    half, states16 = run_segments(forward, cfg.replace(compute_dtype='bfloat16'), params, tokens)
+    log_norm = states16[-1].layers['log_norm']
+    assert log_norm.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(log_norm)))
+    assert float(states32[-1].layers['log_norm'].max()) > 100.0  # exp() of it overflows float32.
+    assert bool(jnp.all(jnp.isfinite(half)))
+    np.testing.assert_allclose(half, full, atol=0.01)  # Seen: 7e-4 (log-probs about -2.3).
+
+
+def test_attention_cost_is_linear_in_the_memory_length():
+    """XLA's FLOP count of one layer's step grows linearly with M (score entries N (M + N) + M W,
+    positional look-ahead scores 2 M W): no M^2 term, unlike scoring every memory row against
+    every distance."""
+    def flops(mem_len):
+        cfg = tiny(n_layer=1, mem_len=mem_len, vocab_size=5, d_model=8, d_inner=8, n_head=1)
+        params = model_lib.init_params(cfg, jax.random.key(0))
+        fn = jax.jit(lambda p, x, m: model_lib.build_model(cfg).apply({'params': p}, x, m)[1])
+        tokens = jnp.zeros((1, SEG), jnp.int32)
+        return fn.lower(params, tokens, model_lib.init_memory(cfg, 1)).cost_analysis()['flops']
+
+    f = [flops(m) for m in (16, 32, 48)]
+    steps = np.diff(f)
+    assert steps[0] > 0
+    np.testing.assert_allclose(steps, steps[0], rtol=0.02)
+
+
+def test_tiny_lamemo_resumes_exactly_and_evaluates_with_a_longer_memory(tmp_path):
+    corpus = training_fixtures.write_text_corpus(str(tmp_path / 'corpus'))
+    config = training_fixtures.tiny_config(
+        corpus, model__memory='lamemo', model__n_layer=2, model__mem_len=8, train__num_steps=8,
+        model__dropatt=0.1, eval__model__mem_len=16)
+    baseline, summary = training_fixtures.run_recording(config, str(tmp_path / 'baseline'))
+    assert ('train', 8) in baseline and summary['valid_loss'] < np.log(256)
+    workdir = str(tmp_path / 'resumed')
+    training_fixtures.run_recording(config, workdir, interrupt_at_step=4)
+    recorded, summary_resumed = training_fixtures.run_recording(config, workdir)
+    training_fixtures.assert_same_run(recorded, summary_resumed, baseline, summary, steps=(6, 8))
