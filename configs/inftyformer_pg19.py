@@ -21,10 +21,7 @@ from memjax import config_lib
 
 
 def get_config(arg: str = ''):
-    options = {a for a in arg.split(',') if a}
-    unknown = options - {'smoke', 'sticky'}
-    if unknown:
-        raise ValueError(f'configs/inftyformer_pg19.py: unknown arguments {sorted(unknown)}; use smoke, sticky.')
+    options = config_lib.config_options(__file__, arg, ('smoke', 'sticky'))
     config = config_lib.base_config()
     config.data.update(name='pg19', tokenizer='gpt2_bpe', reset_at_doc_boundary=True)
     config.model.update(

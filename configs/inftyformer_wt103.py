@@ -16,10 +16,7 @@ from memjax import config_lib
 
 
 def get_config(arg: str = ''):
-    options = {a for a in arg.split(',') if a}
-    if options - {'smoke', 'sticky'}:
-        raise ValueError(f'configs/inftyformer_wt103.py: unknown arguments {sorted(options - {"smoke", "sticky"})}; '
-                         'use smoke, sticky.')
+    options = config_lib.config_options(__file__, arg, ('smoke', 'sticky'))
     config = config_lib.sibling_config(__file__, 'transformer_xl_wt103_base.py')
     config.model.update(
         memory='infinity', mem_len=150, ltm_basis=150, ltm_widths=(0.01, 0.05), ltm_ridge=1.0, ltm_tau=0.5,

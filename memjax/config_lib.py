@@ -139,6 +139,15 @@ def sibling_config(this_file: str, name: str) -> ml_collections.ConfigDict:
     return load_config_file(os.path.join(os.path.dirname(os.path.abspath(this_file)), name))
 
 
+def config_options(this_file: str, arg: str, allowed: tuple[str, ...]) -> set[str]:
+    """The comma-separated options after `file.py:` of a config file, refusing unknown ones."""
+    options = {a for a in arg.split(',') if a}
+    if options - set(allowed):
+        raise ValueError(f'configs/{os.path.basename(this_file)}: unknown arguments '
+                         f'{sorted(options - set(allowed))}; use {", ".join(allowed)}.')
+    return options
+
+
 def cfg_get(cfg: Any, name: str, default: Any) -> Any:
     """Reads an optional config field (ConfigDict, dict or object); None counts as unset."""
     if isinstance(cfg, dict) or hasattr(cfg, 'get'):

@@ -15,11 +15,14 @@ from memjax.bench import workload
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize('extra', [{}, {'cutoffs': (64, 128), 'div_val': 2}], ids=['plain', 'adaptive'])
+@pytest.mark.parametrize('extra', [{}, {'cutoffs': (64, 128), 'div_val': 2},
+                                   {'memory': 'lamemo', 'n_layer': 2, 'mem_len': 24},
+                                   {'memory': 'lamemo', 'lamemo_look_ahead': False}],
+                         ids=['plain', 'adaptive', 'lamemo', 'lamemo_no_look_ahead'])
 def test_analytic_flops_match_xla_cost_analysis(extra):
     # Dropout off: XLA would also count its random-bit generation, which is not model work.
-    mcfg = workload.model_config(None, d_model=64, n_layer=1, n_head=2, d_head=32, d_inner=256,
-                                 mem_len=16, dropout=0.0, **extra)
+    mcfg = workload.model_config(None, **{**dict(d_model=64, n_layer=1, n_head=2, d_head=32, d_inner=256,
+                                                 mem_len=16, dropout=0.0), **extra})
     compiled = workload.compile_step(workload.build(mcfg, batch_size=4, tgt_len=16))
     ratio = compiled.flops / (flops.train_step_flops(mcfg, 4, 16) + flops.tail_recompute_flops(mcfg, 4, 16))
     assert 0.9 < ratio < 1.1, ratio
@@ -177,7 +180,22 @@ def _check_skip(report):
         assert math.isclose(r['time_vs_none_skipped'], r['step_ms'] / rows[0]['step_ms'])
 
 
-CHECKS = {'skip': _check_skip, 'peak': _check_peak, 'adaptive-softmax': _check_adaptive_softmax, 'train': _check_train, 'compile': _check_compile,
+def _check_lamemo(report):
+    rows = report['rows']
+    assert [r['memory'] for r in rows] == ['xl', 'lamemo'] * 2
+    for xl, lamemo in zip(rows[::2], rows[1::2]):
+        assert xl['size'] == lamemo['size']
+        # The same weights, and the look-ahead's global positional bias v-.
+        extra = lamemo['model']['n_head'] * lamemo['model']['d_head']
+        assert math.isclose((lamemo['params_M'] - xl['params_M']) * 1e6, extra, rel_tol=1e-6)
+        assert math.isclose(lamemo['time_vs_xl'], lamemo['step_ms'] / xl['step_ms'])
+        # The memory rows' extra matmuls, counted analytically (checked against XLA above).
+        assert math.isclose(lamemo['flops_vs_xl'], lamemo['gflop_per_step'] / xl['gflop_per_step'])
+        assert lamemo['flops_vs_xl'] > 1
+        assert report['figures'][f"{xl['size']} time_vs_xl"] == lamemo['time_vs_xl']
+
+
+CHECKS = {'lamemo': _check_lamemo, 'skip': _check_skip, 'peak': _check_peak, 'adaptive-softmax': _check_adaptive_softmax, 'train': _check_train, 'compile': _check_compile,
           'memory': _check_memory, 'devices': _check_devices}
 
 

@@ -17,7 +17,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py'))) + [
     os.path.join(REPO, 'configs', name) for name in (
         'inftyformer_pg19.py:smoke', 'inftyformer_pg19.py:sticky', 'inftyformer_wt103.py:smoke,sticky',
-        'inftyformer_sorting.py:16000', 'inftyformer_sorting.py:4000,xl')]
+        'inftyformer_sorting.py:16000', 'inftyformer_sorting.py:4000,xl', 'lamemo_wt103.py:smoke,no_interp',
+        'lamemo_wt103.py:no_look_ahead,xl_encoding', 'lamemo_enwik8.py:smoke')]
 TINY = os.path.join(REPO, 'configs', 'tiny.py')
 # Vocabulary sizes the tokenizers give (the word vocabulary of WikiText-103 train).
 VOCAB = {'byte': 256, 'char': 256, 'word': 267735, 'sentencepiece': 8000, 'gpt2_bpe': 50257, 'sorting': 22}
@@ -84,6 +85,29 @@ def test_paper_evaluation_settings():
         assert config.eval.model.same_length is True, name
     rpe = parse([f'--config={os.path.join(REPO, "configs", "transformer_rpe_wt103.py")}'])
     assert rpe.model.memory == 'none' and rpe.model.mem_len == 0 and rpe.eval.model.mem_len is None
+
+
+def test_lamemo_configs_follow_appendix_c():
+    """Ji et al. 2022, appendix C: tgt = mem, the paper's batch and steps, evaluation as in training;
+    the table 3 ablations are arguments."""
+    expected = {'lamemo_wt103.py': (16, 410, 150, 64, 250_000, 'word'),
+                'lamemo_enwik8.py': (12, 512, 512, 40, 100_000, 'byte'),
+                'lamemo_text8.py': (12, 512, 512, 40, 100_000, 'char')}
+    for name, (n_layer, d_model, length, batch, steps, tokenizer) in expected.items():
+        config = parse([f'--config={os.path.join(REPO, "configs", name)}'])
+        m, t = config.model, config.train
+        assert (m.memory, m.n_layer, m.d_model, m.mem_len, t.tgt_len, t.batch_size, t.num_steps) == (
+            'lamemo', n_layer, d_model, length, length, batch, steps), name
+        assert (t.learning_rate, t.warmup_steps, t.min_lr_ratio, t.clip_norm) == (2.5e-4, 0, 0.0, 0.25), name
+        assert (m.lamemo_look_ahead, m.lamemo_interpolate, m.lamemo_encoding, m.lamemo_eps) == (
+            True, True, 'disentangled', 1e-6), name
+        assert config.data.tokenizer == tokenizer and config_lib.eval_model_overrides(config) == {}, name
+        assert config_lib.eval_setting(config, 'tgt_len') == length, name
+    wt103 = os.path.join(REPO, 'configs', 'lamemo_wt103.py')
+    ablated = parse([f'--config={wt103}:no_interp,no_look_ahead,xl_encoding']).model
+    assert (ablated.lamemo_interpolate, ablated.lamemo_look_ahead, ablated.lamemo_encoding) == (False, False, 'xl')
+    with pytest.raises(ValueError, match=r"lamemo_wt103.py: unknown arguments \['no_interp_'\]; use smoke, no_interp"):
+        config_lib.config_options(wt103, 'no_interp_,smoke', ('smoke', 'no_interp'))
 
 
 def test_override_is_applied_and_typed():

@@ -1,5 +1,11 @@
 """Analytic FLOP count of a Transformer-XL training step (the numerator of MFU).
 
+LaMemo (memory='lamemo') adds the memory rows' work: every layer projects their output and runs
+their feed-forward (they go up the stack with the segment), and with look-ahead projects their
+queries and scores them against the W = min(M, T) window keys (positional scores in blocks of W
+rows against 2W - 1 distances). Above the first layer the memory rows carry gradients, so their
+key and value projections need input gradients there.
+
 Counted: every matmul of the forward pass, 2 FLOPs per multiply-add, with the shapes the model
 actually runs (keys and values over K = mem_len + tgt_len rows, the positional projection once
 per distance row, the positional scores over K rows before the relative shift). Element-wise
@@ -69,9 +75,35 @@ def forward_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float
         'out_proj': 2.0 * tokens * inner * cfg.d_model,
         'feed_forward': 2 * 2.0 * tokens * cfg.d_model * cfg.d_inner,
     }
+    per_layer.update(_memory_row_flops(cfg, batch, tgt_len))
     flops = {name: cfg.n_layer * value for name, value in per_layer.items()}
     flops['embedding'] = _embedding_flops(cfg, tokens)
     flops.update(_softmax_flops(cfg, tokens))
+    return flops
+
+
+def _look_ahead_blocks(cfg: ModelConfig, tgt_len: int) -> tuple[int, int]:
+    """(W, number of W-row blocks) of LaMemo's look-ahead (memjax.model.memories.lamemo)."""
+    w = min(cfg.mem_len, tgt_len)
+    return w, -(-cfg.mem_len // w)
+
+
+def _memory_row_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float]:
+    """Per layer: LaMemo's memory rows (module docstring); nothing for other memories."""
+    if cfg.memory != 'lamemo':
+        return {}
+    rows = batch * cfg.mem_len
+    inner = cfg.n_head * cfg.d_head
+    flops = {'memory_out_proj': 2.0 * rows * inner * cfg.d_model,
+             'memory_feed_forward': 2 * 2.0 * rows * cfg.d_model * cfg.d_inner}
+    if cfg.lamemo_look_ahead:
+        w, blocks = _look_ahead_blocks(cfg, tgt_len)
+        flops.update({
+            'memory_q_proj': 2.0 * rows * cfg.d_model * inner,
+            'look_ahead_pos_proj': 2.0 * blocks * (2 * w - 1) * cfg.d_model * inner,
+            'look_ahead_scores': 2.0 * rows * w * inner * 2,  # content, then values
+            'look_ahead_position_scores': 2.0 * batch * blocks * w * (2 * w - 1) * inner,
+        })
     return flops
 
 
@@ -80,7 +112,14 @@ def skipped_input_gradient_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> 
     inner = cfg.n_head * cfg.d_head
     memory_rows = 2 * 2.0 * batch * cfg.mem_len * cfg.d_model * inner  # keys and values
     sinusoids = 2.0 * (cfg.mem_len + tgt_len) * cfg.d_model * inner
-    return cfg.n_layer * (memory_rows + sinusoids)
+    if cfg.memory != 'lamemo':
+        return cfg.n_layer * (memory_rows + sinusoids)
+    # LaMemo: only the first layer's memory rows (the stored embeddings) are constants.
+    if cfg.lamemo_look_ahead:
+        w, blocks = _look_ahead_blocks(cfg, tgt_len)
+        sinusoids += 2.0 * blocks * (2 * w - 1) * cfg.d_model * inner
+        memory_rows += 2.0 * batch * cfg.mem_len * cfg.d_model * inner  # and their queries
+    return cfg.n_layer * sinusoids + memory_rows
 
 
 def train_step_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> float:

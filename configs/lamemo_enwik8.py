@@ -1,0 +1,28 @@
+"""LaMemo on enwik8 (Ji et al. 2022, appendix C; paper: 1.129 dev / 1.107 test bpc).
+
+  python -m memjax.train --config=configs/lamemo_enwik8.py --workdir=runs/lamemo_enwik8
+  python -m memjax.train --config=configs/lamemo_enwik8.py:smoke --workdir=/tmp/lamemo_enwik8_smoke
+
+The Transformer-XL base model of configs/transformer_xl_enwik8_base.py (12 layers, 8 heads x 64,
+d_model 512, d_inner 2048, dropout 0.1, bytes) with the look-ahead memory: tgt = mem = 512,
+disentangled relative positions; batch 40, 100k steps (the paper halves Transformer-XL's schedule
+for time), Adam 2.5e-4 without warmup, cosine to 0, clip 0.25. Evaluation as in training.
+'smoke': the same family at tiny size on the embedded corpus.
+"""
+
+from memjax import config_lib
+
+
+def get_config(arg: str = ''):
+    options = config_lib.config_options(__file__, arg, ('smoke',))
+    config = config_lib.sibling_config(__file__, 'transformer_xl_enwik8_base.py')
+    config.model.update(memory='lamemo', mem_len=512, lamemo_eps=1e-6)
+    config.train.update(batch_size=40, num_steps=100_000)
+    config.eval.tgt_len = -1
+    config.eval.model.update(mem_len=None, clamp_len=None, same_length=None)
+    if 'smoke' in options:
+        config.model.update(d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=256, dropout=0.0, mem_len=32)
+        config.data.update(name='embedded')
+        config.train.update(batch_size=8, tgt_len=32, num_steps=600, learning_rate=2e-3, warmup_steps=20,
+                            min_lr_ratio=0.1, log_every=100, eval_every=0, checkpoint_every=0)
+    return config

@@ -1,0 +1,38 @@
+"""LaMemo on WikiText-103 (Ji et al. 2022, appendix C; paper: 22.98 dev / 23.77 test ppl).
+
+  python -m memjax.train --config=configs/lamemo_wt103.py --workdir=runs/lamemo_wt103
+  python -m memjax.train --config=configs/lamemo_wt103.py:no_interp --workdir=runs/lamemo_wt103_no_interp
+  python -m memjax.train --config=configs/lamemo_wt103.py:smoke --workdir=/tmp/lamemo_smoke
+
+Transformer-XL's base architecture (16 layers, 10 heads x 41, d_model 410, d_inner 2100, dropout
+0.1, adaptive input and softmax as in configs/transformer_xl_wt103_base.py) with the look-ahead
+memory: tgt = mem = 150, disentangled relative positions, interpolation epsilon 1e-6; batch 64,
+250k steps, Adam 2.5e-4 without warmup, cosine to 0, clip 0.25. Evaluation as in training (the
+paper's main results use no longer memory). The paper's ablations (table 3) are arguments:
+`no_interp` (alpha = 0: 23.67 dev), `no_look_ahead` (Transformer-XL: 23.42 dev), `xl_encoding`
+(Transformer-XL's relative encoding for the look-ahead too: the paper reports it fails to converge).
+'smoke': the same family at tiny size on the embedded corpus (byte tokens), in about a minute.
+"""
+
+from memjax import config_lib
+
+ABLATIONS = {'no_interp': {'lamemo_interpolate': False}, 'no_look_ahead': {'lamemo_look_ahead': False},
+             'xl_encoding': {'lamemo_encoding': 'xl'}}
+
+
+def get_config(arg: str = ''):
+    options = config_lib.config_options(__file__, arg, ('smoke',) + tuple(ABLATIONS))
+    config = config_lib.sibling_config(__file__, 'transformer_xl_wt103_base.py')
+    config.model.update(memory='lamemo', mem_len=150, lamemo_eps=1e-6)
+    for option in options & set(ABLATIONS):
+        config.model.update(ABLATIONS[option])
+    config.train.update(batch_size=64, num_steps=250_000)
+    config.eval.tgt_len = -1
+    config.eval.model.update(mem_len=None, clamp_len=None, same_length=None)
+    if 'smoke' in options:
+        config.data.update(name='embedded', tokenizer='byte')
+        config.model.update(d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=256, dropout=0.0, cutoffs=(),
+                            tie_projs=(), mem_len=32)
+        config.train.update(batch_size=8, tgt_len=32, num_steps=600, learning_rate=2e-3, warmup_steps=20,
+                            min_lr_ratio=0.1, log_every=100, eval_every=0, checkpoint_every=0)
+    return config
