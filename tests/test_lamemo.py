@@ -6,6 +6,8 @@ distances and v- against a naive score per entry, Transformer-XL recovered witho
 under large logits, a per-layer cost linear in the memory, and an exact resume through the trainer.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,11 +84,11 @@ def test_look_ahead_positions_are_r_of_j_minus_i_with_v_minus(mem_len, seg_len):
 def naive_bidirectional_memory(params, cfg, embedded, t_rows, n_keys):
     """Appendix A: sum_j beta_j v_j for the rows t_rows over keys 0 ... n_keys-1 of a one-layer
     model, with the causal scores for j <= t (R_(t-j), v+) and look-ahead ones for j > t (R_(j-t),
-    v-), one softmax over both."""
+    v-), one softmax over both; and alpha, the weight of the keys j <= t ([B, H, rows] each)."""
     layer = params['layer_0']['attention']
     proj = lambda name, x: jnp.einsum('bnd,dhk->bnhk', x, layer[name]['kernel'])
     q, k, v = proj('query', embedded), proj('key', embedded), proj('value', embedded)
-    out = []
+    out, alpha = [], []
     for t in t_rows:
         j = np.arange(n_keys)
         r = jnp.einsum('nd,dhk->nhk', sinusoid_encoding(jnp.asarray(np.abs(t - j)), cfg.d_model),
@@ -96,7 +98,8 @@ def naive_bidirectional_memory(params, cfg, embedded, t_rows, n_keys):
                   + jnp.einsum('bhd,nhd->bhn', q[:, t], r) + jnp.einsum('nhd,nhd->hn', bias, r)[None])
         beta = jax.nn.softmax(scores * cfg.d_head ** -0.5, axis=-1)
         out.append(jnp.einsum('bhn,bnhd->bhd', beta, v[:, :n_keys]))
-    return jnp.stack(out, axis=1)
+        alpha.append(beta[..., :t + 1].sum(-1))
+    return jnp.stack(out, axis=1), jnp.stack(alpha, axis=-1)
 
 
 def test_interpolated_memory_is_attention_over_both_sides_appendix_a(forward):
@@ -109,13 +112,44 @@ def test_interpolated_memory_is_attention_over_both_sides_appendix_a(forward):
     tokens = jax.random.randint(jax.random.key(1), (2, 3 * SEG), 0, cfg.vocab_size)
     _, states = run_segments(forward, cfg, params, tokens)
     embedded = jnp.concatenate([states[1].shared['embedded'], states[2].shared['embedded'][:, 4:]], axis=1)
-    expected = naive_bidirectional_memory(params, cfg, embedded, range(4, 8), n_keys=9)
+    expected, _ = naive_bidirectional_memory(params, cfg, embedded, range(4, 8), n_keys=9)
     got = states[2].layers['context'][0][:, :4]  # Rows 4-7 of the memory that segment 3 refreshed.
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
     # Without interpolation (alpha = 0) the same rows forget their past: look-ahead only.
     cut = cfg.replace(lamemo_interpolate=False)
     _, states = run_segments(forward, cut, params, tokens)
     assert np.abs(states[2].layers['context'][0][:, :4] - expected).max() > 1e-3
+
+
+@pytest.mark.parametrize('scan_layers', [False, True])
+def test_memorizing_coefficients_are_the_past_share_of_the_bidirectional_attention(scan_layers):
+    """alpha (eq. 11), extracted for analysis, is the weight the appendix A attention gives the
+    keys left of each memory row, per layer (scan_layers: the same values, stacked by nn.scan)."""
+    cfg = tiny(n_layer=1, mem_len=8)
+    params = jax.tree.map(lambda x: x * 4.0, model_lib.init_params(cfg, jax.random.key(0)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 3 * SEG), 0, cfg.vocab_size)
+    if scan_layers:  # Two layers with the same weights: the first sees what the one-layer model sees.
+        cfg = cfg.replace(n_layer=2, scan_layers=True)
+        layer = params.pop('layer_0')
+        params['layers'] = jax.tree.map(lambda x: jnp.stack([x, x]), layer)
+    model = model_lib.build_model(cfg)
+    extract = jax.jit(functools.partial(lamemo.memorizing_coefficients, model))
+    memory = model_lib.init_memory(cfg, 2)
+    alphas = []
+    for start in range(0, 3 * SEG, SEG):
+        alpha, next_memory = extract(params, tokens[:, start:start + SEG], memory)
+        embedded = jnp.concatenate([memory.shared['embedded'], next_memory.shared['embedded'][:, 4:]], axis=1)
+        alphas.append(alpha)
+        memory = next_memory
+    assert alphas[0].shape == (cfg.n_layer, 2, cfg.n_head, cfg.mem_len)
+    np.testing.assert_array_equal(alphas[0], 0.0)  # Nothing attended before: no past to keep.
+    _, expected = naive_bidirectional_memory(params if not scan_layers else {
+        **params, 'layer_0': layer}, cfg.replace(n_layer=1), embedded, range(4, 8), n_keys=9)
+    # Rows 4-7 of the memory 0-7 that segment 3 refreshed.
+    np.testing.assert_allclose(alphas[2][0, ..., 4:], expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match='lamemo_interpolate=True'):
+        lamemo.memorizing_coefficients(model_lib.build_model(cfg.replace(lamemo_interpolate=False)), params,
+                                       tokens[:, :SEG], model_lib.init_memory(cfg, 2))
 
 
 def xl_params(params):

@@ -107,7 +107,8 @@ def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool):
         layer_cls = nn.remat(DecoderLayer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
         rngs = {'params': True, 'dropout': True, **{name: True for name in kind.streams}}
-        scanned = nn.scan(layer_cls, variable_axes={'params': 0}, split_rngs=rngs,
+        # 'intermediates': values a memory sows for analysis, stacked over the layers.
+        scanned = nn.scan(layer_cls, variable_axes={'params': 0, 'intermediates': 0}, split_rngs=rngs,
                           in_axes=(0, nn.broadcast, nn.broadcast, 0), length=cfg.n_layer,
                           metadata_params={nn.PARTITION_NAME: 'layers'})(cfg, kind, deterministic, name='layers')
 
