@@ -23,13 +23,7 @@ def get_config(arg: str = ''):
         ltm_reset_tokens=900, ltm_min_variance=1e-6, ltm_kl_weight=1e-5, ltm_kl_sigma=0.1,
         ltm_sticky='sticky' in options)
     config.train.update(batch_size=40, num_steps=250_000)
-    # Evaluation as in training (the XL config evaluates with a longer memory instead).
-    config.eval.tgt_len = -1
-    config.eval.model.update(mem_len=None, clamp_len=None, same_length=None)
+    config_lib.evaluate_as_trained(config)
     if 'smoke' in options:
-        config.data.update(name='embedded', tokenizer='byte')
-        config.model.update(d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=256, dropout=0.0, cutoffs=(),
-                            tie_projs=(), mem_len=32, ltm_basis=32, ltm_reset_tokens=256)
-        config.train.update(batch_size=8, tgt_len=32, num_steps=600, learning_rate=2e-3, warmup_steps=20,
-                            min_lr_ratio=0.1, log_every=100, eval_every=0, checkpoint_every=0)
+        config_lib.shrink_to_smoke(config, ltm_basis=32, ltm_reset_tokens=256)
     return config

@@ -148,6 +148,26 @@ def config_options(this_file: str, arg: str, allowed: tuple[str, ...]) -> set[st
     return options
 
 
+def evaluate_as_trained(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Drops a parent config's longer evaluation attention (Transformer-XL's): evaluation runs with
+    the training segment, memory and clamp, as the memory papers report their main results."""
+    config.eval.tgt_len = -1
+    config.eval.model.update(mem_len=None, clamp_len=None, same_length=None)
+    return config
+
+
+def shrink_to_smoke(config: ml_collections.ConfigDict, **model: Any) -> ml_collections.ConfigDict:
+    """A paper config's `:smoke` variant: the same model family at tiny size (2 x 64, 32-token
+    segments, memory 32, full softmax) on the embedded corpus in bytes, about a minute on a CPU;
+    `model` sets the method's own fields."""
+    config.data.update(name='embedded', tokenizer='byte')
+    config.model.update(d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=256, dropout=0.0, cutoffs=(),
+                        tie_projs=(), mem_len=32, **model)
+    config.train.update(batch_size=8, tgt_len=32, num_steps=600, learning_rate=2e-3, warmup_steps=20,
+                        min_lr_ratio=0.1, log_every=100, eval_every=0, checkpoint_every=0)
+    return config
+
+
 def cfg_get(cfg: Any, name: str, default: Any) -> Any:
     """Reads an optional config field (ConfigDict, dict or object); None counts as unset."""
     if isinstance(cfg, dict) or hasattr(cfg, 'get'):

@@ -196,9 +196,4 @@ def test_tiny_infinity_former_resumes_exactly(tmp_path):
     config = training_fixtures.tiny_config(
         corpus, model__memory='infinity', model__n_layer=1, model__mem_len=8, model__ltm_basis=16, model__ltm_widths=(0.05, 0.1),
         model__ltm_sticky=True, model__ltm_reset_tokens=48, train__num_steps=8, train__memory_learning_rate=1e-3)
-    baseline, summary = training_fixtures.run_recording(config, str(tmp_path / 'baseline'))
-    assert ('train', 8) in baseline and summary['valid_loss'] < np.log(256)
-    workdir = str(tmp_path / 'resumed')
-    training_fixtures.run_recording(config, workdir, interrupt_at_step=4)
-    recorded, summary_resumed = training_fixtures.run_recording(config, workdir)
-    training_fixtures.assert_same_run(recorded, summary_resumed, baseline, summary, steps=(6, 8))
+    training_fixtures.assert_resumes_exactly(config, tmp_path)

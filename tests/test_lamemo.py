@@ -226,9 +226,4 @@ def test_tiny_lamemo_resumes_exactly_and_evaluates_with_a_longer_memory(tmp_path
     config = training_fixtures.tiny_config(
         corpus, model__memory='lamemo', model__n_layer=2, model__mem_len=8, train__num_steps=8,
         model__dropatt=0.1, eval__model__mem_len=16)
-    baseline, summary = training_fixtures.run_recording(config, str(tmp_path / 'baseline'))
-    assert ('train', 8) in baseline and summary['valid_loss'] < np.log(256)
-    workdir = str(tmp_path / 'resumed')
-    training_fixtures.run_recording(config, workdir, interrupt_at_step=4)
-    recorded, summary_resumed = training_fixtures.run_recording(config, workdir)
-    training_fixtures.assert_same_run(recorded, summary_resumed, baseline, summary, steps=(6, 8))
+    training_fixtures.assert_resumes_exactly(config, tmp_path)

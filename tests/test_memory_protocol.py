@@ -42,14 +42,7 @@ def test_toy_kind_trains_evaluates_and_resumes_exactly(corpus, tmp_path):
     """Both phases (skips start at step 2), validation and a resume at step 4 of 8 (dropout on:
     the random streams are part of what must resume)."""
     config = toy_config(corpus)
-    baseline, summary = training_fixtures.run_recording(config, str(tmp_path / 'baseline'))
-    assert summary['valid_loss'] < np.log(256)  # Learned something: below a uniform guess.
-    workdir = str(tmp_path / 'resumed')
-    first, interrupted = training_fixtures.run_recording(config, workdir, interrupt_at_step=4)
-    assert interrupted is None and first[('train', 4)] == baseline[('train', 4)]
-    recorded, summary_resumed = training_fixtures.run_recording(config, workdir)
-    assert min(step for _, step in recorded) == 6
-    training_fixtures.assert_same_run(recorded, summary_resumed, baseline, summary, steps=(6, 8))
+    training_fixtures.assert_resumes_exactly(config, tmp_path)
 
 
 @pytest.fixture(scope='module')

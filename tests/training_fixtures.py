@@ -8,8 +8,8 @@ import os
 
 import jax
 import ml_collections
-import pytest
 import numpy as np
+import pytest
 
 from memjax.training import checkpoints as checkpointing
 from memjax import config_lib
@@ -93,6 +93,20 @@ def assert_same_run(recorded, summary, baseline_recorded, baseline_summary, step
             baseline_recorded[('train', step)], abs=1e-6), step
     assert summary['valid_loss'] == pytest.approx(baseline_summary['valid_loss'], abs=1e-6)
     assert summary['valid_tokens'] == baseline_summary['valid_tokens']
+
+
+def assert_resumes_exactly(config, tmp_path, kill_at_step=4, compare_steps=(6, 8)):
+    """Trains `config` uninterrupted and killed after the checkpoint of `kill_at_step`, then resumed:
+    the losses after the resume and the final validation equal the uninterrupted run's. The
+    uninterrupted run must learn (validation below a uniform guess over bytes)."""
+    baseline, summary = run_recording(config, str(tmp_path / 'baseline'))
+    assert ('train', compare_steps[-1]) in baseline and summary['valid_loss'] < np.log(256)
+    workdir = str(tmp_path / 'resumed')
+    first, interrupted = run_recording(config, workdir, interrupt_at_step=kill_at_step)
+    assert interrupted is None and first[('train', kill_at_step)] == baseline[('train', kill_at_step)]
+    recorded, summary_resumed = run_recording(config, workdir)
+    assert min(step for _, step in recorded) > kill_at_step
+    assert_same_run(recorded, summary_resumed, baseline, summary, steps=compare_steps)
 
 
 def random_batch(exp, seed):
