@@ -133,13 +133,16 @@ def cross_mesh_resume(workdir: str, experiments: dict, batches: list) -> dict:
             'layout': restored_layout}
 
 
-def toy_memory_kind(corpus: str, workdir: str, batches: list) -> dict:
-    """The test-only 'every_other' memory kind in its skipping phase: one device vs data x tensor."""
+MEMORY_KINDS = ('every_other', 'lamemo')  # The test-only kind in its skipping phase, and LaMemo.
+
+
+def memory_kind(corpus: str, workdir: str, batches: list, memory: str) -> dict:
+    """Losses of a memory kind other than XL's on one device and on data x tensor."""
     losses = {}
     for name in ('one_device', 'data2_tensor4'):
         devices = jax.devices()[:1] if name == 'one_device' else jax.devices()
-        exp = trainer.setup(make_config(corpus, MESHES[name], memory='every_other', dropout=0.0),
-                            os.path.join(workdir, 'toy_' + name), devices)
+        exp = trainer.setup(make_config(corpus, MESHES[name], memory=memory, dropout=0.0),
+                            os.path.join(workdir, f'{memory}_{name}'), devices)
         steps = (trainer.make_train_step(exp, phase=exp.model.kind.phase(toy_memory.SKIP_FROM_STEP)), None)
         _, _, metrics = train(exp, steps, batches)
         losses[name] = metrics_lists(metrics)
@@ -158,9 +161,10 @@ def main(workdir: str) -> None:
         results['meshes'][name] = dict(metrics_lists(metrics), layout=layout(exp, state, memory),
                                        validation=validation(exp, steps, state.params))
         results['seconds'][name] = time.time() - start
-    start = time.time()
-    results['toy_memory_kind'] = toy_memory_kind(corpus, workdir, batches)
-    results['seconds']['toy_memory_kind'] = time.time() - start
+    for memory in MEMORY_KINDS:
+        start = time.time()
+        results[memory] = memory_kind(corpus, workdir, batches, memory)
+        results['seconds'][memory] = time.time() - start
     start = time.time()
     results['resume'] = cross_mesh_resume(workdir, experiments, batches)
     results['seconds']['resume'] = time.time() - start

@@ -60,14 +60,16 @@ def test_mesh_gives_one_device_losses_and_gradient_norms(driver, mesh):
     assert len(set(np.round(one['loss'], 4))) == 4
 
 
-def test_a_memory_kind_memjax_does_not_know_shards_without_changing_losses(driver):
-    """tests/toy_memory.py (explicit distances, a leaf without a batch axis, layer skips under
-    lax.cond) on data=2 x tensor=4 against one device."""
-    toy = driver['toy_memory_kind']
-    np.testing.assert_allclose(toy['data2_tensor4']['loss'], toy['one_device']['loss'], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(toy['data2_tensor4']['grad_norm'], toy['one_device']['grad_norm'],
+@pytest.mark.parametrize('memory', ['every_other', 'lamemo'])
+def test_other_memory_kinds_shard_without_changing_losses(driver, memory):
+    """tests/toy_memory.py, a kind memjax does not know (explicit distances, a leaf without a batch
+    axis, layer skips under lax.cond), and LaMemo (stack rows, float32 log-denominators) on
+    data=2 x tensor=4 against one device."""
+    runs = driver[memory]
+    np.testing.assert_allclose(runs['data2_tensor4']['loss'], runs['one_device']['loss'], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(runs['data2_tensor4']['grad_norm'], runs['one_device']['grad_norm'],
                                rtol=1e-5, atol=1e-5)
-    assert len(set(np.round(toy['one_device']['loss'], 4))) == 4
+    assert len(set(np.round(runs['one_device']['loss'], 4))) == 4
 
 
 @pytest.mark.parametrize('mesh', SHARDED_MESHES)
