@@ -84,16 +84,19 @@ def test_look_ahead_positions_are_r_of_j_minus_i_with_v_minus(mem_len, seg_len):
 def naive_bidirectional_memory(params, cfg, embedded, t_rows, n_keys):
     """Appendix A: sum_j beta_j v_j for the rows t_rows over keys 0 ... n_keys-1 of a one-layer
     model, with the causal scores for j <= t (R_(t-j), v+) and look-ahead ones for j > t (R_(j-t),
-    v-), one softmax over both; and alpha, the weight of the keys j <= t ([B, H, rows] each)."""
+    v-; with the XL encoding R_(t-j) and v as for the causal ones), one softmax over both; and
+    alpha, the weight of the keys j <= t ([B, H, rows] each)."""
+    disentangled = cfg.lamemo_encoding == 'disentangled'
     layer = params['layer_0']['attention']
     proj = lambda name, x: jnp.einsum('bnd,dhk->bnhk', x, layer[name]['kernel'])
     q, k, v = proj('query', embedded), proj('key', embedded), proj('value', embedded)
     out, alpha = [], []
     for t in t_rows:
         j = np.arange(n_keys)
-        r = jnp.einsum('nd,dhk->nhk', sinusoid_encoding(jnp.asarray(np.abs(t - j)), cfg.d_model),
-                       layer['pos']['kernel'])
-        bias = jnp.where((j <= t)[:, None, None], params['v_bias'], params['v_ahead_bias'])  # [n, H, Dh]
+        distance = np.abs(t - j) if disentangled else t - j
+        r = jnp.einsum('nd,dhk->nhk', sinusoid_encoding(jnp.asarray(distance), cfg.d_model), layer['pos']['kernel'])
+        ahead_bias = params['v_ahead_bias'] if disentangled else params['v_bias']
+        bias = jnp.where((j <= t)[:, None, None], params['v_bias'], ahead_bias)  # [n, H, Dh]
         scores = (jnp.einsum('bhd,bnhd->bhn', q[:, t] + params['u_bias'], k[:, :n_keys])
                   + jnp.einsum('bhd,nhd->bhn', q[:, t], r) + jnp.einsum('nhd,nhd->hn', bias, r)[None])
         beta = jax.nn.softmax(scores * cfg.d_head ** -0.5, axis=-1)
@@ -102,11 +105,13 @@ def naive_bidirectional_memory(params, cfg, embedded, t_rows, n_keys):
     return jnp.stack(out, axis=1), jnp.stack(alpha, axis=-1)
 
 
-def test_interpolated_memory_is_attention_over_both_sides_appendix_a(forward):
+@pytest.mark.parametrize('encoding', ['disentangled', 'xl'])
+def test_interpolated_memory_is_attention_over_both_sides_appendix_a(forward, encoding):
     """One layer, fixed projections, three segments: the memory rows of segment 2 (positions 4-7),
     attended causally then, refreshed by the look-ahead in segment 3 and interpolated, equal one
-    softmax over all keys 0-8 (their past as computed before, and the new keys on their right)."""
-    cfg = tiny(n_layer=1, mem_len=8)
+    softmax over all keys 0-8 (their past as computed before, and the new keys on their right),
+    with either relative encoding."""
+    cfg = tiny(n_layer=1, mem_len=8, lamemo_encoding=encoding)
     params = model_lib.init_params(cfg, jax.random.key(0))
     params = jax.tree.map(lambda x: x * 4.0, params)  # Peaked attention: a wrong weight shows.
     tokens = jax.random.randint(jax.random.key(1), (2, 3 * SEG), 0, cfg.vocab_size)

@@ -81,7 +81,8 @@ class AttentionView:
     attended: jax.Array  # [B, T, H, Dh] the segment's attention output before the output map.
     positions: Optional[jax.Array]  # The context's distance table (rows for distances R-1 ... 0).
     project_position: Optional[Callable[[jax.Array], jax.Array]]  # [R, d_model] -> [R, H, Dh] (W_r)
-    u_bias: Optional[jax.Array]  # [H, Dh] this layer's content bias, and its kind's own biases.
+    u_bias: Optional[jax.Array]  # [H, Dh] this layer's content and position biases, and its kind's own.
+    v_bias: Optional[jax.Array]
     biases: dict
     rows: Optional[jax.Array]  # [B, R, d_model] the kind's stack rows at this layer, or None.
     deterministic: bool  # No dropout (evaluation).
@@ -233,7 +234,7 @@ class RelativeAttention(nn.Module):
             result = attend(AttentionView(
                 query, key, value, lambda x: query_proj(norm(x)), lambda x: key_proj(norm(x)),
                 lambda x: value_proj(norm(x)), out_proj, scores, attended, ctx.positions,
-                None if pos_proj is None else lambda x: pos_proj(x.astype(cfg.dtype)), u_bias, biases or {},
+                None if pos_proj is None else lambda x: pos_proj(x.astype(cfg.dtype)), u_bias, v_bias, biases or {},
                 None if rows is None else rows.rows, deterministic))
             if result.extra is not None:
                 out = out + result.extra.astype(out.dtype)

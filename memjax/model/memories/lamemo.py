@@ -108,7 +108,7 @@ class LaMemoLayerMemory(LayerMemory):
         positions = view.positions
         if not disentangled:  # R_(i-j) at i < j: the sine half changes sign.
             positions = positions * jnp.concatenate([-jnp.ones(cfg.d_model // 2), jnp.ones(cfg.d_model // 2)])
-        v_ahead = view.biases['v_ahead_bias'] if disentangled else view.biases['v_bias']
+        v_ahead = view.biases['v_ahead_bias'] if disentangled else view.v_bias
         scores = jnp.einsum('bmhd,bwhd->bhmw', query + view.u_bias.astype(query.dtype), view.key[:, window],
                             preferred_element_type=jnp.float32)
         scores += look_ahead_position_scores(query + v_ahead.astype(query.dtype), positions,
