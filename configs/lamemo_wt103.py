@@ -11,7 +11,7 @@ memory: tgt = mem = 150, disentangled relative positions, interpolation epsilon 
 paper's main results use no longer memory). The paper's ablations (table 3) are arguments:
 `no_interp` (alpha = 0: 23.67 dev), `no_look_ahead` (Transformer-XL: 23.42 dev), `xl_encoding`
 (Transformer-XL's relative encoding for the look-ahead too: the paper reports it fails to converge).
-'smoke': the same family at tiny size on the embedded corpus (byte tokens), in about a minute.
+'smoke': the same family at tiny size on the embedded corpus (byte tokens), in under a minute.
 """
 
 from memjax import config_lib
