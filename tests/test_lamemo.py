@@ -57,7 +57,7 @@ def run_segments(forward, cfg, params, tokens, targets=None):
     return jnp.concatenate(logprobs, axis=1), states
 
 
-@pytest.mark.parametrize('mem_len,seg_len', [(6, 4), (8, 4), (3, 5), (7, 7)])
+@pytest.mark.parametrize('mem_len,seg_len', [(6, 4), (8, 4), (3, 5), (7, 7), (10, 3)])
 def test_look_ahead_positions_are_r_of_j_minus_i_with_v_minus(mem_len, seg_len):
     """Each memory row i gets (q_i + v-) . W_r R_(j-i) at every window key j = M-W+1 ... M with
     j > i (a naive product per entry); entries with j <= i are never attended."""

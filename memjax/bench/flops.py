@@ -2,9 +2,9 @@
 
 LaMemo (memory='lamemo') adds the memory rows' work: every layer projects their output and runs
 their feed-forward (they go up the stack with the segment), and with look-ahead projects their
-queries and scores them against the W = min(M, T) window keys (positional scores in blocks of W
-rows against 2W - 1 distances). Above the first layer the memory rows carry gradients, so their
-key and value projections need input gradients there.
+queries and scores them against the W = min(M, T) window keys (positional scores: the newest W
+rows against W distances, older rows in blocks of W against 2W - 1). Above the first layer the
+memory rows carry gradients, so their key and value projections need input gradients there.
 
 Counted: every matmul of the forward pass, 2 FLOPs per multiply-add, with the shapes the model
 actually runs (keys and values over K = mem_len + tgt_len rows, the positional projection once
@@ -82,10 +82,11 @@ def forward_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float
     return flops
 
 
-def _look_ahead_blocks(cfg: ModelConfig, tgt_len: int) -> tuple[int, int]:
-    """(W, number of W-row blocks) of LaMemo's look-ahead (memjax.model.memories.lamemo)."""
+def _look_ahead_distances(cfg: ModelConfig, tgt_len: int) -> tuple[int, int]:
+    """(W, distance rows projected) of LaMemo's look-ahead (memjax.model.memories.lamemo): W for the
+    newest W rows, 2W - 1 for each block of W older rows."""
     w = min(cfg.mem_len, tgt_len)
-    return w, -(-cfg.mem_len // w)
+    return w, w + (-(-cfg.mem_len // w) - 1) * (2 * w - 1)
 
 
 def _memory_row_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float]:
@@ -97,12 +98,12 @@ def _memory_row_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, f
     flops = {'memory_out_proj': 2.0 * rows * inner * cfg.d_model,
              'memory_feed_forward': 2 * 2.0 * rows * cfg.d_model * cfg.d_inner}
     if cfg.lamemo_look_ahead:
-        w, blocks = _look_ahead_blocks(cfg, tgt_len)
+        w, distances = _look_ahead_distances(cfg, tgt_len)
         flops.update({
             'memory_q_proj': 2.0 * rows * cfg.d_model * inner,
-            'look_ahead_pos_proj': 2.0 * blocks * (2 * w - 1) * cfg.d_model * inner,
+            'look_ahead_pos_proj': 2.0 * distances * cfg.d_model * inner,
             'look_ahead_scores': 2.0 * rows * w * inner * 2,  # content, then values
-            'look_ahead_position_scores': 2.0 * batch * blocks * w * (2 * w - 1) * inner,
+            'look_ahead_position_scores': 2.0 * batch * w * distances * inner,
         })
     return flops
 
@@ -116,8 +117,8 @@ def skipped_input_gradient_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> 
         return cfg.n_layer * (memory_rows + sinusoids)
     # LaMemo: only the first layer's memory rows (the stored embeddings) are constants.
     if cfg.lamemo_look_ahead:
-        w, blocks = _look_ahead_blocks(cfg, tgt_len)
-        sinusoids += 2.0 * blocks * (2 * w - 1) * cfg.d_model * inner
+        _, distances = _look_ahead_distances(cfg, tgt_len)
+        sinusoids += 2.0 * distances * cfg.d_model * inner
         memory_rows += 2.0 * batch * cfg.mem_len * cfg.d_model * inner  # and their queries
     return cfg.n_layer * sinusoids + memory_rows
 

@@ -60,27 +60,38 @@ def look_ahead_position_scores(query: jax.Array, positions: jax.Array, project, 
     """[B, M, H, Dh] memory-row queries -> [B, H, M, W] positional scores at the look-ahead distances.
 
     positions: [P, d_model] encodings of distances P-1 ... 0, P > M; project: [n, d_model] ->
-    [n, H, Dh], the layer's positional key map. Row i's window distances are
-    consecutive, one lower for each later row, so the rows are taken in blocks of W: a block needs
-    2W - 1 distance rows, and `rel_shift` lines them up with its keys. Cost 2 R W products, not the
-    R (R + W) of scoring every row against every distance.
+    [n, H, Dh], the layer's positional key map. Cost about 2 M W products, not the M (M + W) of
+    scoring every row against every distance:
+    - the newest W rows see distances 1 ... W, each row a suffix of the window (the rest is
+      masked): with rows and keys both reversed that is Transformer-XL's causal `rel_shift` over W
+      distances, W x W products;
+    - older rows see all W keys at distances that are consecutive, one lower for each later row, so
+      they are taken in blocks of W: a block needs 2W - 1 distance rows, lined up by `rel_shift`.
+    With M <= T (tgt = mem, the paper's settings) there are no older rows.
     """
     batch, rows, heads, d_head = query.shape
     w = look_ahead_window(rows, seg_len)
-    blocks = -(-rows // w)
-    pad = blocks * w - rows  # Padded rows (masked later) go first, on the oldest side.
-    query = jnp.pad(query, ((0, 0), (pad, 0), (0, 0), (0, 0))).reshape(batch, blocks, w, heads, d_head)
-    # Block c's rows (local a) see distance (blocks-1-c) w + 1 + k - a at window key k: rows
-    # base_c + r, r = k - a + w - 1 in [0, 2w - 1).
-    base = (blocks - 2 - np.arange(blocks)) * w + 2
-    distance = base[:, None] + np.arange(2 * w - 1)[None, :]  # [C, 2w-1], ascending
     table_rows = positions.shape[0]
+    near = project(positions[table_rows - 1 - w:table_rows - 1])  # Distances W ... 1.
+    newest = jnp.einsum('bahd,rhd->bhar', query[:, rows - w:][:, ::-1], near, preferred_element_type=jnp.float32)
+    newest = rel_shift(newest)[:, :, ::-1, ::-1]  # Row a, key k: distance k + 1 - a.
+    older_rows = rows - w
+    if not older_rows:
+        return newest
+    blocks = -(-older_rows // w)
+    pad = blocks * w - older_rows  # Padded rows (dropped below) go first, on the oldest side.
+    query = jnp.pad(query[:, :older_rows], ((0, 0), (pad, 0), (0, 0), (0, 0)))
+    query = query.reshape(batch, blocks, w, heads, d_head)
+    # Block c's rows (local a) see distance (blocks-c) w + 1 + k - a at window key k: rows
+    # base_c + r, r = k - a + w - 1 in [0, 2w - 1).
+    base = (blocks - 1 - np.arange(blocks)) * w + 2
+    distance = base[:, None] + np.arange(2 * w - 1)[None, :]  # [C, 2w-1], ascending
     index = np.clip(table_rows - 1 - distance, 0, table_rows - 1)
     pos_key = project(positions[index.reshape(-1)]).reshape(blocks, 2 * w - 1, heads, d_head)
     scores = jnp.einsum('bcahd,crhd->bhcar', query, pos_key, preferred_element_type=jnp.float32)
     # rel_shift moves row a's column k + w - 1 - a to k: its window keys, in order.
-    scores = rel_shift(scores)[..., :w]
-    return scores.reshape(batch, heads, blocks * w, w)[:, :, pad:]
+    scores = rel_shift(scores)[..., :w].reshape(batch, heads, blocks * w, w)[:, :, pad:]
+    return jnp.concatenate([scores, newest], axis=2)
 
 
 def interpolation_weight(log_prev: jax.Array, log_new: jax.Array, eps: float) -> jax.Array:
