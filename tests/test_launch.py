@@ -156,12 +156,13 @@ def wait_for(predicate, timeout=15.0):
     return False
 
 
-def kill_leftovers(pid_files):
-    """Ends fake trainers a failed test left running (only ours: checked by command line)."""
+def kill_leftovers(fake, pid_files):
+    """Ends the fake trainers a test started and left running: only ours, i.e. run from the test's
+    own folder (the trainer itself or a copy standing in for a worker's Python)."""
     for pid_file in pid_files:
         pid = int(pid_file.read_text())
         cmdline = Path(f'/proc/{pid}/cmdline')
-        if alive(pid) and cmdline.exists() and b'fake_trainer' in cmdline.read_bytes():
+        if alive(pid) and cmdline.exists() and str(fake.root).encode() in cmdline.read_bytes():
             os.kill(pid, signal.SIGKILL)
 
 
@@ -338,7 +339,7 @@ def test_tpu_sync_run_stop_on_simulated_pod_workers(fake):
         for w, home in enumerate(homes):
             assert 'got SIGTERM' in (home / 'memjax' / 'logs' / f'worker-{w}.log').read_text()
     finally:
-        kill_leftovers([p for p in pid_files if p.exists()])
+        kill_leftovers(fake, [p for p in pid_files if p.exists()])
 
 
 # Stands in for uv on the workers: "uv venv ... --python V DIR" makes DIR/bin/python, the
@@ -385,7 +386,7 @@ def test_tpu_setup_builds_a_python_311_virtualenv_with_uv_and_run_uses_it(fake):
         fake.run('tpu_vm.sh', *settings, 'setup', env=env)
         assert len([c for c in fake.calls() if c[0] == 'uv']) == 2
     finally:
-        kill_leftovers([p for p in pid_files if p.exists()])
+        kill_leftovers(fake, [p for p in pid_files if p.exists()])
 
 
 def test_tpu_setup_stops_with_one_line_when_python_311_cannot_be_had(fake):
@@ -442,7 +443,7 @@ def test_tpu_run_refuses_a_busy_tpu_and_clear_tpu_frees_it(fake):
         assert pid_file.exists()
     finally:
         holder.kill()
-        kill_leftovers([p for p in [homes[0] / 'memjax' / 'logs' / 'worker-0.pid'] if p.exists()])
+        kill_leftovers(fake, [p for p in [homes[0] / 'memjax' / 'logs' / 'worker-0.pid'] if p.exists()])
 
 
 @pytest.mark.parametrize('script, extra', [('tpu_vm.sh', [*TPU_FLAGS, 'run']),
@@ -598,7 +599,7 @@ def test_ssh_start_and_stop_processes_for_real(fake, tmp_path):
         assert wait_for(lambda: not any(alive(pid) for pid in pids))
         assert all('got SIGTERM' in (remote_dir / 'logs' / f'process-{i}.log').read_text() for i in range(4))
     finally:
-        kill_leftovers([p for p in pid_files if p.exists()])
+        kill_leftovers(fake, [p for p in pid_files if p.exists()])
 
 
 # --- Static checks ------------------------------------------------------------------------
