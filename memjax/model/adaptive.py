@@ -14,6 +14,7 @@ Parameter layout (kernels are [in, out] as everywhere in Flax):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -26,6 +27,69 @@ from memjax.model.primitives import BLOCKS, normal
 # Tokens scored per step of a tail cluster's loop (split over the batch rows): big enough for
 # an efficient matmul, small enough that few positions outside the cluster get scored.
 _TAIL_CHUNK_TOKENS = 64
+
+
+def cluster_logits(weights: dict, hidden: jax.Array, dtype) -> jax.Array:
+    """Float32 logits [..., V_i (+ n_tail)] of one cluster from its `_cluster_weights`."""
+    x = hidden.astype(dtype)
+    if weights['proj'] is not None:
+        x = x @ weights['proj'].astype(dtype).T
+    logits = jnp.einsum('...d,vd->...v', x, weights['table'].astype(dtype), preferred_element_type=jnp.float32)
+    logits = nn.with_logical_constraint(logits + weights['bias'],
+                                        ('activation_batch', 'activation_length', 'activation_vocab'))
+    if 'cluster_kernel' in weights:
+        cluster = jnp.einsum('...d,dc->...c', x, weights['cluster_kernel'].astype(dtype),
+                             preferred_element_type=jnp.float32)
+        logits = jnp.concatenate([logits, cluster + weights['cluster_bias']], axis=-1)
+    return logits
+
+
+def _chunk_logprobs(dtype, weights, x_chunk, local_chunk):
+    logits = cluster_logits(weights, x_chunk, dtype)
+    picked = jnp.take_along_axis(logits, local_chunk[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked_logprobs(dtype, weights, x, local, active):
+    """[C, B, chunk] log p(local | cluster) of x [C, B, chunk, d_model], chunk by chunk; inactive
+    chunks are skipped (zeros).
+
+    A custom VJP because autodiff of a scan over `lax.cond` stacks the cond's residuals, the
+    cluster's weights among them, once per chunk: 1.8 GB per chunk for WikiText-103's tail, 19 GB
+    of temporaries at batch 4 x 150. The backward here keeps only the inputs, recomputes each
+    active chunk's logits and sums the weights' gradient in the loop's carry.
+    """
+    def step(carry, inputs):
+        x_chunk, local_chunk, is_active = inputs
+        return carry, jax.lax.cond(is_active, functools.partial(_chunk_logprobs, dtype, weights),
+                                   lambda *_: jnp.zeros(local_chunk.shape, jnp.float32), x_chunk, local_chunk)
+
+    return jax.lax.scan(step, None, (x, local, active))[1]
+
+
+def _chunked_logprobs_fwd(dtype, weights, x, local, active):
+    return _chunked_logprobs(dtype, weights, x, local, active), (weights, x, local, active)
+
+
+def _chunked_logprobs_bwd(dtype, residuals, cotangent):
+    weights, x, local, active = residuals
+
+    def step(weights_grad, inputs):
+        x_chunk, local_chunk, is_active, ct_chunk = inputs
+
+        def score(weights_grad):
+            _, vjp = jax.vjp(lambda w, xc: _chunk_logprobs(dtype, w, xc, local_chunk), weights, x_chunk)
+            d_weights, d_x = vjp(ct_chunk)
+            return jax.tree.map(jnp.add, weights_grad, d_weights), d_x
+
+        return jax.lax.cond(is_active, score, lambda g: (g, jnp.zeros_like(x_chunk)), weights_grad)
+
+    weights_grad, x_grad = jax.lax.scan(step, jax.tree.map(jnp.zeros_like, weights), (x, local, active, cotangent))
+    return weights_grad, x_grad, None, None
+
+
+_chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
 
 
 class AdaptiveIO(nn.Module):
@@ -99,22 +163,17 @@ class AdaptiveIO(nn.Module):
             return out
         return out * jnp.asarray(math.sqrt(cfg.d_model), dtype)
 
+    def _cluster_weights(self, i: int) -> dict:
+        """Cluster i's output weights: what its logits depend on besides the hidden states."""
+        weights = {'proj': self.out_projs[i], 'table': self._cluster_table(self.out_tables, i),
+                   'bias': self.out_biases[i]}
+        if i == 0 and len(self.config.cutoffs):
+            weights.update(cluster_kernel=self.cluster_kernel, cluster_bias=self.cluster_bias)
+        return weights
+
     def _cluster_logits(self, hidden: jax.Array, i: int) -> jax.Array:
         """Float32 logits of cluster i's own tokens (plus, for i == 0, one per tail cluster)."""
-        dtype = self.config.dtype
-        proj = self.out_projs[i]
-        x = hidden.astype(dtype)
-        if proj is not None:
-            x = x @ proj.astype(dtype).T
-        table = self._cluster_table(self.out_tables, i)
-        logits = jnp.einsum('...d,vd->...v', x, table.astype(dtype), preferred_element_type=jnp.float32)
-        logits = nn.with_logical_constraint(logits + self.out_biases[i],
-                                            ('activation_batch', 'activation_length', 'activation_vocab'))
-        if i == 0 and len(self.config.cutoffs):
-            cluster = jnp.einsum('...d,dc->...c', x, self.cluster_kernel.astype(dtype),
-                                 preferred_element_type=jnp.float32)
-            logits = jnp.concatenate([logits, cluster + self.cluster_bias], axis=-1)
-        return logits
+        return cluster_logits(self._cluster_weights(i), hidden, self.config.dtype)
 
     def _tail_logprobs(self, hidden: jax.Array, targets: jax.Array, inside: jax.Array, i: int) -> jax.Array:
         """[B, T] log p(target | tail cluster i) where `inside` (the target is in cluster i), junk elsewhere.
@@ -123,7 +182,6 @@ class AdaptiveIO(nn.Module):
         sorted cluster-first and scored in chunks, and chunks past every row's count are skipped.
         On text most targets are head words, so this avoids most of the tail work, and the
         [tokens, cluster size] logit matrix (GBs for WikiText-103's 200k-word tail) never exists.
-        The backward recomputes a chunk's logits instead of storing them.
         """
         lo, hi = self.config.cluster_bounds[i], self.config.cluster_bounds[i + 1]
         batch, length = targets.shape
@@ -136,21 +194,7 @@ class AdaptiveIO(nn.Module):
         x = x.reshape(batch, n_chunks, chunk, -1).swapaxes(0, 1)
         local = local.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
         active = jnp.arange(n_chunks) * chunk < inside.sum(axis=1).max()
-
-        @jax.checkpoint
-        def score(x_chunk, local_chunk):
-            logits = self._cluster_logits(x_chunk, i)
-            picked = jnp.take_along_axis(logits, local_chunk[..., None], axis=-1)[..., 0]
-            return picked - jax.nn.logsumexp(logits, axis=-1)
-
-        def skip(x_chunk, local_chunk):
-            return jnp.zeros(local_chunk.shape, jnp.float32)
-
-        def step(carry, chunk_inputs):
-            x_chunk, local_chunk, is_active = chunk_inputs
-            return carry, jax.lax.cond(is_active, score, skip, x_chunk, local_chunk)
-
-        _, sorted_logprobs = jax.lax.scan(step, None, (x, local, active))
+        sorted_logprobs = _chunked_logprobs(self.config.dtype, self._cluster_weights(i), x, local, active)
         sorted_logprobs = sorted_logprobs.swapaxes(0, 1).reshape(batch, -1)[:, :length]
         return jnp.take_along_axis(sorted_logprobs, jnp.argsort(order, axis=1), axis=1)
 
