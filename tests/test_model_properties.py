@@ -130,6 +130,25 @@ def test_tail_clusters_scored_in_chunks_match_the_full_softmax_with_gradients(mo
         np.testing.assert_allclose(g, e, atol=1e-5)
 
 
+def test_tail_backward_holds_the_cluster_weights_once_not_once_per_chunk(monkeypatch):
+    # A 20k-word tail cluster of width 8 (640 KB of weights) dwarfs every activation here. Eight
+    # times as many chunks may add chunk inputs (2 KB), never another copy of the weights: the
+    # autodiff of a scan over lax.cond used to keep about four per chunk (19 GB at wt103-base).
+    monkeypatch.setattr(adaptive, '_TAIL_CHUNK_TOKENS', 4)
+    cfg = ModelConfig(**{**BASE, 'vocab_size': 20010, 'cutoffs': (10,), 'd_model': 8})
+    io = adaptive.AdaptiveIO(cfg)
+    table_bytes = 20000 * 8 * 4
+
+    def temp_bytes(length):
+        hidden = jnp.ones((1, length, 8))
+        targets = jnp.full((1, length), 20005)  # Every position in the tail: every chunk active.
+        params = io.init(jax.random.key(0), hidden, targets, method=io.target_logprobs)
+        grad = jax.grad(lambda p, h: io.apply(p, h, targets, method=io.target_logprobs).sum(), argnums=(0, 1))
+        return jax.jit(grad).lower(params, hidden).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(64) - temp_bytes(8) < table_bytes
+
+
 def test_plain_softmax_equals_tied_embedding_logits():
     cfg, model, params = setup(mem_len=0)
     tokens = random_tokens(8, (2, 5))
