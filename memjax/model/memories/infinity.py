@@ -83,10 +83,47 @@ def ridge_matrix(positions: tuple[float, ...], n_basis: int, widths: tuple[float
 
 def expected_basis(mu: jax.Array, sigma2: jax.Array, centres, widths) -> jax.Array:
     """E_{t ~ N(mu, sigma2)}[psi(t)] [..., N] in closed form: the integral over the real line of
-    two Gaussian densities is N(mu; centre_j, sigma2 + width_j^2)."""
-    var = sigma2[..., None] + jnp.asarray(widths ** 2, jnp.float32)
+    two Gaussian densities is N(mu; centre_j, sigma2 + width_j^2). `centres`, `widths`: a
+    `gaussian_basis` (every centre with every width)."""
+    n_widths = len(np.unique(widths))
+    grid = (tuple(np.asarray(centres)[::n_widths]), tuple(np.asarray(widths)[:n_widths]))
+    if any(not np.array_equal(a, b) for a, b in zip(gaussian_basis(len(centres), grid[1]), (centres, widths))):
+        raise ValueError('expected_basis takes the (centres, widths) of gaussian_basis.')
+    return _expected_basis(grid, mu, sigma2)
+
+
+def _expected_basis_values(grid, mu, sigma2):
+    centres, widths = gaussian_basis(len(grid[0]) * len(grid[1]), grid[1])
+    var = sigma2[..., None] + jnp.asarray(np.square(widths), jnp.float32)
     return jnp.exp(-0.5 * (mu[..., None] - jnp.asarray(centres, jnp.float32)) ** 2 / var) / jnp.sqrt(
         2.0 * np.pi * var)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _expected_basis(grid, mu, sigma2):
+    """grid: (centres, widths), each centre with each width. The gradient is written out because
+    XLA:CPU ran autodiff's (sums over N fused with the exponentials) at 40x the forward's time, 45
+    ms per layer at the PG-19 shape; per width, its three sums over the centres are contractions."""
+    return _expected_basis_values(grid, mu, sigma2)
+
+
+def _expected_basis_fwd(grid, mu, sigma2):
+    values = _expected_basis_values(grid, mu, sigma2)
+    return values, (mu, sigma2, values)
+
+
+def _expected_basis_bwd(grid, residuals, cotangent):
+    # E_j = N(mu; c_j, v_j): dE/dmu = E (c - mu) / v, dE/dv = E ((c - mu)^2 / v^2 - 1 / v) / 2.
+    mu, sigma2, values = residuals
+    centres, widths = (jnp.asarray(g, jnp.float32) for g in grid)
+    inv = 1.0 / (sigma2[..., None] + widths ** 2)  # [..., widths]
+    d = centres - mu[..., None]  # [..., centres]
+    weighted = (cotangent * values).reshape(cotangent.shape[:-1] + (len(grid[0]), len(grid[1])))
+    by_power = [weighted.sum(-2)] + [jnp.einsum('...cw,...c->...w', weighted, p) for p in (d, d * d)]
+    return (inv * by_power[1]).sum(-1), 0.5 * (inv * inv * by_power[2] - inv * by_power[0]).sum(-1)
+
+
+_expected_basis.defvjp(_expected_basis_fwd, _expected_basis_bwd)
 
 
 def kl_to_prior(sigma2: jax.Array, sigma0: float) -> jax.Array:
