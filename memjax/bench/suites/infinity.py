@@ -6,7 +6,7 @@ of N basis functions) and for a Transformer-XL whose memory covers the same C to
 The infinity-former's step has the same shapes whatever it holds; it is timed after C / T real
 memory updates anyway, so the row shows it, not assumes it. Overhead row: the paper's PG-19 shape
 (GPT-2 small, 512-token segments, batch 1, N = 512): step time with the LTM over the same GPT-2
-without it.
+without it, the two timed round-robin.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ def _per_token(timings, tokens: int) -> dict:
     return {name: t.median_s * 1e3 / tokens for name, t in timings.items()}
 
 
-def _time(ctx, mcfg, batch_size: int, tgt_len: int, contexts: tuple) -> dict:
-    """{context: (train, eval) ms per token} of `mcfg` once its memory holds `context` tokens of
-    random text (reached by real evaluation steps). One compiled train and eval step serve every
-    context (the shapes do not change), timed round-robin over the contexts."""
+def _loops(ctx, mcfg, batch_size: int, tgt_len: int, contexts: tuple) -> dict:
+    """{context: (train loop, eval loop)} of `mcfg` once its memory holds `context` tokens of random
+    text (reached by real evaluation steps). One compiled train and eval step serve every context
+    (the shapes do not change)."""
     work = workload.build(mcfg, batch_size, tgt_len, ctx.config)
     batch = eval_speed.eval_batch(work.batch['inputs'], work.batch['targets'])
     compiled_eval, filler = eval_speed.compile_eval(mcfg, work.params, batch)
@@ -56,15 +56,18 @@ def _time(ctx, mcfg, batch_size: int, tgt_len: int, contexts: tuple) -> dict:
         memories[context] = _copy(filler.memory)
     step = workload.compile_step(work).executable
     key = jax.random.PRNGKey(0)
-    train = harness.time_interleaved(
-        {c: workload.StepLoop(step, dataclasses.replace(workload.copy_state(work), memory=_copy(m)))
-         for c, m in memories.items()}, warmup=ctx.warmup, repeats=ctx.repeats)
-    evaluation = harness.time_interleaved(
-        {c: eval_speed.EvalLoop(compiled_eval.executable, work.params, _copy(m), batch, key)
-         for c, m in memories.items()}, warmup=ctx.warmup, repeats=ctx.repeats)
-    tokens = batch_size * tgt_len
-    train, evaluation = _per_token(train, tokens), _per_token(evaluation, tokens)
-    return {c: {'train_ms_per_token': train[c], 'eval_ms_per_token': evaluation[c]} for c in contexts}
+    return {c: (workload.StepLoop(step, dataclasses.replace(workload.copy_state(work), memory=_copy(m))),
+                eval_speed.EvalLoop(compiled_eval.executable, work.params, _copy(m), batch, key))
+            for c, m in memories.items()}
+
+
+def _time(ctx, loops: dict, tokens: int) -> dict:
+    """{label: (train, eval) ms per token} of {label: (train loop, eval loop)}, each phase timed
+    round-robin over the labels, so that the machine's drift falls on all of them alike."""
+    train, evaluation = (
+        _per_token(harness.time_interleaved({label: pair[i] for label, pair in loops.items()},
+                                            warmup=ctx.warmup, repeats=ctx.repeats), tokens) for i in (0, 1))
+    return {label: {'train_ms_per_token': train[label], 'eval_ms_per_token': evaluation[label]} for label in loops}
 
 
 @harness.register('infinity')
@@ -76,21 +79,23 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     ctx.log(f'infinity: infinity-former, {contexts} tokens of context (one executable, interleaved)')
     mcfg = workload.model_config(ctx.config, memory='infinity', mem_len=seq, segment_len=seq, dropout=0.0,
                                  **shape['model'])
-    for context, times in _time(ctx, mcfg, batch, seq, contexts).items():
+    for context, times in _time(ctx, _loops(ctx, mcfg, batch, seq, contexts), batch * seq).items():
         rows.append({'row': 'context', 'memory': 'infinity', 'context': context, 'mem_len': seq, **times})
     for context in contexts:  # XL: a memory of `context` rows, one executable per length.
         ctx.log(f'infinity: xl, mem_len {context}')
         mcfg = workload.model_config(ctx.config, memory='xl', mem_len=context, dropout=0.0, **shape['model'])
         rows.append({'row': 'context', 'memory': 'xl', 'context': context, 'mem_len': context,
-                     **_time(ctx, mcfg, batch, seq, (0,))[0]})
+                     **_time(ctx, _loops(ctx, mcfg, batch, seq, (0,)), batch * seq)[0]})
     model, seg = OVERHEAD['tiny' if ctx.tiny else 'full']
-    overhead = {}
+    ctx.log('infinity: overhead, GPT-2 shape, without and with the LTM (interleaved)')
+    loops = {}
     for memory in ('none', 'infinity'):
         mcfg = workload.model_config(ctx.config, memory=memory, segment_len=seg, dropout=0.0, **model)
-        ctx.log(f'infinity: overhead, GPT-2 shape, memory={memory}')
         # Filled with two segments: the LTM is in use (it is empty, and skipped, only at the start).
-        overhead[memory] = _time(ctx, mcfg, 1, seg, (2 * seg,))[2 * seg]
-        rows.append({'row': 'overhead', 'memory': memory, 'context': 2 * seg, 'mem_len': 0, **overhead[memory]})
+        loops[memory] = _loops(ctx, mcfg, 1, seg, (2 * seg,))[2 * seg]
+    overhead = _time(ctx, loops, seg)
+    for memory, times in overhead.items():
+        rows.append({'row': 'overhead', 'memory': memory, 'context': 2 * seg, 'mem_len': 0, **times})
     # Context rows against the shortest context of the same memory; overhead rows against no LTM.
     for r in rows:
         base = overhead['none'] if r['row'] == 'overhead' else next(
