@@ -39,7 +39,7 @@ def test_ridge_regression_reconstructs_a_smooth_signal_better_with_more_basis_fu
     assert errors[-1] < 0.05, errors  # The signal's RMS is 0.79.
 
 
-def test_expected_basis_is_the_integral_and_autodiff_matches_finite_differences():
+def test_expected_basis_is_the_integral_and_its_gradient_matches_finite_differences_and_autodiff():
     centres, widths = inf.gaussian_basis(6, (0.05, 0.1))
     mu, sigma2 = 0.3, 0.02
     grid = np.linspace(-3.0, 4.0, 200_001)
@@ -50,6 +50,17 @@ def test_expected_basis_is_the_integral_and_autodiff_matches_finite_differences(
     weights = jnp.arange(1.0, 7.0)
     check_grads(lambda m, s: jnp.dot(inf.expected_basis(m, s, centres, widths), weights),
                 (jnp.float32(mu), jnp.float32(sigma2)), order=1, modes=['rev'], eps=1e-3, atol=2e-2, rtol=2e-2)
+    # The written-out gradient against autodiff of the density written naively, over many queries
+    # and three widths.
+    centres, widths = inf.gaussian_basis(24, (0.005, 0.01, 0.05))
+    k_mu, k_s, k_w = jax.random.split(jax.random.key(0), 3)
+    mu, sigma2 = jax.random.uniform(k_mu, (3, 5)), jax.random.uniform(k_s, (3, 5), minval=1e-4, maxval=0.05)
+    weights = jax.random.normal(k_w, (3, 5, 24))
+    naive = lambda m, s: jnp.sum(weights * jnp.exp(-0.5 * (m[..., None] - centres) ** 2 / (s[..., None] + widths ** 2))
+                                 / jnp.sqrt(2 * np.pi * (s[..., None] + widths ** 2)))
+    written = lambda m, s: jnp.sum(weights * inf.expected_basis(m, s, centres, widths))
+    for got, expected in zip(jax.grad(written, (0, 1))(mu, sigma2), jax.grad(naive, (0, 1))(mu, sigma2)):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * float(jnp.abs(expected).max()))
 
 
 def test_sticky_histogram_is_the_erf_mass_per_bin_and_sums_to_one():
