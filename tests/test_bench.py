@@ -195,7 +195,20 @@ def _check_lamemo(report):
         assert report['figures'][f"{xl['size']} time_vs_xl"] == lamemo['time_vs_xl']
 
 
-CHECKS = {'lamemo': _check_lamemo, 'skip': _check_skip, 'peak': _check_peak, 'adaptive-softmax': _check_adaptive_softmax, 'train': _check_train, 'compile': _check_compile,
+def _check_infinity(report):
+    rows = report['rows']
+    contexts = [r['context'] for r in rows if r['row'] == 'context' and r['memory'] == 'infinity']
+    assert contexts == sorted(contexts) and len(contexts) >= 2
+    assert [r['mem_len'] for r in rows if r['row'] == 'context' and r['memory'] == 'xl'] == contexts
+    none, ltm = (r for r in rows if r['row'] == 'overhead')
+    assert (none['memory'], ltm['memory']) == ('none', 'infinity')
+    for phase in ('train', 'eval'):
+        assert math.isclose(report['figures'][f'ltm_{phase}_overhead'],
+                            ltm[f'{phase}_ms_per_token'] / none[f'{phase}_ms_per_token'] - 1)
+        assert math.isclose(ltm[f'{phase}_vs_base'], ltm[f'{phase}_ms_per_token'] / none[f'{phase}_ms_per_token'])
+
+
+CHECKS = {'infinity': _check_infinity, 'lamemo': _check_lamemo, 'skip': _check_skip, 'peak': _check_peak, 'adaptive-softmax': _check_adaptive_softmax, 'train': _check_train, 'compile': _check_compile,
           'memory': _check_memory, 'devices': _check_devices}
 
 
