@@ -14,6 +14,7 @@ import abc
 import dataclasses
 import hashlib
 import inspect
+import logging
 import os
 import re
 import zipfile
@@ -461,10 +462,22 @@ def _check_manual_files(builder: _MemjaxTextBuilder, folder: Path) -> None:
             raise _missing(folder / name, builder.MANUAL_DOWNLOAD_INSTRUCTIONS)
 
 
+def _is_prepared(builder: _MemjaxTextBuilder) -> bool:
+    """builder.is_prepared() without TFDS's warning that a version folder has no dataset_info.json
+    (it says so even where the folder does not exist): missing data gets memjax's one-line message."""
+    absl_logger = logging.getLogger('absl')
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
+        return builder.is_prepared()
+    finally:
+        absl_logger.setLevel(level)
+
+
 def prepare(data_cfg: Any) -> _MemjaxTextBuilder:
     """Prepares data.name in data.data_dir unless done; returns the builder."""
     builder = make_builder(data_cfg)
-    if builder.is_prepared():
+    if _is_prepared(builder):
         return builder
     download_config = None
     if builder.MANUAL_DOWNLOAD_INSTRUCTIONS:
