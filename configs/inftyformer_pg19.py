@@ -4,7 +4,8 @@
       --config.data.manual_dir=PG19 --config.data.vocab_path=GPT2 --config.train.init_from=GPT2
 
 PG19: the deepmind/pg19 folders train/, validation/, test/ of <book_id>.txt files (the paper
-fine-tunes on the first 2,000 training books: put those in train/). GPT2: an HF gpt2 download
+fine-tunes on the first 2,000 training books: data.train_documents=2000 reads those, by book id;
+0 reads every book). GPT2: an HF gpt2 download
 (config.json, model.safetensors, vocab.json, merges.txt); without init_from the model trains from
 scratch. Arguments, comma-separated: 'sticky' (sticky memories, the paper's "SM" row), 'smoke' (the
 same model family at tiny size on the embedded corpus, byte tokens: trains in under a minute):
@@ -23,7 +24,7 @@ from memjax import config_lib
 def get_config(arg: str = ''):
     options = config_lib.config_options(__file__, arg, ('smoke', 'sticky'))
     config = config_lib.base_config()
-    config.data.update(name='pg19', tokenizer='gpt2_bpe', reset_at_doc_boundary=True)
+    config.data.update(name='pg19', tokenizer='gpt2_bpe', reset_at_doc_boundary=True, train_documents=2000)
     config.model.update(
         memory='infinity', block='gpt2', positions='learned_absolute', pre_lnorm=True,
         d_model=768, n_layer=12, n_head=12, d_head=64, d_inner=3072, n_positions=1024,
@@ -35,7 +36,7 @@ def get_config(arg: str = ''):
         warmup_steps=0, min_lr_ratio=1.0, clip_norm=1.0, log_every=500, eval_every=20_000,
         eval_batches=-1, checkpoint_every=5_000)
     if 'smoke' in options:
-        config.data.update(name='embedded', tokenizer='byte')
+        config.data.update(name='embedded', tokenizer='byte', train_documents=0)
         config.model.update(d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=256, n_positions=64,
                             dropout=0.0, dropatt=0.0, ltm_basis=32, ltm_reset_tokens=256)
         config.train.update(batch_size=8, tgt_len=64, num_steps=1500, learning_rate=2e-3,

@@ -48,6 +48,9 @@ def base_config() -> ml_collections.ConfigDict:
         heldout_size=5_000_000,  # enwik8 / text8: bytes or characters of validation and of test.
         cache_dir='',  # '': <data_dir>/memjax_token_cache.
         reset_at_doc_boundary=False,
+        # > 0: only the first N documents of the train split, in the prepared order (PG-19: by book
+        # id); the infinity-former fine-tunes on PG-19's first 2,000 books.
+        train_documents=0,
     ))
 
     # Reference optimisation: Adam, lr 2.5e-4, linear warmup, cosine decay, clip 0.25.
@@ -345,6 +348,8 @@ def validate_config(config: ml_collections.ConfigDict, process_count: int = 1,
            f'config.data.name={config.data.name!r} must be one of {DATA_NAMES}.')
     _check(errors, config.data.tokenizer in TOKENIZERS,
            f'config.data.tokenizer={config.data.tokenizer!r} must be one of {TOKENIZERS}.')
+    _check(errors, config.data.train_documents >= 0,
+           f'config.data.train_documents={config.data.train_documents} must be >= 0 (0: every document).')
     _validate_train(config.train, process_count, errors)
     _validate_eval(config.eval, process_count, errors)
     _validate_mesh(config, process_count, device_count, errors)

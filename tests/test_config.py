@@ -151,6 +151,7 @@ def no_compilation(monkeypatch):
     ({'train.log_every': 3}, 'config.train.log_every=3'),
     ({'eval.tgt_len': -5}, 'config.eval.tgt_len=-5'),
     ({'eval.split': 'dev'}, 'config.eval.split'),
+    ({'data.train_documents': -1}, 'config.data.train_documents=-1'),
     ({'model.n_head': 0}, 'n_head=0'),
     ({'model.mem_len': 0, 'eval.model.same_length': True}, 'same_length'),
 ])

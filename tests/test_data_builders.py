@@ -6,7 +6,7 @@ import zipfile
 import pytest
 import tensorflow_datasets as tfds
 
-from memjax.data import builders
+from memjax.data import builders, pipeline, tokenizers
 
 
 def _records(name, data_dir, split):
@@ -134,6 +134,21 @@ def test_pg19_books_in_numeric_order(tmp_path):
     records = _records('memjax_pg19', tmp_path / 'tfds', 'train')
     assert _docs_from_records(records) == ['nine\n', 'ten\n', 'hundred\n']
     assert load_split_documents(cfg, 'test') == ['seven\n']
+
+
+def test_train_documents_reads_the_first_books_by_id_and_caches_them_apart(tmp_path):
+    # The infinity-former's PG-19 subset: the first N training books; other splits stay whole.
+    _write_pg19(tmp_path / 'raw')
+    cfg = {'name': 'pg19', 'data_dir': str(tmp_path / 'tfds'), 'manual_dir': str(tmp_path / 'raw')}
+    tok = tokenizers.train_tokenizer('byte', ())
+    whole = pipeline.load_token_ids(cfg, 'train', tok)
+    first_two = pipeline.load_token_ids({**cfg, 'train_documents': 2}, 'train', tok)
+    tokens, offsets = first_two
+    assert [tok.decode(tokens[a:b]) for a, b in zip(offsets[:-1], offsets[1:])] == ['nine\n', 'ten\n']
+    assert len(whole[1]) == 4  # The full split's cache was not overwritten by the subset's.
+    assert pipeline.load_token_ids(cfg, 'train', tok)[0].tolist() == whole[0].tolist()
+    valid = pipeline.load_token_ids({**cfg, 'train_documents': 2}, 'validation', tok)
+    assert tok.decode(valid[0]) == 'five\n'
 
 
 def test_pg19_undecodable_book_names_the_file(tmp_path):

@@ -14,6 +14,7 @@ import abc
 import dataclasses
 import hashlib
 import inspect
+import itertools
 import logging
 import os
 import re
@@ -518,6 +519,20 @@ def iter_documents(builder: _MemjaxTextBuilder, split: str) -> Iterator[str]:
             parts = []
         parts.append(record['text'])
     yield b''.join(parts).decode('utf-8', 'surrogateescape')
+
+
+def run_documents(data_cfg: Any, builder: _MemjaxTextBuilder, split: str) -> Iterator[str]:
+    """The documents a run reads from a prepared split: all of them, or the first
+    data.train_documents of the train split (a subset is a choice of the run, not of the prepared
+    data, so one preparation serves both)."""
+    documents = iter_documents(builder, split)
+    limit = train_documents(data_cfg, split)
+    return itertools.islice(documents, limit) if limit else documents
+
+
+def train_documents(data_cfg: Any, split: str) -> int:
+    """How many leading documents of `split` a run reads (0: all)."""
+    return int(cfg_get(data_cfg, 'train_documents', 0)) if canonical_split(split) == 'train' else 0
 
 
 def read_documents(builder: _MemjaxTextBuilder, split: str) -> List[str]:

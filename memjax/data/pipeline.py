@@ -110,8 +110,10 @@ def document_layout(doc_offsets: np.ndarray, batch_size: int,
 
 def _cache_paths(data_cfg: Any, builder, split: str, tokenizer: Tokenizer,
                  cache_dir: Optional[os.PathLike]) -> Tuple[Path, Path]:
+    limit = builders.train_documents(data_cfg, split)
+    subset = f'\0first{limit}' if limit else ''  # Whole splits keep the keys they always had.
     key = hashlib.sha256(
-        (builders.dataset_fingerprint(builder, split) + tokenizer.fingerprint
+        (builders.dataset_fingerprint(builder, split) + tokenizer.fingerprint + subset
          ).encode()).hexdigest()[:24]
     folder = Path(cache_dir or cfg_get(data_cfg, 'cache_dir', '')
                   or builders.data_dir(data_cfg) / 'memjax_token_cache')
@@ -173,7 +175,7 @@ def load_token_ids(data_cfg: Any, split: str, tokenizer: Tokenizer,
     cached = _load_cache(tokens_path, docs_path, tokenizer.vocab_size)
     if cached is None:
         encoded = [tokenizer.encode(doc) for doc in
-                   builders.iter_documents(builder, split)]
+                   builders.run_documents(data_cfg, builder, split)]
         offsets = np.cumsum([0] + [len(x) for x in encoded], dtype=np.int64)
         tokens_path.parent.mkdir(parents=True, exist_ok=True)
         _save_npy(docs_path, offsets)

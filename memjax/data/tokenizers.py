@@ -481,7 +481,7 @@ def build_tokenizer(data_cfg: Any,
         tok, origin = train_tokenizer(kind, ()), 'its fixed vocabulary'
     else:
         from memjax.data import builders  # Deferred: pulls in TFDS.
-        docs = builders.iter_documents(builders.prepare(data_cfg), 'train')
+        docs = builders.run_documents(data_cfg, builders.prepare(data_cfg), 'train')
         tok, origin = train_tokenizer(kind, docs, data_cfg), 'train split'
     if tok.kind != kind:
         raise errors.DataError(
