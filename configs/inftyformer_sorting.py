@@ -3,9 +3,11 @@
   python -m memjax.train --config=configs/inftyformer_sorting.py:8000 --workdir=runs/sort8000
   python -m memjax.train --config=configs/inftyformer_sorting.py:8000,xl --workdir=runs/sort8000_xl
 
-The argument is the sequence length (4000, 8000 or 16000 in the paper; any length works, also as
---config.data.sort_length) and optionally 'xl': the same task with a plain Transformer-XL whose
-memory has the same size as the infinity-former's two (2048), the paper's baseline. The loss,
+The argument is the sequence length (4000, 8000 or 16000 in the paper; any length works) and
+optionally 'xl': the same task with a plain Transformer-XL whose memory has the same size as the
+infinity-former's two (2048), the paper's baseline. Give the length here, not as
+--config.data.sort_length: the schedule (segments per dispatch, steps, evaluation and checkpoint
+intervals, learning rate) follows from it. The loss,
 the validation loss and the accuracy (config.eval.accuracy) are on the 20 answer tokens; every
 earlier segment only builds memory.
 

@@ -110,6 +110,38 @@ def test_lamemo_configs_follow_appendix_c():
         config_lib.config_options(wt103, 'no_interp_,smoke', ('smoke', 'no_interp'))
 
 
+def test_infinity_former_configs_follow_the_paper():
+    """Martins et al. 2022, section 4 and appendices C-D (and the reference notes' figures)."""
+    configs = os.path.join(REPO, 'configs')
+    pg19 = parse([f'--config={os.path.join(configs, "inftyformer_pg19.py")}'])
+    m, t = pg19.model, pg19.train
+    assert (m.memory, m.block, m.positions, m.n_layer, m.n_head, m.d_model, m.n_positions, t.tgt_len) == (
+        'infinity', 'gpt2', 'learned_absolute', 12, 12, 768, 1024, 512)
+    assert (m.ltm_basis, tuple(m.ltm_widths), m.ltm_ridge, m.ltm_tau, m.ltm_reset_tokens) == (
+        512, (0.005, 0.01), 0.5, 0.5, 2048)
+    assert (m.ltm_kl_weight, m.ltm_kl_sigma, m.ltm_min_variance) == (1e-6, 0.05, 1e-4)
+    assert (t.batch_size, t.learning_rate, t.memory_learning_rate) == (1, 5e-5, 2.5e-4)
+    assert (pg19.data.tokenizer, pg19.data.train_documents, m.ltm_sticky) == ('gpt2_bpe', 2000, False)
+    sorting = os.path.join(configs, 'inftyformer_sorting.py')
+    for length, segments, learning_rate in ((4000, 4, 2.5e-4), (8000, 8, 2.5e-4), (16000, 16, 2e-4)):
+        config = parse([f'--config={sorting}:{length}'])
+        m, t = config.model, config.train
+        assert (config.data.sort_length, m.n_layer, m.n_head, m.d_head, m.d_model, t.tgt_len, m.mem_len) == (
+            length, 3, 6, 50, 300, 1024, 1024)
+        assert (m.ltm_basis, tuple(m.ltm_widths), m.ltm_ridge, m.ltm_tau, m.ltm_kl_sigma) == (
+            1024, (0.01, 0.05), 1.0, 0.75, 0.05)
+        # One sequence (its 20-token answer and separator after `length` symbols) per dispatch.
+        assert (t.segments_per_step, t.batch_size, t.learning_rate) == (segments, 8, learning_rate)
+        assert t.num_steps == 20 * 1000 * segments and config.eval.accuracy
+    xl = parse([f'--config={sorting}:8000,xl']).model
+    assert (xl.memory, xl.mem_len) == ('xl', 2048)
+    wt103 = parse([f'--config={os.path.join(configs, "inftyformer_wt103.py")}'])
+    m, t = wt103.model, wt103.train
+    assert (m.n_layer, m.n_head, m.d_model, m.d_inner, m.mem_len, t.tgt_len, t.batch_size, t.num_steps) == (
+        16, 10, 410, 2100, 150, 150, 40, 250_000)
+    assert (m.ltm_basis, m.ltm_reset_tokens, m.ltm_tau, m.ltm_kl_weight, m.ltm_kl_sigma) == (150, 900, 0.5, 1e-5, 0.1)
+
+
 def test_override_is_applied_and_typed():
     config = parse([f'--config={TINY}', '--config.train.num_steps=6',
                     '--config.eval.model.same_length=True', '--config.model.cutoffs=(10,20)'])
