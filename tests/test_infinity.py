@@ -171,6 +171,33 @@ def test_per_step_cost_and_shapes_do_not_grow_with_the_context(forward):
     assert np.abs(out.target_logprobs - logprobs[4]).max() > 1e-5
 
 
+def test_ltm_starts_afresh_after_the_token_threshold_and_at_a_document_start():
+    # One layer, no STM: a layer's waiting rows are the previous segment's embeddings, so once the
+    # LTM starts afresh its coefficients no longer depend on older text. Streams A and B differ
+    # only in segment 0; the LTM first holds segment 0 at step 1, then 8 tokens, 16 at step 2.
+    def coefficients(cfg, tokens, resets):
+        model, params = model_lib.build_model(cfg), model_lib.init_params(cfg, jax.random.key(0))
+        apply = jax.jit(lambda x, m, r: model.apply({'params': params}, x, m, reset=r)[1])
+        memory = model_lib.init_memory(cfg, 2)
+        for step, reset in enumerate(resets):
+            memory = apply(tokens[:, step * SEG:(step + 1) * SEG], memory, jnp.asarray(reset))
+        return np.asarray(memory.layers['coefficients'][0])
+
+    a = jax.random.randint(jax.random.key(4), (2, 5 * SEG), 0, 23)
+    b = a.at[:, :SEG].set((a[:, :SEG] + 1) % 23)
+    keep = [[False, False]] * 4
+    unbounded = tiny(n_layer=1)
+    assert np.abs(coefficients(unbounded, a, keep) - coefficients(unbounded, b, keep)).max() > 1e-4
+    # ltm_reset_tokens=16: at step 3 the LTM holds 16 tokens and is refitted from segment 2 alone.
+    threshold = tiny(n_layer=1, ltm_reset_tokens=2 * SEG)
+    np.testing.assert_allclose(coefficients(threshold, a, keep), coefficients(threshold, b, keep), atol=1e-6)
+    # A document starting in row 0 at step 3: that row's LTM is empty there, then holds segment 3.
+    doc = keep[:3] + [[True, False], [False, False]]
+    with_a, with_b = coefficients(unbounded, a, doc), coefficients(unbounded, b, doc)
+    np.testing.assert_allclose(with_a[0], with_b[0], atol=1e-6)
+    assert np.abs(with_a[1] - with_b[1]).max() > 1e-4
+
+
 def test_layers_draw_their_own_sticky_positions(forward):
     cfg = tiny(ltm_sticky=True, ltm_sticky_bins=8)
     params = model_lib.init_params(cfg, jax.random.key(0))
