@@ -41,19 +41,22 @@ def experiment(corpus, tmp_path_factory):
 
 
 def naive_nll(exp, params, tokens):
-    """One stream, one segment at a time, unpadded last segment, memory carried by hand."""
+    """One stream, one segment at a time, unpadded last segment, memory carried by hand: (nll sum,
+    targets, targets that are the most probable token)."""
     mcfg = exp.mcfg.replace(mem_len=EVAL_MEM_LEN, clamp_len=EVAL_CLAMP_LEN, same_length=True)
     model = model_lib.build_model(mcfg)
     apply = jax.jit(lambda p, x, m, y, r: model.apply({'params': p}, x, m, targets=y, reset=r))
+    logprobs = jax.jit(lambda p, h: model.apply({'params': p}, h, method=model.logprobs))
     memory = model_lib.init_memory(mcfg, 1)
-    total, count = 0.0, 0
+    total, count, correct = 0.0, 0, 0
     for start in range(0, len(tokens) - 1, EVAL_TGT_LEN):
         targets = tokens[start + 1:start + 1 + EVAL_TGT_LEN]
         inputs = tokens[start:start + len(targets)]
         out, memory = apply(params, inputs[None], memory, targets[None], np.array([start == 0]))
         total -= float(np.sum(np.asarray(out.target_logprobs, np.float64)))
         count += len(targets)
-    return total, count
+        correct += int(np.sum(np.argmax(np.asarray(logprobs(params, out.hidden))[0], axis=-1) == targets))
+    return total, count, correct
 
 
 @pytest.mark.parametrize('batch_size', [1, 3])
@@ -67,16 +70,18 @@ def test_every_target_of_the_split_is_scored_once(corpus, experiment, batch_size
     assert result.num_tokens == expected == streams.num_target_tokens
 
 
-def test_single_stream_equals_naive_segment_loop(corpus, experiment):
-    exp, params, eval_step = experiment
+def test_single_stream_equals_naive_segment_loop_with_accuracy(corpus, experiment):
+    exp, params, _ = experiment
     config = exp.config.copy_and_resolve_references()
     config.eval.batch_size = 1
     streams = evaluation.eval_streams(config, exp.tokenizer, 'validation')
+    eval_step = jax.jit(train_step_lib.eval_step_fn(exp.eval_model, accuracy=True))  # config.eval.accuracy
     result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams, 1)
     tokens = np.frombuffer(split_bytes(corpus, 'validation'), np.uint8).astype(np.int32)
-    total, count = naive_nll(exp, params, tokens)
+    total, count, correct = naive_nll(exp, params, tokens)
     assert result.num_tokens == count
     assert result.nll_sum == pytest.approx(total, rel=1e-5)
+    assert result.num_correct == correct > 0 and result.accuracy == correct / count
 
 
 def test_max_batches_limits_the_pass(experiment):

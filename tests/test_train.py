@@ -52,6 +52,24 @@ def test_first_adam_update_moves_each_weight_by_the_learning_rate():
     np.testing.assert_allclose(np.asarray(updates['w']), expected, rtol=1e-5)
 
 
+def test_memory_parameters_take_the_memory_learning_rate_on_the_same_schedule():
+    """The infinity-former's fine-tuning: GPT-2 at learning_rate, the LTM (every 'memory' module)
+    at memory_learning_rate, both warmed up alike; Adam's first step moves each by its rate."""
+    config = training_fixtures.tiny_config('unused', train__warmup_steps=4, train__learning_rate=1e-3,
+                                           train__memory_learning_rate=2e-2, train__clip_norm=0.0)
+    params = {'layer_0': {'attention': {'w': jnp.ones(3)}, 'memory': {'gate': {'w': jnp.ones(3)}}},
+              'io': {'b': jnp.ones(2)}}
+    grads = jax.tree.map(lambda p: -jnp.ones_like(p), params)
+    tx = optim.make_optimizer(config.train)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    moved = {jax.tree_util.keystr(path): np.asarray(u) for path, u in jax.tree_util.tree_leaves_with_path(updates)}
+    expected = {"['io']['b']": 1e-3 / 4, "['layer_0']['attention']['w']": 1e-3 / 4,
+                "['layer_0']['memory']['gate']['w']": 2e-2 / 4}
+    assert moved.keys() == expected.keys()
+    for name, step in expected.items():
+        np.testing.assert_allclose(moved[name], step, rtol=1e-5, err_msg=name)
+
+
 @pytest.fixture(scope='module')
 def tiny_experiment(corpus, tmp_path_factory):
     config = training_fixtures.tiny_config(corpus, model__dropout=0.0)
