@@ -209,18 +209,28 @@ def test_bf16_log_denominators_stay_finite_under_large_logits(forward):
     np.testing.assert_allclose(half, full, atol=0.01)  # Seen: 7e-4 (log-probs about -2.3).
 
 
-def test_attention_cost_is_linear_in_the_memory_length():
-    """XLA's FLOP count of one layer's step grows linearly with M (score entries N (M + N) + M W,
-    positional look-ahead scores 2 M W): no M^2 term, unlike scoring every memory row against
-    every distance."""
-    def flops(mem_len):
+def test_attention_cost_is_linear_in_the_memory_length(monkeypatch):
+    """One layer scores N (M + N) + M N entries (the segment's causal scores and the memory rows'
+    look-ahead, counted from the shapes whose softmax denominators the layer takes), and XLA's
+    FLOP count grows linearly with M (positional look-ahead scores 2 M N): no M^2 term, unlike
+    scoring every memory row against every distance."""
+    normalised = []
+    logsumexp = jax.nn.logsumexp
+    monkeypatch.setattr(jax.nn, 'logsumexp', lambda x, *a, **k: normalised.append(x.shape) or logsumexp(x, *a, **k))
+
+    def flops_and_entries(mem_len):
         cfg = tiny(n_layer=1, mem_len=mem_len, vocab_size=5, d_model=8, d_inner=8, n_head=1)
         params = model_lib.init_params(cfg, jax.random.key(0))
         fn = jax.jit(lambda p, x, m: model_lib.build_model(cfg).apply({'params': p}, x, m)[1])
         tokens = jnp.zeros((1, SEG), jnp.int32)
-        return fn.lower(params, tokens, model_lib.init_memory(cfg, 1)).cost_analysis()['flops']
+        normalised.clear()
+        flops = fn.lower(params, tokens, model_lib.init_memory(cfg, 1)).cost_analysis()['flops']
+        assert all(shape[:2] == (1, 1) for shape in normalised)  # [B, H, rows, keys]
+        return flops, sum(rows * keys for _, _, rows, keys in normalised)
 
-    f = [flops(m) for m in (16, 32, 48)]
+    memories = (16, 32, 48)
+    f, entries = zip(*(flops_and_entries(m) for m in memories))
+    assert list(entries) == [SEG * (m + SEG) + m * SEG for m in memories]
     steps = np.diff(f)
     assert steps[0] > 0
     np.testing.assert_allclose(steps, steps[0], rtol=0.02)
