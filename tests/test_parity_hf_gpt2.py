@@ -71,6 +71,20 @@ def test_import_without_prefix_and_with_mask_buffers(hf_directory):
         hf_gpt2.params_from_hf_state_dict({k: v for k, v in state.items() if k != 'h.1.ln_2.weight'}, config)
 
 
+def test_gpt2_pickles_are_refused_never_unpickled(hf_directory, tmp_path, monkeypatch):
+    model, _ = hf_directory
+    model.save_pretrained(tmp_path, safe_serialization=False)  # pytorch_model.bin
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError('torch.load was called on a GPT-2 checkpoint')
+
+    monkeypatch.setattr(torch, 'load', forbidden)
+    with pytest.raises(hf_io.CheckpointError, match=r'pytorch_model.bin is a PyTorch pickle.*safetensors'):
+        hf_gpt2.load_hf_checkpoint(str(tmp_path))
+    with pytest.raises(hf_io.CheckpointError, match='PyTorch pickle'):
+        hf_gpt2.load_hf_checkpoint(str(tmp_path / 'pytorch_model.bin'))
+
+
 def test_unsupported_gpt2_options_are_named():
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, activation_function='relu')
     with pytest.raises(hf_io.CheckpointError, match="activation_function='relu'"):

@@ -131,8 +131,10 @@ def params_from_hf_state_dict(state_dict: Mapping[str, Any], config: ModelConfig
 
 
 def load_hf_checkpoint(path: str, hf_config: Optional[HFConfig] = None) -> tuple[ModelConfig, dict]:
-    """(ModelConfig, params) from an HF GPT-2 checkpoint; the config defaults to the config.json beside it."""
-    return hf_io.load_checkpoint(path, hf_config, model_config_from_hf, params_from_hf_state_dict)
+    """(ModelConfig, params) from an HF GPT-2 checkpoint (safetensors: GPT-2 is never unpickled); the
+    config defaults to the config.json beside it."""
+    return hf_io.load_checkpoint(path, hf_config, model_config_from_hf, params_from_hf_state_dict,
+                                 safetensors_only=True)
 
 
 def is_checkpoint_dir(path: str) -> bool:
@@ -165,7 +167,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog='python -m memjax.convert.hf_gpt2',
                                      description='Import HF GPT-2 weights into memjax (config.json + params.msgpack).')
     parser.add_argument('--checkpoint', required=True,
-                        help='save_pretrained directory, or a .safetensors / .bin state-dict file')
+                        help='save_pretrained directory, or a .safetensors file')
     parser.add_argument('--config', default=None, help='HF config.json; default: the one in or next to --checkpoint')
     parser.add_argument('--out', required=True, help='directory to write the memjax parameters into')
     args = parser.parse_args(argv)

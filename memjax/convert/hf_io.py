@@ -1,5 +1,5 @@
-"""What every HF importer shares: reading checkpoints without unpickling, mapping tensors by a
-layout, checking the result against the model, and memjax's own saved-params format.
+"""What every HF importer shares: reading checkpoints safely (safetensors, or torch's restricted
+weights_only loader where an importer allows PyTorch files), mapping tensors by a layout, checking the result against the model, and memjax's own saved-params format.
 
 An importer (hf_transfo_xl, hf_gpt2) describes each HF tensor as a `Tensor`: the keys that may
 hold it, its HF shape and the memjax parameters computed from it.
@@ -137,7 +137,8 @@ def convert_tensors(state_dict: Mapping[str, Any], layout: list[Tensor], config:
 
 
 # ----------------------------------------------------------------------------------------------
-# Reading HF checkpoints (never by unpickling: safetensors, or torch's weights_only loader).
+# Reading HF checkpoints: safetensors, or torch's weights_only loader (tensors and plain containers,
+# no code from the file) unless the importer takes safetensors only.
 
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
@@ -157,7 +158,11 @@ def _read_torch_bin(path: str) -> Mapping[str, Any]:
     return state
 
 
-def _read_weights_file(path: str) -> Mapping[str, Any]:
+_SAFETENSORS_ONLY = ('reads only safetensors (never unpickling): HF downloads have model.safetensors, '
+                     'or re-save with save_pretrained(..., safe_serialization=True).')
+
+
+def _read_weights_file(path: str, safetensors_only: bool = False) -> Mapping[str, Any]:
     if path.endswith('.index.json'):  # A sharded checkpoint: weight_map names the shard of each key.
         with open(path) as f:
             shards = sorted(set(json.load(f)['weight_map'].values()))
@@ -165,18 +170,21 @@ def _read_weights_file(path: str) -> Mapping[str, Any]:
         for shard in shards:
             if os.path.basename(shard) != shard:
                 raise CheckpointError(f'{path} names shard {shard!r} outside its directory.')
-            state.update(_read_weights_file(os.path.join(os.path.dirname(path), shard)))
+            state.update(_read_weights_file(os.path.join(os.path.dirname(path), shard), safetensors_only))
         return state
     if path.endswith('.safetensors'):
         return _read_safetensors(path)
     if path.endswith(('.bin', '.pt', '.pth')):
+        if safetensors_only:
+            raise CheckpointError(f'{path} is a PyTorch pickle; this importer {_SAFETENSORS_ONLY}')
         return _read_torch_bin(path)
     raise CheckpointError(f'{path}: unsupported weights file; give a save_pretrained directory, a '
                           '.safetensors file or a PyTorch state-dict file (.bin).')
 
 
-def read_hf_checkpoint(path: str) -> tuple[Mapping[str, Any], Optional[str]]:
-    """Reads the weights of a save_pretrained directory or a single weights file.
+def read_hf_checkpoint(path: str, safetensors_only: bool = False) -> tuple[Mapping[str, Any], Optional[str]]:
+    """Reads the weights of a save_pretrained directory or a single weights file (with
+    `safetensors_only`, a PyTorch file is refused, never unpickled).
 
     Returns:
       (state dict, path of the config.json in that directory or beside that file, or None).
@@ -195,7 +203,7 @@ def read_hf_checkpoint(path: str) -> tuple[Mapping[str, Any], Optional[str]]:
     else:
         raise CheckpointError(f'checkpoint {path} does not exist.')
     config_path = os.path.join(folder, CONFIG_FILE)
-    return _read_weights_file(weights), config_path if os.path.isfile(config_path) else None
+    return _read_weights_file(weights, safetensors_only), config_path if os.path.isfile(config_path) else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,10 +212,11 @@ def read_hf_checkpoint(path: str) -> tuple[Mapping[str, Any], Optional[str]]:
 
 
 def load_checkpoint(path: str, hf_config: Optional[HFConfig], config_from_hf: Callable[[HFConfig], ModelConfig],
-                    params_from_state_dict: Callable[..., dict]) -> tuple[ModelConfig, dict]:
+                    params_from_state_dict: Callable[..., dict],
+                    safetensors_only: bool = False) -> tuple[ModelConfig, dict]:
     """(ModelConfig, params) from an HF checkpoint through one family's importer; the HF config
     defaults to the config.json beside the weights."""
-    state, found_config = read_hf_checkpoint(path)
+    state, found_config = read_hf_checkpoint(path, safetensors_only)
     if hf_config is None:
         if found_config is None:
             raise CheckpointError(f'no {CONFIG_FILE} next to {path}; pass the HF config (--config).')
