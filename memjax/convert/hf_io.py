@@ -1,5 +1,6 @@
 """What every HF importer shares: reading checkpoints safely (safetensors, or torch's restricted
-weights_only loader where an importer allows PyTorch files), mapping tensors by a layout, checking the result against the model, and memjax's own saved-params format.
+weights_only loader where an importer allows PyTorch files), mapping tensors by a layout, checking
+the result against the model, and memjax's own saved-params format.
 
 An importer (hf_transfo_xl, hf_gpt2) describes each HF tensor as a `Tensor`: the keys that may
 hold it, its HF shape and the memjax parameters computed from it.
