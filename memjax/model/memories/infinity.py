@@ -81,44 +81,41 @@ def ridge_matrix(positions: tuple[float, ...], n_basis: int, widths: tuple[float
     return g[len(pad):len(pad) + n].astype(np.float32)
 
 
-def expected_basis(mu: jax.Array, sigma2: jax.Array, centres, widths) -> jax.Array:
-    """E_{t ~ N(mu, sigma2)}[psi(t)] [..., N] in closed form: the integral over the real line of
-    two Gaussian densities is N(mu; centre_j, sigma2 + width_j^2). `centres`, `widths`: a
-    `gaussian_basis` (every centre with every width)."""
-    n_widths = len(np.unique(widths))
-    grid = (tuple(np.asarray(centres)[::n_widths]), tuple(np.asarray(widths)[:n_widths]))
-    if any(not np.array_equal(a, b) for a, b in zip(gaussian_basis(len(centres), grid[1]), (centres, widths))):
-        raise ValueError('expected_basis takes the (centres, widths) of gaussian_basis.')
-    return _expected_basis(grid, mu, sigma2)
+def expected_basis(mu: jax.Array, sigma2: jax.Array, n_basis: int, widths: tuple[float, ...]) -> jax.Array:
+    """E_{t ~ N(mu, sigma2)}[psi(t)] [..., N] over `gaussian_basis(n_basis, widths)`, in closed form:
+    the integral over the real line of two Gaussian densities is N(mu; centre_j, sigma2 + width_j^2)."""
+    return _expected_basis((n_basis, tuple(float(w) for w in widths)), mu, sigma2)
 
 
-def _expected_basis_values(grid, mu, sigma2):
-    centres, widths = gaussian_basis(len(grid[0]) * len(grid[1]), grid[1])
+def _expected_basis_values(basis, mu, sigma2):
+    centres, widths = gaussian_basis(*basis)
     var = sigma2[..., None] + jnp.asarray(np.square(widths), jnp.float32)
     return jnp.exp(-0.5 * (mu[..., None] - jnp.asarray(centres, jnp.float32)) ** 2 / var) / jnp.sqrt(
         2.0 * np.pi * var)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _expected_basis(grid, mu, sigma2):
-    """grid: (centres, widths), each centre with each width. The gradient is written out because
-    XLA:CPU ran autodiff's (sums over N fused with the exponentials) at 40x the forward's time, 45
-    ms per layer at the PG-19 shape; per width, its three sums over the centres are contractions."""
-    return _expected_basis_values(grid, mu, sigma2)
+def _expected_basis(basis, mu, sigma2):
+    """basis: (n_basis, widths). The gradient is written out because XLA:CPU ran autodiff's (sums
+    over N fused with the exponentials) at 40x the forward's time, 45 ms per layer at the PG-19
+    shape; per width, its three sums over the centres are contractions."""
+    return _expected_basis_values(basis, mu, sigma2)
 
 
-def _expected_basis_fwd(grid, mu, sigma2):
-    values = _expected_basis_values(grid, mu, sigma2)
+def _expected_basis_fwd(basis, mu, sigma2):
+    values = _expected_basis_values(basis, mu, sigma2)
     return values, (mu, sigma2, values)
 
 
-def _expected_basis_bwd(grid, residuals, cotangent):
+def _expected_basis_bwd(basis, residuals, cotangent):
     # E_j = N(mu; c_j, v_j): dE/dmu = E (c - mu) / v, dE/dv = E ((c - mu)^2 / v^2 - 1 / v) / 2.
+    # gaussian_basis orders j as (centre, width), so a [..., centres, widths] view splits them.
     mu, sigma2, values = residuals
-    centres, widths = (jnp.asarray(g, jnp.float32) for g in grid)
-    inv = 1.0 / (sigma2[..., None] + widths ** 2)  # [..., widths]
+    n_basis, widths = basis
+    centres = jnp.linspace(0.0, 1.0, n_basis // len(widths))
+    inv = 1.0 / (sigma2[..., None] + jnp.asarray(np.square(widths), jnp.float32))  # [..., widths]
     d = centres - mu[..., None]  # [..., centres]
-    weighted = (cotangent * values).reshape(cotangent.shape[:-1] + (len(grid[0]), len(grid[1])))
+    weighted = (cotangent * values).reshape(cotangent.shape[:-1] + (len(centres), len(widths)))
     by_power = [weighted.sum(-2)] + [jnp.einsum('...cw,...c->...w', weighted, p) for p in (d, d * d)]
     return (inv * by_power[1]).sum(-1), 0.5 * (inv * inv * by_power[2] - inv * by_power[0]).sum(-1)
 
@@ -220,7 +217,6 @@ class InfinityLayerMemory(LayerMemory):
 
     def attend(self, state, shared, view):
         cfg = self.config
-        kind = InfinityMemory(cfg)
         used = shared['valid'][:, 0]  # The waiting rows exist: the LTM holds something this step.
         coefficients = self._refit(state, shared)
         keys, values = self.key(coefficients), self.value(coefficients)  # [B, N, H, Dh]
@@ -228,7 +224,7 @@ class InfinityLayerMemory(LayerMemory):
                             preferred_element_type=jnp.float32) * cfg.d_head ** -0.5
         mu = nn.sigmoid(self.mu(scores)[..., 0].astype(jnp.float32))  # [B, H, T]
         sigma2 = jnp.maximum(nn.softplus(self.sigma(scores)[..., 0].astype(jnp.float32)), cfg.ltm_min_variance)
-        density = expected_basis(mu, sigma2, *kind.basis)  # [B, H, T, N]
+        density = expected_basis(mu, sigma2, cfg.ltm_basis, cfg.ltm_widths)  # [B, H, T, N]
         context = jnp.einsum('bhtn,bnhd->bthd', density.astype(cfg.dtype), values)
         extra = self.out(context) * used[:, None, None].astype(cfg.dtype)
         kl = (kl_to_prior(sigma2, cfg.ltm_kl_sigma).mean(axis=1).sum(axis=-1) * used).sum()
