@@ -15,7 +15,10 @@ same model family at tiny size on the embedded corpus, byte tokens: trains in un
 Paper setting (appendix C.2): input 512, LTM of N = 512 Gaussian RBFs (widths 0.005, 0.01), ridge
 0.5, tau 0.5, memory threshold 2,048 tokens, lambda_KL 1e-6 with sigma_0 0.05, batch 1, Adam at
 5e-5 for GPT-2 and 2.5e-4 for the LTM parameters, one epoch; reported perplexity 32.61 (32.48
-with sticky memories) against 33.44 for GPT-2 alone.
+with sticky memories) against 33.44 for GPT-2 alone. Where the paper is silent this config mirrors
+the released GPT-2 runs (finetune_gpt2/infinite_memory_transformer[_sticky_mem]): the KL prior's
+mean mu_0 = -1 and sticky samples at their bin's left edge (memjax's defaults: no mean term, a
+uniform position in the bin); the refit's padding is the code's by default everywhere.
 """
 
 from memjax import config_lib
@@ -30,7 +33,8 @@ def get_config(arg: str = ''):
         d_model=768, n_layer=12, n_head=12, d_head=64, d_inner=3072, n_positions=1024,
         dropout=0.1, dropatt=0.1, mem_len=0, init_std=0.02,
         ltm_basis=512, ltm_widths=(0.005, 0.01), ltm_ridge=0.5, ltm_tau=0.5, ltm_reset_tokens=2048,
-        ltm_min_variance=1e-4, ltm_kl_weight=1e-6, ltm_kl_sigma=0.05, ltm_sticky='sticky' in options)
+        ltm_min_variance=1e-4, ltm_kl_weight=1e-6, ltm_kl_sigma=0.05, ltm_kl_mu0=-1.0,
+        ltm_sticky='sticky' in options, ltm_sticky_within_bin='left_edge')
     config.train.update(
         batch_size=1, tgt_len=512, num_steps=400_000, learning_rate=5e-5, memory_learning_rate=2.5e-4,
         warmup_steps=0, min_lr_ratio=1.0, clip_norm=1.0, log_every=500, eval_every=20_000,

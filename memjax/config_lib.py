@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import math
 import os
+import typing
 from typing import Any
 
 import ml_collections
@@ -101,8 +102,12 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def model_defaults() -> dict:
-    """config.model's fields and defaults, read from ModelConfig (vocab_size -1: the tokenizer's)."""
-    return {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    """config.model's fields and defaults, read from ModelConfig (vocab_size -1: the tokenizer's).
+    An optional field unset by default is a typed placeholder, so the command line can set it."""
+    types = typing.get_type_hints(ModelConfig)
+    return {f.name: f.default if f.default is not None else config_dict.placeholder(
+        next(t for t in typing.get_args(types[f.name]) if t is not type(None)))
+        for f in dataclasses.fields(ModelConfig)}
 
 
 def eval_model_placeholders() -> ml_collections.ConfigDict:

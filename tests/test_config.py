@@ -122,6 +122,9 @@ def test_infinity_former_configs_follow_the_paper():
     assert (m.ltm_kl_weight, m.ltm_kl_sigma, m.ltm_min_variance) == (1e-6, 0.05, 1e-4)
     assert (t.batch_size, t.learning_rate, t.memory_learning_rate) == (1, 5e-5, 2.5e-4)
     assert (pg19.data.tokenizer, pg19.data.train_documents, m.ltm_sticky) == ('gpt2_bpe', 2000, False)
+    # Where the paper is silent, the released GPT-2 runs (their config.json; reference notes).
+    assert (m.ltm_kl_mu0, m.ltm_padding, m.ltm_sticky_within_bin) == (-1.0, 'released', 'left_edge')
+    assert parse([f'--config={os.path.join(configs, "inftyformer_pg19.py")}:sticky']).model.ltm_sticky
     sorting = os.path.join(configs, 'inftyformer_sorting.py')
     for length, segments, learning_rate in ((4000, 4, 2.5e-4), (8000, 8, 2.5e-4), (16000, 16, 2e-4)):
         config = parse([f'--config={sorting}:{length}'])
@@ -143,6 +146,9 @@ def test_infinity_former_configs_follow_the_paper():
 
 
 def test_override_is_applied_and_typed():
+    # An optional field unset by default takes a typed value from the command line.
+    assert parse([f'--config={TINY}']).model.ltm_kl_mu0 is None
+    assert parse([f'--config={TINY}', '--config.model.ltm_kl_mu0=-1']).model.ltm_kl_mu0 == -1.0
     config = parse([f'--config={TINY}', '--config.train.num_steps=6',
                     '--config.eval.model.same_length=True', '--config.model.cutoffs=(10,20)'])
     assert config.train.num_steps == 6

@@ -8,6 +8,7 @@ context, per-layer sampling streams, bf16 gradients and an exact resume through 
 
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +32,7 @@ def test_ridge_regression_reconstructs_a_smooth_signal_better_with_more_basis_fu
     t = (np.arange(length) + 0.5) / length
     errors = []
     for n_basis in (8, 16, 32, 64):
-        g = inf.ridge_matrix(tuple(t), n_basis, (0.01, 0.05), 1.0)
+        g = inf.ridge_matrix(tuple(t), tuple(inf.even_padding(length)), n_basis, (0.01, 0.05), 1.0)
         centres, widths = inf.gaussian_basis(n_basis, (0.01, 0.05))
         rebuilt = inf.basis_values(t, centres, widths) @ (smooth(t) @ g)
         errors.append(float(np.sqrt(np.mean((rebuilt - smooth(t)) ** 2))))
@@ -112,14 +113,125 @@ def test_contraction_keeps_the_old_signal_in_the_first_tau():
                                np.cos(4 * np.pi * u), atol=0.2)
 
 
-def test_kl_term_is_the_kl_divergence_of_eq_20():
+def test_kl_term_is_the_kl_divergence_of_eq_20_with_and_without_the_mean_term():
+    """Unset mu0: the prior is centred on mu (variance only); mu0 = -1 as the released GPT-2 runs."""
     grid = np.linspace(-2.0, 2.0, 400_001)
     sigma0 = 0.05
-    for sigma2 in (0.0004, 0.0025, 0.04):
-        p = np.exp(-0.5 * grid ** 2 / sigma2) / np.sqrt(2 * np.pi * sigma2)
-        q = np.exp(-0.5 * grid ** 2 / sigma0 ** 2) / np.sqrt(2 * np.pi * sigma0 ** 2)
-        numeric = np.trapezoid(p * (np.log(p + 1e-300) - np.log(q + 1e-300)), grid)
-        np.testing.assert_allclose(float(inf.kl_to_prior(jnp.float32(sigma2), sigma0)), numeric, rtol=1e-3, atol=1e-6)
+    density = lambda m, s2: np.exp(-0.5 * (grid - m) ** 2 / s2) / np.sqrt(2 * np.pi * s2)
+    for mu, mu0 in ((0.3, None), (0.3, 0.25), (0.1, -0.1), (0.8, -1.0)):
+        for sigma2 in (0.0004, 0.0025, 0.04):
+            p, q = density(mu, sigma2), density(mu if mu0 is None else mu0, sigma0 ** 2)
+            numeric = np.trapezoid(p * (np.log(p + 1e-300) - np.log(q + 1e-300)), grid)
+            if mu0 == -1.0:  # The prior's mass is far outside the grid: the closed form of eq. 20.
+                numeric = 0.5 * (sigma2 / sigma0 ** 2 - np.log(sigma2 / sigma0 ** 2) - 1 + (mu + 1) ** 2 / sigma0 ** 2)
+            got = float(inf.kl_to_prior(jnp.float32(mu), jnp.float32(sigma2), sigma0, mu0))
+            np.testing.assert_allclose(got, numeric, rtol=1e-3, atol=1e-6)
+
+
+def code_ridge(positions, n_basis, widths, ridge):
+    """The released code's G (finetune_gpt2 LongTermAttention.compute_G), re-derived naively in
+    float64: F [N, n] over every position, G = F^T (F F^T + lambda I)^-1, then floor(n_real / 2)
+    rows cut from each end (n_real: the positions that are not padding)."""
+    centres = np.repeat(np.linspace(0, 1, n_basis // len(widths)), len(widths))
+    sigmas = np.tile(widths, n_basis // len(widths))
+    f = np.exp(-0.5 * ((positions[None, :] - centres[:, None]) / sigmas[:, None]) ** 2) / (
+        sigmas[:, None] * np.sqrt(2 * np.pi))
+    g = f.T @ np.linalg.inv(f @ f.T + ridge * np.eye(n_basis))
+    cut = (len(positions) - len(positions) // 2) // 2  # n_real = len - (pads), pads = 2 floor(n_real / 2).
+    return g[cut:len(positions) - cut]
+
+
+def code_g_fresh(length, n_basis, widths, ridge):
+    """G_L: the code's linspace, odd and even lengths taking their own branch."""
+    if length % 2:
+        positions = np.linspace(-0.5 + 1 / length, 1.5 - 1 / length, 2 * length - 1)
+    else:
+        positions = np.linspace(-0.5 + 1 / (2 * length), 1.5 - 1 / (2 * length), 2 * length)
+    return code_ridge(positions, n_basis, widths, ridge)
+
+
+def code_g_inf(length, samples, tau, n_basis, widths, ridge):
+    """G_inf: old samples at k tau / M, new rows at tau + (1 - tau) k / L, between the pads of a
+    grid shifted by 1 / (2L + M) (the code's even-L branch; memjax uses it for odd L too)."""
+    real = np.concatenate([np.arange(1, samples + 1) * tau / samples,
+                           tau + (1 - tau) * np.arange(1, length + 1) / length])
+    shift = 1 / (2 * length + samples)
+    grid = np.linspace(-0.5 + shift, 1.5 - shift, 2 * (length + samples))
+    return code_ridge(np.concatenate([grid[grid < 0], real, grid[grid > 1]]), n_basis, widths, ridge)
+
+
+@pytest.mark.parametrize('length, samples, n_basis, widths, tau, ridge', [
+    (8, 12, 16, (0.05, 0.1), 0.5, 0.5),  # Even L, M != L, L + M even.
+    (7, 10, 12, (0.01, 0.05), 0.75, 1.0),  # Odd L, M != L, L + M odd.
+])
+def test_regression_matrices_are_the_released_codes(length, samples, n_basis, widths, tau, ridge):
+    kind = inf.InfinityMemory(tiny(segment_len=length, ltm_samples=samples, ltm_basis=n_basis, ltm_widths=widths,
+                                   ltm_tau=tau, ltm_ridge=ridge))
+    expected_inf = code_g_inf(length, samples, tau, n_basis, np.asarray(widths), ridge)
+    assert expected_inf.shape == (samples + length, n_basis)
+    np.testing.assert_allclose(np.concatenate(kind.update_matrices()), expected_inf, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kind.fresh_matrix(), code_g_fresh(length, n_basis, np.asarray(widths), ridge),
+                               rtol=1e-5, atol=1e-6)
+    # The named alternative pads at the rows' spacing, and it is another matrix.
+    even = inf.InfinityMemory(kind.config.replace(ltm_padding='even'))
+    np.testing.assert_allclose(even.fresh_matrix(), kind.fresh_matrix())
+    assert np.abs(np.concatenate(even.update_matrices()) - expected_inf).max() > 1e-3
+
+
+def test_the_released_code_options_refuse_unknown_values_in_one_round():
+    with pytest.raises(ValueError) as error:
+        tiny(ltm_padding='code', ltm_sticky_within_bin='centre', ltm_kl_mu0=float('nan'), ltm_tau=1.0)
+    for field in ("ltm_padding='code' must be one of ('released', 'even')",
+                  "ltm_sticky_within_bin='centre' must be one of ('uniform', 'left_edge')",
+                  'ltm_kl_mu0=nan must be a finite number', 'ltm_tau=1.0'):
+        assert field in str(error.value)
+
+
+def naive_gate(params, x):
+    """x * sigmoid(Conv1d(x)), width 3, zero-padded, as torch's Conv1d(e, e, 3, padding=1)."""
+    padded = np.pad(x, ((0, 0), (1, 1), (0, 0)))
+    conv = sum(padded[:, k:k + x.shape[1]] @ params['kernel'][k] for k in range(3)) + params['bias']
+    return x / (1 + np.exp(-conv))
+
+
+@pytest.mark.parametrize('sticky', [False, True])
+def test_carried_coefficients_follow_the_released_update_three_times(sticky):
+    """The coefficients after a fresh fit and three updates, against the code's update written
+    naively: B = x G_L, then B = [B^T psi(t_k), x] G_inf with t_k = k / M (or the sticky draws, at
+    their bins' left edges as the code places them)."""
+    seg, samples, n_basis, widths, tau = 6, 10, 12, (0.05, 0.1), 0.5
+    cfg = tiny(n_layer=1, segment_len=seg, ltm_samples=samples, ltm_basis=n_basis, ltm_widths=widths, ltm_tau=tau,
+               ltm_ridge=0.5, ltm_sticky=sticky, ltm_sticky_bins=8, ltm_sticky_within_bin='left_edge')
+    layer = inf.InfinityLayerMemory(cfg)
+    rows = jax.random.normal(jax.random.key(0), (4, 2, seg, cfg.d_model))
+    shared = lambda tokens: {'valid': jnp.ones((2, seg), bool), 'ltm_tokens': jnp.full((2,), tokens, jnp.int32)}
+    state = {'hidden': rows[0], 'coefficients': jnp.zeros((2, n_basis, cfg.d_model)),
+             'mu': jax.random.uniform(jax.random.key(1), (2, cfg.n_head, seg)),
+             'sigma2': jnp.full((2, cfg.n_head, seg), 0.01)}
+    refit = lambda m, st, sh: m._refit(st, sh)
+    params = nn.unbox(layer.init({'params': jax.random.key(2), 'sticky': jax.random.key(3)}, state, shared(0),
+                                 method=refit)['params'])
+    gate = jax.tree.map(np.asarray, params['gate'])
+    centres, sigmas = inf.gaussian_basis(n_basis, widths)
+    expected = np.einsum('bsd,sn->bnd', naive_gate(gate, np.asarray(rows[0])),
+                         code_g_fresh(seg, n_basis, np.asarray(widths), 0.5))
+    g_inf = code_g_inf(seg, samples, tau, n_basis, np.asarray(widths), 0.5)
+    for step in range(4):
+        got, sown = layer.apply({'params': params}, {**state, 'hidden': rows[step]}, shared(step * seg),
+                                method=refit, rngs={'sticky': jax.random.key(10 + step)}, mutable='intermediates')
+        if step:
+            if sticky:
+                t = np.asarray(sown['intermediates']['sticky_positions'][0])
+                assert np.allclose(t * 8, np.round(t * 8)), 'left bin edges'
+                psi = inf.basis_values(t, centres, sigmas)  # [B, M, N]
+            else:
+                psi = np.broadcast_to(inf.basis_values(np.arange(1, samples + 1) / samples, centres, sigmas),
+                                      (2, samples, n_basis))
+            signal = np.concatenate([np.einsum('bmn,bnd->bmd', psi, expected),
+                                     naive_gate(gate, np.asarray(rows[step]))], axis=1)
+            expected = np.einsum('bsd,sn->bnd', signal, g_inf)
+        np.testing.assert_allclose(got, expected, rtol=2e-4, atol=2e-5 * np.abs(expected).max())
+        state = {**state, 'coefficients': got}
 
 
 @pytest.fixture(scope='module')
@@ -196,6 +308,21 @@ def test_ltm_starts_afresh_after_the_token_threshold_and_at_a_document_start():
     with_a, with_b = coefficients(unbounded, a, doc), coefficients(unbounded, b, doc)
     np.testing.assert_allclose(with_a[0], with_b[0], atol=1e-6)
     assert np.abs(with_a[1] - with_b[1]).max() > 1e-4
+
+
+def test_the_models_kl_loss_is_eq_20_over_its_queries_with_the_released_prior_mean(forward):
+    """The reported 'kl' is the head-mean, query- and row-sum of KL(N(mu, sigma2) || N(-1, s0^2))
+    over the densities the layer used (those the memory carries on), summed over layers."""
+    cfg = tiny(ltm_kl_mu0=-1.0)
+    params = model_lib.init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(5), (2, SEG), 0, cfg.vocab_size)
+    (_, memory), _ = forward(cfg, params, tokens, model_lib.init_memory(cfg, 2))
+    (out, memory), _ = forward(cfg, params, tokens, memory)
+    mu, sigma2 = np.asarray(memory.layers['mu'], np.float64), np.asarray(memory.layers['sigma2'], np.float64)
+    ratio = sigma2 / 0.05 ** 2
+    naive = 0.5 * (ratio - np.log(ratio) - 1 + (mu + 1) ** 2 / 0.05 ** 2)
+    np.testing.assert_allclose(float(out.losses['kl']), naive.mean(axis=2).sum(), rtol=1e-5)
+    assert float(out.losses['kl']) > 1.01 * (0.5 * (ratio - np.log(ratio) - 1)).mean(axis=2).sum()
 
 
 def test_layers_draw_their_own_sticky_positions(forward):

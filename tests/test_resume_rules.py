@@ -72,6 +72,24 @@ def test_vocab_size_from_the_tokenizer_and_fields_unknown_to_one_side_are_not_ch
     assert resume.differences(saved, requested) == []
 
 
+def test_an_infinity_run_saved_before_ltm_padding_existed_ran_with_even_padding():
+    """The field's default changed what the LTM computes: such a run resumes only with the value it
+    had ('even'); runs of other kinds never read it; evaluation may use either."""
+    saved, requested = saved_and_requested(model__memory='infinity', model__mem_len=0)
+    saved['model']['memory'] = 'infinity'
+    saved['model']['mem_len'] = 0
+    del saved['model']['ltm_padding']
+    with pytest.raises(errors.ConfigError, match=r"model\.ltm_padding 'even' -> 'released'.*--config\.train"):
+        resume.check_resume(saved, requested, '/run', '/run/checkpoints/8')
+    requested.model.ltm_padding = 'even'
+    resume.check_resume(saved, requested, '/run', '/run/checkpoints/8')
+    resume.check_same_params(saved, training_fixtures.override(requested, model__ltm_padding='released'),
+                             'ckpt/8', 'Evaluation')
+    saved, requested = saved_and_requested()
+    del saved['model']['ltm_padding']
+    assert resume.differences(saved, requested) == []
+
+
 def test_evaluation_compares_only_what_shapes_the_parameters():
     saved, requested = saved_and_requested(model__mem_len=640, model__same_length=True,
                                            model__dropout=0.0, train__batch_size=1,

@@ -72,8 +72,13 @@ class ModelConfig:
     ltm_min_variance: float = 1e-6  # Floor of the attention density's variance.
     ltm_kl_weight: float = 1e-5  # lambda_KL; the KL term is also logged on its own (aux/kl).
     ltm_kl_sigma: float = 0.05  # sigma_0 of the KL prior.
+    # mu_0 of the KL prior; None: centred on mu (variance term only). The released GPT-2 runs: -1.
+    ltm_kl_mu0: float | None = None
+    # Zero-padding of the refit after an update: 'released' (the authors' code) or 'even'.
+    ltm_padding: str = 'released'
     ltm_sticky: bool = False  # Sticky memories: sample where last step attended, not evenly.
     ltm_sticky_bins: int = 128
+    ltm_sticky_within_bin: str = 'uniform'  # Or 'left_edge', as the authors' code.
 
     # LaMemo's look-ahead memory (memory='lamemo'; Ji et al. 2022) and the paper's ablations.
     lamemo_look_ahead: bool = True  # False: the memory keeps its causal outputs (Transformer-XL).

@@ -54,6 +54,9 @@ ON_OFF = ('train.clip_norm', 'train.weight_decay')
 # among them evaluation may override (config.eval.model).
 NOT_PARAMS = ('model.dropout', 'model.dropatt', 'model.compute_dtype', 'model.remat') + tuple(
     'model.' + name for name in config_lib.run_time_fields())
+# Fields whose default computes something else than memjax did before they existed: a saved run of
+# that memory kind without the field ran with this value.
+ADDED_WITH_NEW_DEFAULT = {'model.ltm_padding': ('infinity', 'even')}
 TOKENIZER = ('data.tokenizer', 'data.vocab_path', 'data.sp_vocab_size', 'data.word_min_freq',
              'data.word_max_size')
 
@@ -80,10 +83,14 @@ def differences(saved: dict, requested: dict) -> list[tuple[str, Any, Any]]:
     """(field, saved value, requested value) for every field both configs have and that differ.
 
     Fields new to this memjax version (absent from the saved config) and fields it no longer
-    has are left out: neither run asked for a value. `model.vocab_size = -1` means "from the
-    tokenizer", which the saved config has resolved.
+    has are left out: neither run asked for a value, except where the saved run computed
+    something the new default does not (ADDED_WITH_NEW_DEFAULT). `model.vocab_size = -1` means
+    "from the tokenizer", which the saved config has resolved.
     """
     old, new = _flatten(to_plain(saved)), _flatten(to_plain(requested))
+    for name, (memory, value) in ADDED_WITH_NEW_DEFAULT.items():
+        if name not in old and old.get('model.memory') == memory:
+            old[name] = value
     changed = []
     for name in sorted(set(old) & set(new)):
         if name == 'model.vocab_size' and new[name] == -1:

@@ -14,11 +14,24 @@ basis functions psi and coefficients B [N, d_model], fitted by ridge regression 
 3. A KL term pulls sigma^2 towards sigma_0^2 (eq. 20-22), reported as the auxiliary loss 'kl'.
 
 Per-step cost is independent of how much text the memory holds: N, M and the segment fix every
-shape. Where the paper and the authors' code differ, memjax follows the code and says so:
-the mu / sigma networks have no bias; the regression zero-pads the signal on both sides; the KL
-term is averaged over heads (the code's mean, which its lambda_KL values were tuned with) and
-its log is log(sigma^2 / sigma_0^2), the true KL of eq. 20 (eq. 21 as printed drops the 2). A
-sticky sample is uniform inside its histogram bin (the code takes the bin's left edge).
+shape. Where the paper is silent or differs from the authors' released code
+(deep-spin/infinite-former), memjax computes what the code computes by default and offers the
+alternative by name:
+
+- the mu / sigma networks have no bias (as the code);
+- the regression zero-pads the signal on both sides (paper: silent). A fresh memory's fit (G_L)
+  pads at the rows' own spacing, as the code does. The refit after an update (G_inf) pads, by
+  default (`ltm_padding='released'`), where the code does: a grid shifted by 1 / (2L + M) rather
+  than by its half step; 'even' continues the rows' spacing instead (about 1 % apart in G_inf at
+  the PG-19 shape). The code's G_inf needs an even segment length (its odd branch fails); memjax
+  uses the same grid for any length;
+- the KL term is the true KL of eq. 20 (eq. 21 as printed drops a 2), averaged over heads (the
+  code's mean, which its lambda_KL values were tuned with). By default the prior is centred on mu
+  (variance term only, eq. 21 and the sorting code); `ltm_kl_mu0` adds the mean term
+  (mu - mu_0)^2 / sigma_0^2, which the released GPT-2 runs have with mu_0 = -1 (their code adds it
+  only for mu_0 <= 0; memjax whenever the field is set);
+- a sticky sample is uniform inside its histogram bin by default; the code takes the bin's left
+  edge (`ltm_sticky_within_bin='left_edge'`).
 
 State per layer: `hidden` [B, segment_len + mem_len, d_model] (oldest segment_len rows: waiting
 for the LTM; the rest: the STM), `coefficients` [B, N, d_model] float32, and the previous step's
@@ -61,24 +74,42 @@ def basis_values(t, centres, widths):
     return xp.exp(-0.5 * z * z) / (widths * np.sqrt(2.0 * np.pi))
 
 
-@functools.lru_cache(maxsize=32)
-def ridge_matrix(positions: tuple[float, ...], n_basis: int, widths: tuple[float, ...],
-                 ridge: float) -> np.ndarray:
-    """G [len(positions), N] with B^T = X^T G the ridge fit of rows X placed at `positions` (eq. 5).
+# The regression zero-pads the signal on both sides, so the fit does not bend towards the ends of
+# [0, 1]: floor(n / 2) zero-target points left of 0 (these functions place them) and their mirror
+# images right of 1, for n real positions.
+PADDINGS = ('released', 'even')
 
-    Static: computed once per shape in float64 (numpy), never per step. The signal is zero-padded
-    on both sides over [-0.5, 0) and (1, 1.5] at the same spacing, as the authors' code does, so
-    the fit does not bend towards the interval's ends; padded rows are zero, so only the real
-    positions' rows of G are kept.
+
+def even_padding(n: int) -> np.ndarray:
+    """-(k + 1/2) / n: the rows' own spacing continued. The authors' code pads the fit of a fresh
+    memory (G_L) this way, and memjax's `ltm_padding='even'` the refit after an update too."""
+    return -(np.arange(n // 2)[::-1] + 0.5) / n
+
+
+def released_padding(segment: int, samples: int) -> np.ndarray:
+    """The authors' code's padding of the refit after an update (G_inf, with segment L and samples
+    M): the points below 0 of a grid of 2 (L + M) points over [-1/2 + s, 3/2 - s] with
+    s = 1 / (2L + M) (not 1 / (2 (L + M)), the grid's own half step)."""
+    shift = 1.0 / (2 * segment + samples)
+    grid = np.linspace(-0.5 + shift, 1.5 - shift, 2 * (segment + samples))
+    return grid[grid < 0]
+
+
+@functools.lru_cache(maxsize=32)
+def ridge_matrix(positions: tuple[float, ...], padding: tuple[float, ...], n_basis: int,
+                 widths: tuple[float, ...], ridge: float) -> np.ndarray:
+    """G [len(positions), N] with B^T = X^T G the ridge fit of rows X placed at `positions` (eq. 5),
+    the signal zero at `padding` (the points left of 0) and at their mirror images right of 1.
+
+    Static: computed once per shape in float64 (numpy), never per step. Padded rows are zero, so
+    only the real positions' rows of G are kept.
     """
-    real = np.asarray(positions, np.float64)
-    n = len(real)
-    pad = (np.arange(n // 2) + 0.5) / n
-    every = np.concatenate([-pad[::-1], real, 1.0 + pad])
+    left = np.asarray(padding, np.float64)
+    every = np.concatenate([left, np.asarray(positions, np.float64), 1.0 - left[::-1]])
     centres, sigmas = gaussian_basis(n_basis, widths)
     f = basis_values(every, centres, sigmas).T  # [N, n + pads]
     g = np.linalg.solve(f @ f.T + ridge * np.eye(n_basis), f).T  # F^T (F F^T + lambda I)^-1
-    return g[len(pad):len(pad) + n].astype(np.float32)
+    return g[len(left):len(left) + len(positions)].astype(np.float32)
 
 
 def expected_basis(mu: jax.Array, sigma2: jax.Array, n_basis: int, widths: tuple[float, ...]) -> jax.Array:
@@ -123,10 +154,15 @@ def _expected_basis_bwd(basis, residuals, cotangent):
 _expected_basis.defvjp(_expected_basis_fwd, _expected_basis_bwd)
 
 
-def kl_to_prior(sigma2: jax.Array, sigma0: float) -> jax.Array:
-    """KL(N(mu, sigma2) || N(mu, sigma0^2)) = (sigma2 / s0^2 - log(sigma2 / s0^2) - 1) / 2 (eq. 20)."""
+def kl_to_prior(mu: jax.Array, sigma2: jax.Array, sigma0: float, mu0: float | None = None) -> jax.Array:
+    """KL(N(mu, sigma2) || N(mu0, sigma0^2)) (eq. 20):
+    (sigma2 / s0^2 - log(sigma2 / s0^2) - 1 + (mu - mu0)^2 / s0^2) / 2.
+
+    mu0 None: the prior is centred on mu itself, leaving the variance term only (the paper's eq. 21
+    and the authors' sorting code); the released GPT-2 runs set mu0 = -1."""
     ratio = sigma2 / sigma0 ** 2
-    return 0.5 * (ratio - jnp.log(ratio) - 1.0)
+    mean = 0.0 if mu0 is None else (mu - mu0) ** 2 / sigma0 ** 2
+    return 0.5 * (ratio - jnp.log(ratio) - 1.0 + mean)
 
 
 def sticky_histogram(mu: jax.Array, sigma2: jax.Array, bins: int) -> jax.Array:
@@ -139,13 +175,17 @@ def sticky_histogram(mu: jax.Array, sigma2: jax.Array, bins: int) -> jax.Array:
     return mass / mass.sum(-1, keepdims=True)
 
 
-def sticky_positions(key: jax.Array, histogram: jax.Array, samples: int) -> jax.Array:
+STICKY_WITHIN_BIN = ('uniform', 'left_edge')
+
+
+def sticky_positions(key: jax.Array, histogram: jax.Array, samples: int, within_bin: str = 'uniform') -> jax.Array:
     """[B, samples] sorted positions in [0, 1]: a bin drawn from each row's histogram, then a
-    uniform position inside it."""
+    position inside it: uniform, or the bin's left edge as the authors' code takes it (M samples
+    then fall on at most `bins` distinct points, sampling the old signal at those alone)."""
     bins = histogram.shape[-1]
     k_bin, k_pos = jax.random.split(key)
     chosen = jax.random.categorical(k_bin, jnp.log(histogram), axis=-1, shape=(samples,) + histogram.shape[:1])
-    offset = jax.random.uniform(k_pos, chosen.shape)
+    offset = jax.random.uniform(k_pos, chosen.shape) if within_bin == 'uniform' else 0.0
     return jnp.sort(((chosen + offset) / bins).T, axis=-1)
 
 
@@ -206,7 +246,7 @@ class InfinityLayerMemory(LayerMemory):
         if cfg.ltm_sticky:
             positions = sticky_positions(self.make_rng('sticky'),
                                          sticky_histogram(state['mu'], state['sigma2'], cfg.ltm_sticky_bins),
-                                         kind.samples)
+                                         kind.samples, cfg.ltm_sticky_within_bin)
             # Where the memory was sampled (apply(..., mutable='intermediates') to inspect or plot).
             self.sow('intermediates', 'sticky_positions', positions)
             sampled = jnp.einsum('bmn,bnd->bmd', basis_values(positions, *kind.basis), old)
@@ -227,7 +267,7 @@ class InfinityLayerMemory(LayerMemory):
         density = expected_basis(mu, sigma2, cfg.ltm_basis, cfg.ltm_widths)  # [B, H, T, N]
         context = jnp.einsum('bhtn,bnhd->bthd', density.astype(cfg.dtype), values)
         extra = self.out(context) * used[:, None, None].astype(cfg.dtype)
-        kl = (kl_to_prior(sigma2, cfg.ltm_kl_sigma).mean(axis=1).sum(axis=-1) * used).sum()
+        kl = (kl_to_prior(mu, sigma2, cfg.ltm_kl_sigma, cfg.ltm_kl_mu0).mean(axis=1).sum(axis=-1) * used).sum()
         return Attended(extra, notes={'coefficients': coefficients, 'mu': mu, 'sigma2': sigma2, 'used': used,
                                       'kl': kl})
 
@@ -249,7 +289,7 @@ class InfinityMemory(XLMemory):
     name = 'infinity'
     layer = InfinityLayerMemory
     run_time_fields = ('mem_len', 'memory_start', 'ltm_reset_tokens', 'ltm_sticky', 'ltm_sticky_bins',
-                       'ltm_tau', 'ltm_samples')
+                       'ltm_sticky_within_bin', 'ltm_tau', 'ltm_samples', 'ltm_padding')
     # Sticky samples: every accumulation chunk draws its own (its rows are other sequences).
     streams = {'sticky': False}
 
@@ -276,6 +316,11 @@ class InfinityMemory(XLMemory):
         need(config.ltm_reset_tokens >= 0, f'ltm_reset_tokens={config.ltm_reset_tokens} must be >= 0 '
              '(0: only at document boundaries).')
         need(config.ltm_sticky_bins >= 1, f'ltm_sticky_bins={config.ltm_sticky_bins} must be >= 1.')
+        need(config.ltm_sticky_within_bin in STICKY_WITHIN_BIN,
+             f'ltm_sticky_within_bin={config.ltm_sticky_within_bin!r} must be one of {STICKY_WITHIN_BIN}.')
+        need(config.ltm_padding in PADDINGS, f'ltm_padding={config.ltm_padding!r} must be one of {PADDINGS}.')
+        need(config.ltm_kl_mu0 is None or np.isfinite(config.ltm_kl_mu0),
+             f'ltm_kl_mu0={config.ltm_kl_mu0} must be a finite number, or unset for the variance-only KL.')
         return problems
 
     @property
@@ -291,22 +336,24 @@ class InfinityMemory(XLMemory):
     def basis(self) -> tuple[np.ndarray, np.ndarray]:
         return gaussian_basis(self.config.ltm_basis, self.config.ltm_widths)
 
-    def _ridge(self, positions) -> np.ndarray:
+    def _ridge(self, positions, padding) -> np.ndarray:
         cfg = self.config
-        return ridge_matrix(tuple(float(p) for p in positions), cfg.ltm_basis, cfg.ltm_widths, cfg.ltm_ridge)
+        return ridge_matrix(tuple(float(p) for p in positions), tuple(float(p) for p in padding),
+                            cfg.ltm_basis, cfg.ltm_widths, cfg.ltm_ridge)
 
     def fresh_matrix(self) -> np.ndarray:
-        """G [S, N] of a memory starting afresh: the S rows evenly spaced over [0, 1]."""
+        """G_L [S, N] of a memory starting afresh: the S rows at (k + 1/2) / S, evenly padded."""
         s = self.config.segment_len
-        return self._ridge((np.arange(s) + 0.5) / s)
+        return self._ridge((np.arange(s) + 0.5) / s, even_padding(s))
 
     def update_matrices(self) -> tuple[np.ndarray, np.ndarray]:
-        """G's rows [M, N] for the old signal's samples at k tau / M and [S, N] for the new rows at
-        tau + (1 - tau) k / S (eq. 15; k from 1)."""
+        """G_inf's rows [M, N] for the old signal's samples at k tau / M and [S, N] for the new rows
+        at tau + (1 - tau) k / S (eq. 15; k from 1), padded as `ltm_padding` says."""
         cfg, m, s = self.config, self.samples, self.config.segment_len
         positions = np.concatenate([np.arange(1, m + 1) * cfg.ltm_tau / m,
                                     cfg.ltm_tau + (1.0 - cfg.ltm_tau) * np.arange(1, s + 1) / s])
-        g = self._ridge(positions)
+        padding = released_padding(s, m) if cfg.ltm_padding == 'released' else even_padding(m + s)
+        g = self._ridge(positions, padding)
         return g[:m], g[m:]
 
     def even_resample_matrix(self) -> np.ndarray:
