@@ -43,7 +43,7 @@ def fail(error: BaseException, label: str, exit_code: int) -> NoReturn:
     if flags.FLAGS.is_parsed() and _VERBOSE.value:
         traceback.print_exception(error, file=sys.stderr)
     message = ' '.join(str(error).split())  # Library messages may span lines.
-    print(f'{label}: {message}', file=sys.stderr)
+    print(f'{label}: {message}{metrics_lib.where_details_are()}', file=sys.stderr)
     _exit_now(exit_code)
 
 
@@ -51,6 +51,9 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
     except flags.Error as error:
+        if 'Error whilst parsing config file' in str(error):  # get_config() raised: its own words.
+            config_error = _config_error(OSError(str(error).strip()), argv)
+            fail(config_error, config_error.label, config_error.exit_code)
         fail(error, errors.UsageError.label, errors.UsageError.exit_code)
     except (OSError, KeyError, AttributeError) as error:  # Raised by --config.a.b=v overrides.
         config_error = _config_error(error, argv)
@@ -78,9 +81,11 @@ def _config_error(error: Exception, argv: Sequence[str] = ()) -> errors.ConfigEr
     if isinstance(error, OSError):
         given = [a.split('=', 1)[1] for a in argv if a.startswith('--config=')]
         where = f'--config={given[-1]}' if given else 'the --config file'
-        return errors.ConfigError(
-            f'{where} does not load: {str(error).splitlines()[-1].strip()} (give the path of a '
-            'configs/*.py file that defines get_config()).')
+        last = str(error).splitlines()[-1].strip()
+        # A config file's own ValueError (an unknown ':argument') says what to write instead.
+        hint = '' if last.startswith('ValueError: ') else (
+            ' (give the path of a configs/*.py file that defines get_config())')
+        return errors.ConfigError(f'{where} does not load: {last.removeprefix("ValueError: ").rstrip(".")}{hint}.')
     detail = str(error.args[0] if error.args else error).replace('\\n', ' ').replace("\\'", "'")
     name = re.match(r"""\W*(\w+)""", detail)
     given = [a[2:].split('=', 1)[0] for a in argv
@@ -119,7 +124,7 @@ def run(job: Callable[[], Any]) -> Any:
     """Sets up host memory and joins the distributed run before anything touches a device, quiets
     library logs and runs `job` so that a dead peer ends it."""
     prepare_host_memory()
-    metrics_lib.quiet_library_logs()
+    metrics_lib.quiet_library_logs(verbose=_VERBOSE.value)
     distributed.initialize_from_flags()
     distributed.set_log_verbosity()
     with distributed.peer_failures_end_the_run():

@@ -52,6 +52,9 @@ def base_config() -> ml_collections.ConfigDict:
         # > 0: only the first N documents of the train split, in the prepared order (PG-19: by book
         # id); the infinity-former fine-tunes on PG-19's first 2,000 books.
         train_documents=0,
+        # A resumed run whose training data reads as other token ids than it was trained on stops;
+        # True: it continues on the new data, with a warning.
+        accept_changed_data=False,
     ))
 
     # Reference optimisation: Adam, lr 2.5e-4, linear warmup, cosine decay, clip 0.25.
@@ -76,6 +79,10 @@ def base_config() -> ml_collections.ConfigDict:
         eval_batches=-1,  # -1: the whole validation split.
         checkpoint_every=1000,  # 0: only the final checkpoint.
         keep_checkpoints=3,  # The newest N; the best validated checkpoint is kept beside them.
+        # A run whose training or validation loss (nats per scored token) exceeds this has diverged:
+        # it stops with exit 3 before that state is saved. -1: 3 ln(vocab_size), three times the
+        # loss of a uniform guess; 0: only a NaN or inf loss stops it.
+        diverged_loss=-1.0,
         # A workdir, its checkpoints/ folder or one step's folder to start a new run from (read
         # only while this workdir has no checkpoint); init_from_state = 'params' (fresh optimizer,
         # step 0) or 'params_and_optimizer' (Adam moments and step carried over).
@@ -99,6 +106,13 @@ def base_config() -> ml_collections.ConfigDict:
     # e.g. (('vocab', None),) to replicate the vocabulary dimension.
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, rules=()))
     return config
+
+
+def diverged_loss(train: Any, vocab_size: int) -> float:
+    """The loss above which a run has diverged (config.train.diverged_loss resolved); inf: off."""
+    if train.diverged_loss == -1:
+        return 3.0 * math.log(vocab_size)
+    return train.diverged_loss if train.diverged_loss > 0 else math.inf
 
 
 def model_defaults() -> dict:
@@ -228,6 +242,8 @@ def _validate_train(t: Any, process_count: int, errors: list[str]) -> None:
            f'config.train.init_from_state={t.init_from_state!r} must be one of {INIT_FROM_STATES}.')
     _check(errors, t.eval_batches == -1 or t.eval_batches >= 1,
            f'config.train.eval_batches={t.eval_batches} must be -1 (whole split) or >= 1.')
+    _check(errors, t.diverged_loss in (-1, 0) or t.diverged_loss > 0,
+           f'config.train.diverged_loss={t.diverged_loss} must be > 0, -1 (3 ln(vocab_size)) or 0 (off).')
 
 
 def _validate_eval(e: Any, process_count: int, errors: list[str]) -> None:

@@ -52,6 +52,11 @@ class NonFiniteLossError(UserError, FloatingPointError):
     label = 'Training stopped'
 
 
+class DivergedError(UserError):
+    """The loss exceeded config.train.diverged_loss; nothing after the last good step is saved."""
+    label = 'Training stopped'
+
+
 class BenchError(UserError, ValueError):
     """A benchmark suite cannot run as asked (unknown suite, missing peer package)."""
     exit_code = EXIT_USAGE

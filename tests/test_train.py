@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from memjax.training import checkpoints as checkpointing
+from memjax import config_lib
 from memjax import errors
 from memjax import model as model_lib
 from memjax.training import optim
@@ -197,13 +198,27 @@ def test_more_training_steps_compile_nothing_more(corpus, tmp_path):
 
 def test_non_finite_loss_from_out_of_range_ids_names_them():
     values = {'nll_sum': np.array([3.0, np.nan]), 'grad_norm': np.array([1.0, np.nan]),
-              'learning_rate': np.array([1e-3, 1e-3]), 'out_of_range_ids': np.array([0, 5])}
+              'learning_rate': np.array([1e-3, 1e-3]), 'out_of_range_ids': np.array([0, 5]),
+              'num_tokens': np.array([8.0, 8.0])}
     with pytest.raises(errors.NonFiniteLossError, match=r'step 12: its batch holds 5 token ids '
                        r'outside \[0, config.model.vocab_size\)'):
-        trainer._Interval(10).check_finite(values, '/run/checkpoints/10')
+        trainer._Interval(10).check_healthy(values, '/run/checkpoints/10', 100.0)
     values['out_of_range_ids'] = np.array([0, 0])
     with pytest.raises(errors.NonFiniteLossError, match='Lower config.train.learning_rate'):
-        trainer._Interval(10).check_finite(values, '/run/checkpoints/10')
+        trainer._Interval(10).check_healthy(values, '/run/checkpoints/10', 100.0)
+
+
+def test_a_finite_loss_above_the_divergence_limit_stops_the_interval_at_its_step():
+    values = {'nll_sum': np.array([16.0, 80.0, 8e7]), 'grad_norm': np.ones(3), 'num_tokens': np.full(3, 8.0),
+              'learning_rate': np.full(3, 1e3), 'out_of_range_ids': np.zeros(3)}
+    trainer._Interval(10).check_healthy(values, None, 1e7 + 1)  # Per token: 2, 10, 1e7.
+    with pytest.raises(errors.DivergedError, match=r'training loss 1e\+07 at step 13 exceeds .*diverged_loss '
+                       r'\(16\.64 nats.*last good checkpoint is /run/checkpoints/10'):
+        trainer._Interval(10).check_healthy(values, '/run/checkpoints/10', config_lib.diverged_loss(
+            config_lib.base_config().train, 256))
+    off = config_lib.base_config().train
+    off.diverged_loss = 0.0
+    trainer._Interval(10).check_healthy(values, None, config_lib.diverged_loss(off, 256))
 
 
 def test_train_step_counts_out_of_range_ids_of_inputs_and_scored_targets():

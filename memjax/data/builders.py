@@ -81,7 +81,10 @@ def chunk_document(data: bytes,
     return chunks
 
 
-def _missing(path: Path, fix: str) -> errors.MissingFileError:
+def _missing(path: Path, fix: str, folder: bool = False) -> errors.UserError:
+    """The error for a raw file (or, with `folder`, a folder) that is not where memjax reads it."""
+    if path.exists():
+        return errors.DataError(f'{path} is {"not a folder" if folder else "a folder, not a file"}. {fix}')
     return errors.MissingFileError(f'{path} not found. {fix}')
 
 
@@ -296,7 +299,7 @@ class MemjaxPg19(_MemjaxTextBuilder):
         for split in SPLITS:
             folder = manual_dir / split
             if not folder.is_dir():
-                raise _missing(folder, cls.MANUAL_DOWNLOAD_INSTRUCTIONS)
+                raise _missing(folder, cls.MANUAL_DOWNLOAD_INSTRUCTIONS, folder=True)
             books[split] = sorted(folder.glob('*.txt'), key=_book_key)
             if not books[split]:
                 raise errors.DataError(f'{folder} has no .txt books. '
@@ -451,7 +454,7 @@ def make_builder(data_cfg: Any) -> _MemjaxTextBuilder:
 def _check_manual_files(builder: _MemjaxTextBuilder, folder: Path) -> None:
     """Fails before TFDS starts, with the file and the fix."""
     if not folder.is_dir():
-        raise _missing(folder, (
+        raise _missing(folder, folder=True, fix=(
             f'{builder.name} reads raw files from data.manual_dir (default '
             f'<data_dir>/downloads/manual). '
             f'{builder.MANUAL_DOWNLOAD_INSTRUCTIONS}'))

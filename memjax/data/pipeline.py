@@ -156,6 +156,16 @@ def _load_cache(tokens_path: Path, docs_path: Path, vocab_size: int
     return tokens, offsets
 
 
+def data_fingerprint(data_cfg: Any, split: str, tokens: np.ndarray, doc_offsets: np.ndarray) -> Dict[str, str]:
+    """{'source': the prepared dataset's name (for data.name='text' it changes with the files' sizes
+    and times) and the documents read, 'tokens': SHA-256 of the token ids and document offsets}."""
+    digest = hashlib.sha256(np.ascontiguousarray(tokens).data)
+    digest.update(np.ascontiguousarray(doc_offsets).data)
+    limit = builders.train_documents(data_cfg, split)
+    return {'source': builders.make_builder(data_cfg).info.full_name + (f' (first {limit} documents)' if limit else ''),
+            'tokens': digest.hexdigest()[:16]}
+
+
 def load_token_ids(data_cfg: Any, split: str, tokenizer: Tokenizer,
                    cache_dir: Optional[os.PathLike] = None
                    ) -> Tuple[np.ndarray, np.ndarray]:
@@ -201,6 +211,9 @@ class BatchedStreams(abc.ABC):
 
     num_batches: int
     repeat: bool
+    # What the streams read, for a resumed run to notice other data (None: generated from the
+    # config alone): {'source': the prepared dataset, 'tokens': a hash of the token ids}.
+    fingerprint: Optional[Dict[str, str]] = None
 
     @abc.abstractmethod
     def batch(self, index: int) -> Dict[str, np.ndarray]:
@@ -257,6 +270,7 @@ class LMStreams(BatchedStreams):
         self.tokens, self.doc_offsets = load_token_ids(
             data_cfg, self.split, tokenizer, cache_dir)
         self._check_length(cfg_get(data_cfg, 'name', ''))
+        self.fingerprint = data_fingerprint(data_cfg, self.split, self.tokens, self.doc_offsets)
         if self.reset_at_doc_boundary:
             layout = document_layout(self.doc_offsets, batch_size, tgt_len)
         else:

@@ -15,6 +15,7 @@ is a pure function of (seed, split, i), so every pass, process and resume sees t
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Iterable
 
 import numpy as np
@@ -44,6 +45,21 @@ def make_sequence(rng: np.random.Generator, length: int) -> tuple[np.ndarray, np
     cdf = np.cumsum((1 - r)[:, None] * p0 + r[:, None] * p1, axis=1)
     symbols = np.minimum((rng.random(length)[:, None] > cdf).sum(1), SYMBOLS - 1).astype(np.int32)
     return symbols, sorted_by_count(symbols)
+
+
+def _check_fits_in_memory(length: int, streams: int) -> None:
+    """Refuses, before anything is allocated, a length whose batch would not fit in host memory:
+    drawing a sequence holds its [length, 20] float64 CDF and the comparison with it (about 200
+    bytes a symbol), and a batch its streams' inputs, targets and mask (12 bytes a symbol each)."""
+    if length < 1:
+        raise errors.DataError(f'data.sort_length={length} must be >= 1.')
+    need = length * (200 + 12 * streams)
+    have = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    if need > have // 2:
+        raise errors.DataError(
+            f'data.sort_length={length:,}: a batch of these sequences needs about {need / 2**30:,.0f} GiB '
+            f'of host memory, more than half of this machine\'s {have / 2**30:,.0f} GiB; lower it (the '
+            'paper uses 4,000 to 16,000).')
 
 
 class SortingTokenizer(tokenizers.Tokenizer):
@@ -82,6 +98,7 @@ class SortingStreams(pipeline.BatchedStreams):
         self.split, self.batch_size, self.tgt_len = split, batch_size, tgt_len
         self.segments_per_batch, self.repeat, self.seed = segments_per_batch, repeat, seed
         self.length = int(cfg_get(data_cfg, 'sort_length', 4000))
+        _check_fits_in_memory(self.length, -(-batch_size // process_count))
         sequences = int(cfg_get(data_cfg, f'sort_{split}_sequences', DEFAULT_SEQUENCES[split]))
         if sequences < batch_size:
             raise errors.DataError(f'sorting {split}: {sequences} sequences for {batch_size} streams; '

@@ -14,6 +14,31 @@ _MEMORY_STARTS = ('empty', 'zeros')
 RUN_TIME_FIELDS = ('clamp_len', 'same_length')
 
 
+def _tuple_of(name: str, value: Any, kind: type, example: str) -> tuple:
+    """`value` as a tuple of `kind`, or a ValueError naming the field (a command-line override
+    such as --config.model.ltm_widths=abc arrives as a string)."""
+    def one(item):
+        if kind is bool:
+            if item in (True, False):  # bool, 0, 1 (and numpy's)
+                return bool(item)
+            raise ValueError
+        if isinstance(item, (str, bool)):
+            raise ValueError
+        converted = kind(item)
+        if kind is int and converted != item:
+            raise ValueError
+        return converted
+
+    try:
+        if not isinstance(value, (tuple, list)):
+            raise ValueError
+        return tuple(one(item) for item in value)
+    except (TypeError, ValueError):
+        noun = {int: 'integers', float: 'numbers', bool: 'booleans'}[kind]
+        raise ValueError(f'Invalid model config: {name}={value!r} must be a tuple of {noun}, '
+                         f'e.g. --config.model.{name}=\'{example}\'.') from None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of the memory-transformer language model; the one place their defaults live
@@ -94,10 +119,10 @@ class ModelConfig:
     def __post_init__(self):
         if self.d_embed == -1:
             object.__setattr__(self, 'd_embed', self.d_model)
-        object.__setattr__(self, 'cutoffs', tuple(int(c) for c in self.cutoffs))
-        object.__setattr__(self, 'ltm_widths', tuple(float(w) for w in self.ltm_widths))
-        tie_projs = tuple(bool(t) for t in self.tie_projs) or (False,) * (len(self.cutoffs) + 1)
-        object.__setattr__(self, 'tie_projs', tie_projs)
+        for name, kind, example in (('cutoffs', int, '(20000, 40000)'), ('ltm_widths', float, '(0.01, 0.05)'),
+                                    ('tie_projs', bool, '(False, True)')):
+            object.__setattr__(self, name, _tuple_of(name, getattr(self, name), kind, example))
+        object.__setattr__(self, 'tie_projs', self.tie_projs or (False,) * (len(self.cutoffs) + 1))
         self.validate()
 
     @classmethod

@@ -26,6 +26,7 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from memjax import early_sigterm
 from memjax import errors
 
 MODES = ('auto', 'on', 'off')
@@ -218,6 +219,7 @@ def initialize(settings: Settings) -> bool:
     else:
         logging.info('Joining the auto-detected multi-process run (timeout %ds).',
                      settings.initialization_timeout)
+    early_sigterm.hand_over()  # JAX's preemption service takes SIGTERM over.
     with _deadline(settings.initialization_timeout, _deadline_message(settings)):
         try:
             jax.distributed.initialize(**kwargs)

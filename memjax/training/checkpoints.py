@@ -15,6 +15,7 @@ with the best periodic validation loss is kept beside those.
 
 import contextlib
 import hashlib
+import json
 import os
 from typing import Any, Iterator, NamedTuple, Optional
 
@@ -34,6 +35,7 @@ class Restored(NamedTuple):
     state: Any
     memory: Any
     data_state: Any
+    data: Optional[dict]  # The training data's fingerprint (None: saved before memjax kept it).
 
 
 class CheckpointMismatchError(errors.CheckpointError):
@@ -92,6 +94,44 @@ class _Manager(ocp.CheckpointManager):
     def reached_preemption(self, step: int) -> bool:
         del step
         return False
+
+    def metrics(self, step: int) -> Optional[dict]:
+        """The step's validation loss record; an unreadable one (a damaged checkpoint) would stop
+        orbax from opening the folder at all, so it ranks as no record."""
+        try:
+            return super().metrics(step)
+        except (ValueError, OSError) as error:
+            _warn_once(f'{self.directory}/{step}/metrics', 'Checkpoint %s/%d: its validation-loss record '
+                       'does not read (%s); it no longer competes as the best checkpoint.',
+                       self.directory, step, type(error).__name__)
+            return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, *args) -> None:
+    """Each reader of a folder (the resume check, the restore) meets its damage again: say it once."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        logging.warning(*args)
+
+
+def _check_orbax_metadata(directory: str) -> None:
+    """Says in one line what orbax's own words (an error with the file's whole content) leave
+    unsaid: a step whose _CHECKPOINT_METADATA does not parse is still used, because that file only
+    holds timestamps and handler names, and the arrays are checked against memjax's fingerprint."""
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+        path = os.path.join(directory, name, '_CHECKPOINT_METADATA')
+        if not (name.isdigit() and os.path.isfile(path)):
+            continue
+        try:
+            with open(path, 'rb') as f:
+                json.loads(f.read())
+        except ValueError:
+            _warn_once(path, 'Checkpoint %s: orbax\'s _CHECKPOINT_METADATA (timestamps and handler names) '
+                       'does not parse; the checkpoint is still used, its arrays checked against memjax\'s '
+                       'fingerprint.', os.path.join(directory, name))
 
 
 def _path_name(path: tuple) -> str:
@@ -171,15 +211,20 @@ class Checkpointer:
             create=not read_only, read_only=read_only, enable_async_checkpointing=True)
         # Named handlers let orbax read an item's metadata before anything was saved or restored.
         handlers = {'arrays': ocp.StandardCheckpointHandler(), 'meta': ocp.JsonCheckpointHandler()}
+        _check_orbax_metadata(self.directory)
         self._manager = _Manager(self.directory, options=options, item_handlers=handlers)
+        self._writing: Optional[int] = None  # The step whose asynchronous write may be in flight.
+        self.damaged: list[int] = []  # Steps found damaged (and quarantined) by latest_intact.
 
     def save(self, step: int, state: Any, memory: Any, data_state: Any, config: dict,
-             valid_loss: Optional[float] = None) -> None:
-        """Starts writing `step`; `valid_loss` (this step's validation) ranks it for keep-best."""
+             valid_loss: Optional[float] = None, data: Optional[dict] = None) -> None:
+        """Starts writing `step`; `valid_loss` (this step's validation) ranks it for keep-best;
+        `data` is the training data's fingerprint."""
         arrays = {'state': state, 'memory': memory}
         meta = {'step': int(step), 'data_state': data_state, 'fingerprint': fingerprint(arrays),
-                'config': config}
-        # Orbax reports a failed background write of the previous step here too.
+                'config': config, 'data': data}
+        self.wait()  # A failed background write is the previous step's: named as such.
+        self._writing = step
         with self._failing_save_is_an_error(step):
             self._manager.save(step, args=ocp.args.Composite(
                 arrays=ocp.args.StandardSave(_zero_size_to_none(arrays)),
@@ -244,7 +289,7 @@ class Checkpointer:
             logging.info('%s stores the XL memory in the layout before memory kinds; read into '
                          'the per-layer layout (the next save writes that).', self.step_dir(step))
             memory = MemoryState(layers={'hidden': memory['hidden']}, shared={'valid': memory['valid']})
-        return Restored(int(meta['step']), arrays['state'], memory, meta['data_state'])
+        return Restored(int(meta['step']), arrays['state'], memory, meta['data_state'], meta.get('data'))
 
     def restore_part(self, step: int, abstract: Any) -> Any:
         """Only the arrays of `abstract` (a subtree of {'state', 'memory'}), e.g. the parameters.
@@ -285,6 +330,7 @@ class Checkpointer:
                 damaged.append(step)
         if quarantine and damaged:
             self._quarantine(damaged)
+        self.damaged += damaged
         return result
 
     def restore_latest(self, abstract_state: Any, abstract_memory: Any,
@@ -298,10 +344,14 @@ class Checkpointer:
         step = self._manager.best_step()  # Among the steps saved with a validation loss.
         return (None, None) if step is None else (step, self._manager.metrics(step)[VALID_LOSS])
 
+    @property
+    def quarantine_dir(self) -> str:
+        return self.directory + '_damaged'
+
     def _quarantine(self, steps: list[int]) -> None:
         """Moves damaged steps aside, never over an earlier quarantined copy of the same step."""
         if jax.process_index() == 0:
-            target_root = self.directory + '_damaged'
+            target_root = self.quarantine_dir
             os.makedirs(target_root, exist_ok=True)
             for step in steps:
                 target = os.path.join(target_root, str(step))
@@ -317,8 +367,10 @@ class Checkpointer:
         self._manager.reload()
 
     def wait(self) -> None:
-        with self._failing_save_is_an_error(None):
+        """Waits for the write in flight; raises CheckpointError naming its step if it failed."""
+        with self._failing_save_is_an_error(self._writing):
             self._manager.wait_until_finished()
+        self._writing = None
 
     def close(self) -> None:
         self._manager.close()

@@ -17,6 +17,7 @@ import optax
 from memjax.training import checkpoints as checkpointing
 from memjax import config_lib
 from memjax.runtime import distributed
+from memjax import early_sigterm
 from memjax import errors
 from memjax.training import resume
 from memjax.training import workdir as workdir_lib
@@ -244,8 +245,15 @@ class _Interval:
         return {k: np.concatenate([np.asarray(p[k], np.float64) for p in self.parts])
                 for k in self.parts[0]}
 
-    def check_finite(self, values: dict, last_checkpoint: Optional[str]) -> None:
+    def check_healthy(self, values: dict, last_checkpoint: Optional[str], diverged_loss: float) -> None:
+        """Raises before a NaN, inf or diverged state can become a checkpoint."""
         bad = ~(np.isfinite(values['nll_sum']) & np.isfinite(values['grad_norm']))
+        if not bad.any():
+            loss = values['nll_sum'] / np.maximum(values['num_tokens'], 1.0)
+            if (loss > diverged_loss).any():
+                index = int(np.argmax(loss > diverged_loss))
+                raise _diverged(f'training loss {loss[index]:.4g}', self.first_step + index + 1,
+                                diverged_loss, last_checkpoint)
         if bad.any():
             index = int(np.argmax(bad))
             out_of_range = int(values['out_of_range_ids'][index])
@@ -263,6 +271,14 @@ class _Interval:
                 f'the last good checkpoint is {last_checkpoint or "none (no checkpoint yet)"}. '
                 'Lower config.train.learning_rate or config.train.clip_norm, or use float32 '
                 'compute (config.model.compute_dtype).')
+
+
+def _diverged(what: str, step: int, limit: float, last_checkpoint: Optional[str]) -> errors.DivergedError:
+    return errors.DivergedError(
+        f'the run diverged: {what} at step {step} exceeds config.train.diverged_loss ({limit:.4g} '
+        f'nats; -1 is 3 ln(vocab_size)). Nothing after it was saved; the last good checkpoint is '
+        f'{last_checkpoint or "none (no checkpoint yet)"}. Lower config.train.learning_rate or '
+        'config.train.clip_norm and resume, or raise the limit (0: off) if this loss is expected.')
 
 
 def _log_interval(exp: Experiment, interval: _Interval, values: dict, step: int,
@@ -369,18 +385,61 @@ def _init_from_gpt2(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
     return init_state(exp, params)[0], exp.partitioner.init_memory(exp.mcfg, exp.config.train.batch_size)
 
 
-def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer,
-                     iterator: Any) -> tuple[train_step_lib.TrainState, Any, Optional[str]]:
+def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer, iterator: Any,
+                     data: Optional[dict]) -> tuple[train_step_lib.TrainState, Any, Optional[str]]:
     """State, memory and data position of the newest intact checkpoint, else a start from
-    config.train.init_from, else fresh ones."""
+    config.train.init_from, else fresh ones. `data`: the training data's fingerprint now."""
     restored = ckpt.restore_latest(*abstract_state(exp), quarantine=True)
     if restored is None:
+        _refuse_to_start_over(ckpt)
         if exp.config.train.init_from:
             return *_init_from(exp), None
         return *init_state(exp), None
+    _check_same_data(restored.data, data, ckpt.step_dir(restored.step), exp.config.data)
     iterator.set_state(restored.data_state)
     logging.info('Resumed from %s (step %d).', ckpt.step_dir(restored.step), restored.step)
     return restored.state, restored.memory, ckpt.step_dir(restored.step)
+
+
+def _check_same_data(saved: Optional[dict], now: Optional[dict], source: str, data_cfg: Any) -> None:
+    """A resumed run reads the data it was trained on: other token ids are refused like another
+    config (its data position and memory belong to the old text), unless
+    config.data.accept_changed_data says the change is intended."""
+    if saved is None or now is None:
+        return  # Saved before memjax kept the fingerprint, or generated data (the config says all).
+    if saved['tokens'] == now['tokens']:
+        if saved['source'] != now['source']:
+            logging.info('The training data was prepared again (%s -> %s) and reads as the same token ids.',
+                         saved['source'], now['source'])
+        return
+    change = (f'its training data changed since {source} was saved ({saved["source"]}, tokens '
+              f'{saved["tokens"]} -> {now["source"]}, tokens {now["tokens"]})')
+    if data_cfg.accept_changed_data:
+        logging.warning('Resuming although %s: config.data.accept_changed_data=True; the run continues '
+                        'at its position in the new data.', change)
+        return
+    raise errors.DataError(
+        f'this run cannot resume on other data: {change}. Put back the data it was trained on, or, '
+        'if the change is intended, add --config.data.accept_changed_data=True (the run continues '
+        'at its position in the new data), or start a new --workdir.')
+
+
+def _refuse_to_start_over(ckpt: checkpointing.Checkpointer) -> None:
+    """A workdir whose every checkpoint is damaged holds a run's work: starting it over from step 0
+    must be the user's decision, so the run stops (this time and every next time) until the
+    damaged steps are moved away."""
+    folder = ckpt.quarantine_dir
+    moved = sorted(os.listdir(folder), key=lambda n: [int(p) for p in n.split('.') if p.isdigit()]) \
+        if os.path.isdir(folder) else []
+    if not moved:
+        return
+    what = (f'steps {", ".join(map(str, sorted(ckpt.damaged)))} are damaged (the warnings above say how) and '
+            f'were moved to {folder}' if ckpt.damaged else
+            f'{folder} holds the damaged steps {", ".join(moved)} an earlier start moved there')
+    raise errors.CheckpointError(
+        f'{ckpt.directory} has no intact checkpoint: {what}. Nothing was started over them. To '
+        f'start this run afresh on purpose, move {folder} away (or use another --workdir) and run '
+        'the same command again.')
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -391,7 +450,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     boundary and returns `{'step', 'preempted': True, 'checkpoint', 'wall_seconds'}`
     without the final validation, which the resumed run does.
     """
+    # A refused config leaves no trace: checked before the workdir is created.
+    config_lib.validate_config(config, jax.process_count(), jax.device_count())
     workdir_lib.check(workdir, create=True)
+    with metrics_lib.log_to_workdir(workdir, jax.process_index()):
+        return _train_locked(config, workdir)
+
+
+def _train_locked(config: ml_collections.ConfigDict, workdir: str) -> dict:
     # One training run per workdir: process 0 holds the lock for all processes of a run, and
     # all of them stop when it cannot (the others would wait for it at the next barrier).
     lock = workdir_lib.RunLock(workdir) if jax.process_index() == 0 else None
@@ -405,19 +471,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             refused, lock = errors.WorkdirError(
                 f'cannot take the lock {os.path.join(workdir, workdir_lib.LOCK_FILE)} '
                 f'({error}): check the workdir\'s filesystem.'), None
-    try:
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-            if not multihost_utils.broadcast_one_to_all(np.int32(refused is None)) and not refused:
-                refused = errors.WorkdirError(f'process 0 could not take the lock of {workdir}: '
-                                              'see its log.')
-        if refused is not None:
-            raise refused
-        _adopt_tokenizer(config, workdir)
-        return _train(config, workdir)
-    finally:
-        if lock is not None:
-            lock.release()
+    release = lock.release if lock is not None else (lambda: None)
+    # A run stopped by SIGTERM before or after the loop leaves the workdir free for its restart.
+    with early_sigterm.cleanup_on_stop(release):
+        try:
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+                if not multihost_utils.broadcast_one_to_all(np.int32(refused is None)) and not refused:
+                    refused = errors.WorkdirError(f'process 0 could not take the lock of {workdir}: '
+                                                  'see its log.')
+            if refused is not None:
+                raise refused
+            _adopt_tokenizer(config, workdir)
+            return _train(config, workdir)
+        finally:
+            release()
 
 
 def _init_from_dir(init_from: str) -> tuple[str, Optional[int]]:
@@ -466,7 +534,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     iterator = train_streams.iterator()
 
     ckpt = checkpointing.Checkpointer(checkpoint_dir(workdir), tcfg.keep_checkpoints)
-    state, memory, last_checkpoint = _restore_or_init(exp, ckpt, iterator)
+    state, memory, last_checkpoint = _restore_or_init(exp, ckpt, iterator, train_streams.fingerprint)
     step = int(state.step)
     best_loss = ckpt.best()[1]
 
@@ -476,6 +544,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     interval = _Interval(step)
     # Throughput counts neither the compiling first dispatch nor periodic validation.
     logged_tokens, compile_tokens, steady_start, eval_seconds = 0.0, 0.0, None, 0.0
+    diverged_loss = config_lib.diverged_loss(tcfg, exp.mcfg.vocab_size)
     watch, preempted = preemption.PreemptionWatch(), False
     try:
         while step < tcfg.num_steps:
@@ -501,7 +570,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
             if interval.parts:
                 values = interval.collect()
                 # Before any save: a NaN state must never become a checkpoint.
-                interval.check_finite(values, last_checkpoint)
+                interval.check_healthy(values, last_checkpoint, diverged_loss)
                 logged_tokens += _log_interval(exp, interval, values, step, writer)
             valid_loss = None
             if evaluate:
@@ -509,6 +578,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 valid_loss = _validate(exp, eval_step, state.params, valid_streams,
                                        tcfg.eval_batches, step, writer)['loss']
                 eval_seconds += time.time() - eval_start
+                if valid_loss > diverged_loss:
+                    raise _diverged(f'validation loss {valid_loss:.4g}', step, diverged_loss, last_checkpoint)
                 # The best validated state is kept, also between checkpoint steps (unless the
                 # run asked for its final checkpoint only).
                 is_best = best_loss is None or valid_loss < best_loss
@@ -519,14 +590,16 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                  tcfg.keep_checkpoints)
                 best_loss = valid_loss if best_loss is None else min(best_loss, valid_loss)
             if save:
-                ckpt.save(step, state, memory, iterator.get_state(), saved_config, valid_loss)
+                ckpt.save(step, state, memory, iterator.get_state(), saved_config, valid_loss,
+                          train_streams.fingerprint)
                 last_checkpoint = ckpt.step_dir(step)
             if preempted:
                 break
             interval = _Interval(step)
         if not preempted:
             train_seconds = (time.time() - steady_start - eval_seconds) if steady_start else 0.0
-            final = _validate(exp, eval_step, state.params, valid_streams, -1, step, writer)
+            with preemption.stop_once_written(ckpt.wait):
+                final = _validate(exp, eval_step, state.params, valid_streams, -1, step, writer)
     finally:
         watch.close()
         writer.close()
@@ -540,16 +613,18 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
         return {'step': step, 'preempted': True, 'checkpoint': last_checkpoint,
                 'wall_seconds': time.time() - wall_start}
 
+    summary_path = os.path.join(workdir, 'train_summary.json')
     summary = {
         'step': step,
         'valid_loss': final['loss'],
         f'valid_{metric}': final[metric],
         'valid_tokens': final['num_tokens'],
         **({'valid_accuracy': final['accuracy']} if 'accuracy' in final else {}),
-        'train_tokens_per_s': ((logged_tokens - compile_tokens) / train_seconds
-                               if train_seconds > 0 else None),
+        # A finished run started again trains nothing: its throughput stays the one measured.
+        'train_tokens_per_s': ((logged_tokens - compile_tokens) / train_seconds if train_seconds > 0
+                               else (read_json(summary_path) or {}).get('train_tokens_per_s')),
         'wall_seconds': time.time() - wall_start,
     }
-    write_json(os.path.join(workdir, 'train_summary.json'), summary)
+    write_json(summary_path, summary)
     logging.info('Done: %s', json.dumps(summary))
     return summary

@@ -1,11 +1,15 @@
 """Reported quantities (bits per character or perplexity), TensorBoard and console output."""
 
+import contextlib
 import glob
 import logging as logging_std
 import math
 import os
 import struct
-from typing import Mapping, Optional
+import sys
+import threading
+import warnings
+from typing import Iterator, Mapping, Optional
 
 from absl import logging
 
@@ -114,5 +118,96 @@ class _QuietLibraries(logging_std.Filter):
         return record.levelno >= logging_std.WARNING or 'xla_bridge' not in record.pathname
 
 
-def quiet_library_logs() -> None:
-    logging.get_absl_handler().addFilter(_QuietLibraries())
+_MEMJAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+LOG_FILE = 'memjax.log'
+
+
+class _LibraryDetails(logging_std.Filter):
+    """Keeps library errors and tracebacks off the terminal. Orbax and TensorStore log every failure
+    their background threads see, each with its traceback (hundreds of lines for one full disk or
+    damaged checkpoint), around memjax's one line that says what happened and what to do. They go
+    to the run's log file (`log_to_workdir`), and to the terminal only with --verbose."""
+
+    def __init__(self):
+        super().__init__()
+        self.verbose = False
+        self.held = 0  # Records kept off the terminal.
+        self.file: Optional[str] = None
+        self.file_failed = False  # Some record could not be written there (a full disk).
+
+    def filter(self, record: logging_std.LogRecord) -> bool:
+        if self.verbose or (record.pathname.startswith(_MEMJAX_DIR) and not hasattr(record, 'library')):
+            return True
+        if record.levelno >= logging_std.ERROR or record.exc_info:
+            self.held += 1
+            return False
+        return True
+
+
+_DETAILS = _LibraryDetails()
+
+
+def quiet_library_logs(verbose: bool = False) -> None:
+    """Routes library chatter and tracebacks as `_QuietLibraries` and `_LibraryDetails` say,
+    including exceptions that library threads print straight to stderr (TensorStore's callbacks
+    into a closed event loop after a failed write; threads that die)."""
+    handler = logging.get_absl_handler()
+    handler.addFilter(_QuietLibraries())
+    _DETAILS.verbose = verbose
+    handler.addFilter(_DETAILS)
+
+    def log_exception(kind, value, traceback, thread=None):
+        logging.error('Exception in %s: %s', getattr(thread, 'name', 'a library callback'), value,
+                      exc_info=(kind, value, traceback), extra={'library': True})
+
+    # Python warnings (JAX's failed compilation-cache write on a full disk) as one log line each.
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: (
+        f'{category.__name__}: {message} ({filename}:{lineno})')
+    logging_std.captureWarnings(True)
+    sys.excepthook = log_exception
+    threading.excepthook = lambda args: log_exception(args.exc_type, args.exc_value, args.exc_traceback,
+                                                      args.thread)
+    sys.unraisablehook = lambda args: log_exception(args.exc_type, args.exc_value, args.exc_traceback)
+
+
+class _QuietFileHandler(logging_std.FileHandler):
+    """A log file on a full or read-only disk stops logging; it must not print a traceback for
+    every record (memjax's own message says what failed)."""
+
+    def handleError(self, record: logging_std.LogRecord) -> None:
+        del record
+        _DETAILS.file_failed = True
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # The last flush failed like the writes before it.
+            pass
+
+
+@contextlib.contextmanager
+def log_to_workdir(workdir: str, process_index: int) -> Iterator[None]:
+    """Appends every log record of the block, library details included, to `<workdir>/memjax.log`
+    (process i > 0: memjax.process_<i>.log)."""
+    name = LOG_FILE if process_index == 0 else f'memjax.process_{process_index}.log'
+    handler = _QuietFileHandler(os.path.join(workdir, name))
+    handler.setFormatter(logging.PythonFormatter())
+    root = logging_std.getLogger()
+    root.addHandler(handler)
+    _DETAILS.file, _DETAILS.file_failed = handler.baseFilename, False
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+
+
+def where_details_are() -> str:
+    """' Details: <log file>.' or ' --verbose shows the details.' when library errors were kept off
+    the terminal; '' otherwise."""
+    if not _DETAILS.held or _DETAILS.verbose:
+        return ''
+    if _DETAILS.file and not _DETAILS.file_failed:
+        return f' Details: {_DETAILS.file}.'
+    return ' --verbose shows the details.'
+

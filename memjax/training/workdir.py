@@ -87,16 +87,35 @@ class RunLock:
             return 'it was just released'
         if age > STALE_AFTER_S:
             return f'its heartbeat is {age:.0f}s old'
-        if holder.get('host') == self._owner['host'] and not _pid_alive(int(holder.get('pid', -1))):
-            return f'process {holder.get("pid")} no longer exists'
+        if holder and holder['host'] == self._owner['host'] and not _pid_alive(holder['pid']):
+            return f'process {holder["pid"]} no longer exists'
         return None
 
     def _read_holder(self) -> dict:
+        """The holder's {'host', 'pid', 'started'}, or {} when the file does not say (half-written
+        by a holder that has just started or died right away, or not memjax's): its age decides."""
         try:
             with open(self.path) as f:
-                return json.load(f)
+                holder = json.load(f)
         except (OSError, ValueError):
-            return {}  # Half-written by a holder that died right away; its age decides.
+            return {}
+        if not (isinstance(holder, dict) and isinstance(holder.get('host'), str)
+                and type(holder.get('pid')) is int and holder['pid'] > 0):
+            return {}
+        return holder
+
+    def _refusal(self, holder: dict) -> errors.WorkdirError:
+        workdir = os.path.dirname(self.path)
+        if holder:
+            return errors.WorkdirError(
+                f'{workdir} is in use by another training run (process {holder["pid"]} on '
+                f'{holder["host"]}, since {holder.get("started", "?")}): wait for it, stop it, or '
+                f'use another --workdir. If that run is gone, delete {self.path}.')
+        return errors.WorkdirError(
+            f'{workdir} is locked by {self.path}, which does not name its holder (a run starting '
+            f'this moment writes it, or the file is not memjax\'s): if no run uses this workdir, '
+            f'delete the file; otherwise it is taken over once its heartbeat is '
+            f'{STALE_AFTER_S:.0f}s old.')
 
     def acquire(self) -> 'RunLock':
         for _ in range(2):  # A second try after taking a stale lock over.
@@ -106,11 +125,7 @@ class RunLock:
                 holder = self._read_holder()
                 reason = self._stale_reason(holder)
                 if reason is None:
-                    raise errors.WorkdirError(
-                        f'{os.path.dirname(self.path)} is in use by another training run (process '
-                        f'{holder.get("pid", "?")} on {holder.get("host", "?")}, since '
-                        f'{holder.get("started", "?")}): wait for it, stop it, or use another '
-                        f'--workdir. If that run is gone, delete {self.path}.') from None
+                    raise self._refusal(holder) from None
                 logging.warning('Taking over the stale lock %s of %s (%s).', self.path, holder,
                                 reason)
                 # Renamed, not removed: of two runs taking over at once, the second must not
