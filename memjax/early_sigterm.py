@@ -36,6 +36,9 @@ def install() -> None:
     threads (memjax.train does, before its imports)."""
     if _state['installed'] or threading.current_thread() is not threading.main_thread():
         return
+    # A thread started before this call (an import that starts one) still takes the signal: its
+    # Python handler then answers in the main thread, the way it always could.
+    signal.signal(signal.SIGTERM, lambda signum, frame: _react())
     signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     threading.Thread(target=_answer, daemon=True, name='memjax-sigterm').start()
     _state['installed'] = True
@@ -48,7 +51,11 @@ def installed() -> bool:
 def _answer() -> None:
     while True:
         signal.sigwait(_SIGNALS)
-        (_reactions[-1] if _reactions else stop)()
+        _react()
+
+
+def _react() -> None:
+    (_reactions[-1] if _reactions else stop)()
 
 
 def stop(message: str = _MESSAGE, exit_code: int = 0) -> None:
@@ -64,23 +71,22 @@ def stop(message: str = _MESSAGE, exit_code: int = 0) -> None:
 
 
 @contextlib.contextmanager
-def diverted(reaction: Callable[[], None]) -> Iterator[None]:
+def _pushed(stack: list, item: Callable[[], None]) -> Iterator[None]:
+    stack.append(item)
+    try:
+        yield
+    finally:
+        stack.remove(item)
+
+
+def diverted(reaction: Callable[[], None]):
     """Within the block SIGTERM calls `reaction()` (in the signal thread) instead of stopping."""
-    _reactions.append(reaction)
-    try:
-        yield
-    finally:
-        _reactions.remove(reaction)
+    return _pushed(_reactions, reaction)
 
 
-@contextlib.contextmanager
-def cleanup_on_stop(cleanup: Callable[[], None]) -> Iterator[None]:
+def cleanup_on_stop(cleanup: Callable[[], None]):
     """Within the block a stop by SIGTERM runs `cleanup()` first."""
-    _cleanups.append(cleanup)
-    try:
-        yield
-    finally:
-        _cleanups.remove(cleanup)
+    return _pushed(_cleanups, cleanup)
 
 
 def hand_over() -> None:
@@ -88,6 +94,5 @@ def hand_over() -> None:
     then it stops the process as before."""
     if not _state['installed']:
         return
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop())
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
     _state['installed'] = False
