@@ -138,8 +138,11 @@ def test_bad_data_and_tokenizer_files_are_one_line(corpus, env, tmp_path):
 
 
 def patched_train(patch: str) -> list[str]:
-    """`python -c` running memjax.train after `patch` (Python source) faked a fault or a pause."""
-    script = textwrap.dedent(patch) + textwrap.dedent('''
+    """`python -c` running memjax.train after `patch` (Python source) faked a fault or a pause.
+    SIGTERM is taken over first, as memjax.train does before its imports: threads that the patch's
+    imports start must inherit the block, or a SIGTERM sent to one of them waits for the main
+    thread's sleep to end."""
+    script = 'from memjax import early_sigterm\nearly_sigterm.install()\n' + textwrap.dedent(patch) + textwrap.dedent('''
         import runpy, sys
         sys.argv = ['memjax.train'] + sys.argv[1:]
         runpy.run_module('memjax.train', run_name='__main__', alter_sys=True)
