@@ -193,7 +193,7 @@ def test_attend_hook_sees_the_layer_projections_and_adds_to_the_attention_output
     extra = jax.random.normal(jax.random.key(5), (2, 4, 2, 3))
 
     def attend(view):
-        return Attended(view.project_output(extra), notes=(view.project_query(mem), view.key))
+        return Attended(view.maps.output(extra), notes=(view.maps.query(mem), view.key))
 
     plain, _ = module.apply({'params': params}, h, [block], ctx, u, v, True)
     moved, (memory_queries, keys) = module.apply({'params': params}, h, [block], ctx, u, v, True, attend=attend)

@@ -24,7 +24,7 @@ def _kept_positions(seg_len: int) -> range:
 
 class EveryOtherLayer(memories.LayerMemory):
 
-    def blocks(self, state, shared, layer_input):
+    def blocks(self, state, shared, layer_input, maps):
         seg_len = layer_input.shape[1]
         distances = shared['distance'][None, None, None, :] + jnp.arange(seg_len)[None, None, :, None]
         return [KeyBlock(rows=state['hidden'], valid=shared['valid'][:, None, None, :],

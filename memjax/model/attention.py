@@ -9,9 +9,13 @@ always the last block. Every block has a distance rule:
 - explicit (`distances` given): keys that were selected, thinned or have aged; their positional
   scores are computed once per distance row and gathered at each key's distance.
 
-Masks are per block and may differ per head. A memory kind can also read what the attention
-computed (`AttentionView`), add a second output to the attention's output, and bring rows of its
-own that are keys for the segment and queries of their own (`rows`: LaMemo's refreshed memory).
+A block holds layer-input rows, which the attention projects with the layer's key and value maps,
+or keys and values the kind projected itself (cached, or gathered per head: TRAMS's selection, so
+that a head scores only the keys it selected). Masks are per block and may differ per head. The
+kind builds its blocks with the layer's maps in hand (`LayerMaps`, before any score), can read what
+the attention computed (`AttentionView`), add a second output to the attention's output, and bring
+rows of its own that are keys for the segment and queries of their own (`rows`: LaMemo's
+refreshed memory).
 """
 
 from __future__ import annotations
@@ -34,16 +38,25 @@ class KeyBlock:
     """Keys offered to one layer's attention.
 
     rows:      [B, N, d_model] layer-input rows, projected by this layer's key and value maps
-               (after its LayerNorm when pre-LN).
+               (after its LayerNorm when pre-LN); None when `keys` and `values` are given.
     valid:     [B, H or 1, T or 1, N] bool: False keys are never attended (causality and
-               `same_length` are applied on top from the distances).
+               `same_length` are applied on top).
     distances: None (contiguous) or int32 [B or 1, H or 1, T, N], each query's distance to each key;
                the attention needs `AttentionContext.positions` to have more rows than the largest.
+    keys, values: [B, N, H, Dh] already projected by this layer's maps (`LayerMaps`), instead of
+               `rows`; row n of head h may be another position than row n of head h' (per-head
+               selection), with `valid` and `distances` per head to match.
     """
 
-    rows: jax.Array
+    rows: Optional[jax.Array]
     valid: jax.Array
     distances: Optional[jax.Array] = None
+    keys: Optional[jax.Array] = None
+    values: Optional[jax.Array] = None
+
+    @property
+    def length(self) -> int:
+        return (self.rows if self.rows is not None else self.keys).shape[1]
 
 
 @struct.dataclass
@@ -52,7 +65,8 @@ class AttentionContext:
 
     positions: [R, d_model] encodings of distances R-1, ..., 0 (dropout already applied), or
                None with absolute positions (then there are no biases either: content scores only).
-    window:    with `same_length`, keys further back than `window` positions are hidden.
+    window:    with `same_length`, a query sees the newest `window` keys in attended order (itself
+               included): for contiguous keys, those less than `window` positions back.
     """
 
     positions: Optional[jax.Array]
@@ -65,22 +79,33 @@ class AttentionContext:
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerMaps:
+    """One layer's attention maps, handed to its memory kind before any score is computed (`blocks`)
+    and after the softmax (`AttentionView.maps`): extra queries, keys and values share the layer's
+    parameters, and a kind may rank rows by the kernels themselves (TRAMS's K' = k W_Q^T)."""
+
+    index: jax.Array  # int32 scalar: the layer's place in the stack, 0 first (traced under nn.scan).
+    query: Callable[[jax.Array], jax.Array]  # [..., d_model] -> [..., H, Dh], after the pre-LN norm.
+    key: Callable[[jax.Array], jax.Array]
+    value: Callable[[jax.Array], jax.Array]
+    output: Callable[[jax.Array], jax.Array]  # [..., H, Dh] -> [..., d_model]
+    position: Optional[Callable[[jax.Array], jax.Array]]  # [R, d_model] -> [R, H, Dh] (W_r); None: absolute.
+    query_kernel: jax.Array  # [d_model, H, Dh] W_Q (its bias, if the block has one, is not in it).
+    key_kernel: jax.Array  # [d_model, H, Dh] W_K
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionView:
-    """This layer's attention as a memory kind's `attend` hook sees it (the maps are the layer's
-    own, so extra queries or keys share its parameters)."""
+    """This layer's attention as a memory kind's `attend` hook sees it."""
 
     query: jax.Array  # [B, T, H, Dh] segment queries, before the u/v biases.
     key: jax.Array  # [B, K, H, Dh] every block's keys, segment last.
     value: jax.Array  # [B, K, H, Dh]
-    project_query: Callable[[jax.Array], jax.Array]  # [..., d_model] -> [..., H, Dh]
-    project_key: Callable[[jax.Array], jax.Array]
-    project_value: Callable[[jax.Array], jax.Array]
-    project_output: Callable[[jax.Array], jax.Array]  # [..., H, Dh] -> [..., d_model]
+    maps: LayerMaps  # The layer's own maps.
     scores: jax.Array  # [B, H, T, K] float32 logits of the segment's queries: scaled, masked keys at
     #                    the float32 minimum (their logsumexp is the softmax's log-denominator).
     attended: jax.Array  # [B, T, H, Dh] the segment's attention output before the output map.
     positions: Optional[jax.Array]  # The context's distance table (rows for distances R-1 ... 0).
-    project_position: Optional[Callable[[jax.Array], jax.Array]]  # [R, d_model] -> [R, H, Dh] (W_r)
     u_bias: Optional[jax.Array]  # [H, Dh] this layer's content and position biases, and its kind's own.
     v_bias: Optional[jax.Array]
     biases: dict
@@ -127,25 +152,28 @@ def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window):
     """Positional scores [B, H, T, K] (None without a distance table) and the mask
     [B, H or 1, T, K] over every block + segment."""
     tail = _contiguous_tail(blocks)
-    span = sum(b.rows.shape[1] for b in blocks[tail:]) + qlen
+    span = sum(b.length for b in blocks[tail:]) + qlen
+    total = sum(b.length for b in blocks) + qlen
     relative = pos_key is not None
     if relative and pos_key.shape[0] < span:
         raise ValueError(f'{pos_key.shape[0]} distance rows for a contiguous span of {span} keys: '
                          'the memory kind must ask for at least that many (position_rows).')
     scores, masks = [], []
     explicit = blocks[:tail]
+    i = jnp.arange(qlen)[:, None]
     if explicit:
         every_row = position_scores(query_v, pos_key) if relative else None
+        first = 0  # Index of the block's first key in the attended order.
         for b in explicit:
             if relative:
                 scores.append(_gather_rows(every_row, b.distances))
             visible = b.distances >= 0
-            if same_length:
-                visible &= b.distances < window
+            if same_length:  # The newest `window` keys in attended order; query i is key total-T+i.
+                visible &= first + jnp.arange(b.length)[None, :] > total - qlen + i - window
             masks.append(b.valid & visible)
+            first += b.length
     if relative:
         scores.append(rel_shift(position_scores(query_v, pos_key[pos_key.shape[0] - span:])))
-    i = jnp.arange(qlen)[:, None]
     j = jnp.arange(span)[None, :]
     visible = j <= span - qlen + i
     if same_length:
@@ -174,9 +202,10 @@ class RelativeAttention(nn.Module):
     with absolute positions (no distance table) the plain q.k.
 
     The positional term is computed once per distance row, never per query-key pair.
-    `attend(view) -> Attended` lets a memory kind add `extra` [B, T, d_model] to the output of the
-    output projection (`view.project_output` is that projection, for a kind whose extra output
-    shares it); its notes are returned for the kind's write.
+    `blocks` is the key blocks, or `maps -> key blocks` (a memory kind's `blocks` hook, given this
+    layer's `LayerMaps` before any score). `attend(view) -> Attended` lets a memory kind add `extra`
+    [B, T, d_model] to the output of the output projection (`view.maps.output` is that projection,
+    for a kind whose extra output shares it); its notes are returned for the kind's write.
 
     `rows` (a KeyBlock, or None) are a kind's rows that travel up the stack with the segment: keys
     right before the segment, and queries whose output the kind's `attend` computes (`Attended.rows`).
@@ -186,11 +215,10 @@ class RelativeAttention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, h, blocks: Sequence[KeyBlock], ctx: AttentionContext, u_bias, v_bias,
-                 deterministic: bool, attend: Optional[Callable] = None, rows: Optional[KeyBlock] = None,
-                 biases: Optional[dict] = None):
+    def __call__(self, h, blocks: Sequence[KeyBlock] | Callable[[LayerMaps], Sequence[KeyBlock]],
+                 ctx: AttentionContext, u_bias, v_bias, deterministic: bool, attend: Optional[Callable] = None,
+                 rows: Optional[KeyBlock] = None, biases: Optional[dict] = None, index=0):
         cfg = self.config
-        blocks = list(blocks) + ([rows] if rows is not None else [])
         heads = (cfg.n_head, cfg.d_head)
         in_axes = ('embed', 'heads', 'kv')
         bias = BLOCKS[cfg.block].bias
@@ -199,21 +227,30 @@ class RelativeAttention(nn.Module):
         segment = norm(h)
         query_proj = projection(cfg, heads, 'query', in_axes, bias=bias)
         query = constrain(query_proj(segment))  # [B, T, H, Dh]
+        key_proj = projection(cfg, heads, 'key', in_axes, bias=bias)
+        value_proj = projection(cfg, heads, 'value', in_axes, bias=bias)
+        segment_key, segment_value = key_proj(segment), value_proj(segment)
+        out_proj = projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), in_dims=2, bias=bias)
+        pos_proj = projection(cfg, heads, 'pos', in_axes) if ctx.positions is not None else None
+        maps = LayerMaps(
+            jnp.asarray(index, jnp.int32), lambda x: query_proj(norm(x)), lambda x: key_proj(norm(x)),
+            lambda x: value_proj(norm(x)), out_proj,
+            None if pos_proj is None else lambda x: pos_proj(x.astype(cfg.dtype)),
+            *(nn.meta.unbox(p.variables['params']['kernel']) for p in (query_proj, key_proj)))
+        blocks = list(blocks(maps) if callable(blocks) else blocks) + ([rows] if rows is not None else [])
         # Memory rows are projected apart from the segment's: they carry no gradient, and one
         # projection of [memory; segment] makes the backward compute (and then drop) their input
         # gradient, ~4% of a step's matmul FLOPs.
-        key_proj = projection(cfg, heads, 'key', in_axes, bias=bias)
-        value_proj = projection(cfg, heads, 'value', in_axes, bias=bias)
-        inputs = [norm(b.rows.astype(h.dtype)) for b in blocks] + [segment]
-        key = constrain(jnp.concatenate([key_proj(r) for r in inputs], axis=1))  # [B, K, H, Dh]
-        value = constrain(jnp.concatenate([value_proj(r) for r in inputs], axis=1))
+        projected = lambda b, proj, given: given if b.rows is None else proj(norm(b.rows.astype(h.dtype)))
+        key = constrain(jnp.concatenate([projected(b, key_proj, b.keys) for b in blocks] + [segment_key], axis=1))
+        value = constrain(jnp.concatenate([projected(b, value_proj, b.values) for b in blocks] + [segment_value],
+                                          axis=1))  # [B, K, H, Dh]
 
-        pos_key = pos_proj = None
+        pos_key = None
         if ctx.positions is not None:
             span_only = all(b.distances is None for b in blocks)
             positions = ctx.positions[ctx.positions.shape[0] - key.shape[1]:] if span_only else ctx.positions
-            pos_proj = projection(cfg, heads, 'pos', in_axes)
-            pos_key = pos_proj(positions.astype(cfg.dtype))  # [R, H, Dh]
+            pos_key = maps.position(positions)  # [R, H, Dh]
             content_query, position_query = query + u_bias.astype(cfg.dtype), query + v_bias.astype(cfg.dtype)
         else:
             content_query = position_query = query
@@ -227,15 +264,11 @@ class RelativeAttention(nn.Module):
         probs = jax.nn.softmax(scores, axis=-1)
         probs = Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
         attended = jnp.einsum('bhtk,bkhd->bthd', probs, value)
-        out_proj = projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), in_dims=2, bias=bias)
         out = out_proj(attended)
         result = Attended()
         if attend is not None:
-            result = attend(AttentionView(
-                query, key, value, lambda x: query_proj(norm(x)), lambda x: key_proj(norm(x)),
-                lambda x: value_proj(norm(x)), out_proj, scores, attended, ctx.positions,
-                None if pos_proj is None else lambda x: pos_proj(x.astype(cfg.dtype)), u_bias, v_bias, biases or {},
-                None if rows is None else rows.rows, deterministic))
+            result = attend(AttentionView(query, key, value, maps, scores, attended, ctx.positions, u_bias, v_bias,
+                                          biases or {}, None if rows is None else rows.rows, deterministic))
             if result.extra is not None:
                 out = out + result.extra.astype(out.dtype)
         if rows is not None:

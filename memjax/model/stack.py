@@ -42,26 +42,27 @@ class FeedForward(nn.Module):
 class DecoderLayer(nn.Module):
     """Attention over the memory's key blocks and the segment, then feed-forward.
 
-    `(carry, state, shared, ctx, skip) -> (carry, (next state, aux losses))`, the signature of both
-    the loop and the nn.scan body; `carry` is (the kind's stack rows or None, the segment's hidden
-    states). `skip` (a traced bool, or None) runs the layer under `lax.cond`.
+    `(carry, state, shared, ctx, skip, index) -> (carry, (next state, aux losses))`, the signature
+    of both the loop and the nn.scan body; `carry` is (the kind's stack rows or None, the segment's
+    hidden states). `skip` (a traced bool, or None) runs the layer under `lax.cond`; `index` is the
+    layer's place in the stack (int32, traced under nn.scan), which its memory sees in `LayerMaps`.
     """
 
     config: ModelConfig
     kind: MemoryKind
     deterministic: bool = True
 
-    def __call__(self, carry, state, shared, ctx: AttentionContext, skip):
+    def __call__(self, carry, state, shared, ctx: AttentionContext, skip, index):
         if skip is None or self.is_initializing():
-            return self.compute(carry, state, shared, ctx)
-        return nn.cond(skip, DecoderLayer.skip, DecoderLayer.compute, self, carry, state, shared, ctx)
+            return self.compute(carry, state, shared, ctx, index)
+        return nn.cond(skip, DecoderLayer.skip, DecoderLayer.compute, self, carry, state, shared, ctx, index)
 
-    def skip(self, carry, state, shared, ctx):
+    def skip(self, carry, state, shared, ctx, index):
         losses = {name: jnp.zeros((), jnp.float32) for name in self.kind.loss_weights}
         return carry, (self.memory.skipped(state, shared), losses)
 
     @nn.compact
-    def compute(self, carry, state, shared, ctx):
+    def compute(self, carry, state, shared, ctx, index):
         cfg = self.config
         rows, h = carry
         u_bias, v_bias, biases = ctx.u_bias, ctx.v_bias, ctx.biases
@@ -74,8 +75,8 @@ class DecoderLayer(nn.Module):
         if rows is not None:
             row_block = self.kind.stack_rows(shared).replace(rows=rows)
         out, notes = RelativeAttention(cfg, name='attention')(
-            h, memory.blocks(state, shared, h), ctx, u_bias, v_bias, self.deterministic,
-            attend=lambda view: memory.attend(state, shared, view), rows=row_block, biases=biases)
+            h, lambda maps: memory.blocks(state, shared, h, maps), ctx, u_bias, v_bias, self.deterministic,
+            attend=lambda view: memory.attend(state, shared, view), rows=row_block, biases=biases, index=index)
         out = FeedForward(cfg, name='feed_forward')(out, self.deterministic)
         written = memory.write(state, shared, h, notes)
         if rows is not None:  # The rows leave with their output, refreshed for the next layer.
@@ -109,11 +110,12 @@ def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool):
         rngs = {'params': True, 'dropout': True, **{name: True for name in kind.streams}}
         # 'intermediates': values a memory sows for analysis, stacked over the layers.
         scanned = nn.scan(layer_cls, variable_axes={'params': 0, 'intermediates': 0}, split_rngs=rngs,
-                          in_axes=(0, nn.broadcast, nn.broadcast, 0), length=cfg.n_layer,
+                          in_axes=(0, nn.broadcast, nn.broadcast, 0, 0), length=cfg.n_layer,
                           metadata_params={nn.PARTITION_NAME: 'layers'})(cfg, kind, deterministic, name='layers')
 
         def scan(h, layers, shared, ctx, skip):
-            (_, h), (layers, losses) = scanned((_stack_rows(kind, shared, h), h), layers, shared, ctx, skip)
+            (_, h), (layers, losses) = scanned((_stack_rows(kind, shared, h), h), layers, shared, ctx, skip,
+                                               jnp.arange(cfg.n_layer, dtype=jnp.int32))
             return h, layers, jax.tree.map(lambda x: x.sum(0), losses)
 
         return scan
@@ -124,7 +126,7 @@ def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool):
         carry = (_stack_rows(kind, shared, h), h)
         for i, layer in enumerate(stack):
             carry, (state, loss) = layer(carry, jax.tree.map(lambda x: x[i], layers), shared, ctx,
-                                         None if skip is None else skip[i])
+                                         None if skip is None else skip[i], jnp.int32(i))
             written.append(state)
             losses.append(loss)
         h = carry[1]

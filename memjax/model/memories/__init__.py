@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from memjax.model.attention import Attended, AttentionView, KeyBlock
+from memjax.model.attention import Attended, AttentionView, KeyBlock, LayerMaps
 from memjax.model.config import ModelConfig
 
 BATCH_AXIS = 'activation_batch'
@@ -48,9 +48,10 @@ class LayerMemory(nn.Module):
 
     config: ModelConfig
 
-    def blocks(self, state: Any, shared: Any, layer_input: jax.Array) -> list[KeyBlock]:
+    def blocks(self, state: Any, shared: Any, layer_input: jax.Array, maps: LayerMaps) -> list[KeyBlock]:
         """Key blocks this layer attends besides the segment (`layer_input` [B, T, d_model]),
-        oldest first."""
+        oldest first. Called before any score, with the layer's own maps and kernels (`maps`): a
+        kind may rank, select and project its rows here."""
         return []
 
     def attend(self, state: Any, shared: Any, view: AttentionView) -> Attended:

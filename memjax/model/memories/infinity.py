@@ -225,7 +225,7 @@ class InfinityLayerMemory(LayerMemory):
         self.mu = projection(cfg, 1, 'mu', (None, None))
         self.sigma = projection(cfg, 1, 'sigma', (None, None))
 
-    def blocks(self, state, shared, layer_input):
+    def blocks(self, state, shared, layer_input, maps):
         cfg = self.config
         if cfg.mem_len == 0:
             return []

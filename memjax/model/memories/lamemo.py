@@ -114,7 +114,7 @@ class LaMemoLayerMemory(LayerMemory):
         mem_len, seg_len = view.rows.shape[1], view.query.shape[1]
         w = look_ahead_window(mem_len, seg_len)
         window = slice(mem_len - w + 1, mem_len + 1)  # Keys of [memory; segment].
-        query = view.project_query(view.rows)  # [B, M, H, Dh]
+        query = view.maps.query(view.rows)  # [B, M, H, Dh]
         disentangled = cfg.lamemo_encoding == 'disentangled'
         positions = view.positions
         if not disentangled:  # R_(i-j) at i < j: the sine half changes sign.
@@ -123,7 +123,7 @@ class LaMemoLayerMemory(LayerMemory):
         scores = jnp.einsum('bmhd,bwhd->bhmw', query + view.u_bias.astype(query.dtype), view.key[:, window],
                             preferred_element_type=jnp.float32)
         scores += look_ahead_position_scores(query + v_ahead.astype(query.dtype), positions,
-                                             view.project_position, seg_len)
+                                             view.maps.position, seg_len)
         scores *= cfg.d_head ** -0.5
         key_valid = jnp.concatenate([shared['valid'][:, mem_len - w + 1:],
                                      jnp.ones((shared['valid'].shape[0], 1), bool)], axis=1)
@@ -151,7 +151,7 @@ class LaMemoLayerMemory(LayerMemory):
             context, log_norm = prev, log_prev
         context = context.astype(cfg.dtype)
         segment_log_norm = jax.nn.logsumexp(view.scores, axis=-1)  # [B, H, T]
-        return Attended(rows=view.project_output(context),
+        return Attended(rows=view.maps.output(context),
                         notes={'context': context, 'log_norm': log_norm,
                                'segment_context': view.attended, 'segment_log_norm': segment_log_norm})
 

@@ -17,7 +17,7 @@ from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, register
 class XLLayerMemory(LayerMemory):
     """Offers the kept inputs as one block right before the segment; keeps the newest mem_len."""
 
-    def blocks(self, state, shared, layer_input):
+    def blocks(self, state, shared, layer_input, maps):
         return [KeyBlock(rows=state['hidden'], valid=shared['valid'][:, None, None, :])]
 
     def write(self, state, shared, layer_input, notes):
