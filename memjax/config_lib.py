@@ -128,8 +128,9 @@ def eval_model_placeholders() -> ml_collections.ConfigDict:
     """config.eval.model: an unset placeholder for every model field some memory kind lets
     evaluation change, so `--config.eval.model.mem_len=...` works from the command line."""
     defaults = model_defaults()
+    # 'memory': a kind that runs on the trained kind's parameters (MemoryKind.runs_on), e.g. 'trams'.
     return ml_collections.ConfigDict(
-        {name: config_dict.placeholder(type(defaults[name])) for name in run_time_fields()})
+        {name: config_dict.placeholder(type(defaults[name])) for name in ('memory',) + run_time_fields()})
 
 
 def run_time_fields(memory: str | None = None) -> tuple[str, ...]:
@@ -315,6 +316,12 @@ def _validate_model(config: Any, errors: list[str]) -> None:
     # The vocabulary size is known once the tokenizer is built; until then a stand-in that
     # fits the cutoffs lets every other model field be checked in the same round.
     model_cfg = config.model
+    if model_cfg.memory in memories.names() and not memories.kind_class(model_cfg.memory).trainable:
+        runs_on = memories.kind_class(model_cfg.memory).runs_on
+        errors.append(f'config.model.memory={model_cfg.memory!r} is training-free: set config.model.memory to '
+                      f'the kind that was trained ({" or ".join(map(repr, runs_on))}) and evaluate with '
+                      f'--config.eval.model.memory={model_cfg.memory}.')
+        return
     stand_in = max([int(c) for c in model_cfg.cutoffs] + [1]) + 1
     try:
         mcfg = ModelConfig.from_config_dict(
@@ -341,11 +348,21 @@ def eval_model_config(mcfg: ModelConfig, config: ml_collections.ConfigDict) -> M
     the memory kind) and for invalid values.
     """
     overrides = eval_model_overrides(config)
-    allowed = run_time_fields(mcfg.memory)
-    refused = sorted(set(overrides) - set(allowed))
+    memory = overrides.get('memory', mcfg.memory)
+    if memory != mcfg.memory:
+        runs_on = memories.kind_class(memory).runs_on if memory in memories.names() else ()
+        if mcfg.memory not in runs_on:
+            users = [n for n in memories.names() if mcfg.memory in memories.kind_class(n).runs_on]
+            raise ValueError(f'memory={memory!r} cannot run on parameters trained as memory={mcfg.memory!r}; '
+                             f'evaluation may switch to {users or "no other kind"} for them.')
+    allowed = run_time_fields(memory)
+    refused = sorted(set(overrides) - set(allowed) - {'memory'})
     if refused:
-        raise ValueError(f'{refused} cannot differ at evaluation for memory={mcfg.memory!r}: '
-                         f'only {list(allowed)} shape no parameter.')
+        hint = [n for n in memories.names() if mcfg.memory in memories.kind_class(n).runs_on
+                and set(refused) <= set(run_time_fields(n))]
+        raise ValueError(f'{refused} cannot differ at evaluation for memory={memory!r}: only {list(allowed)} '
+                         'shape no parameter' + (f'; they are fields of memory={hint[0]!r}: add '
+                                                 f'--config.eval.model.memory={hint[0]}.' if hint else '.'))
     if config.model.segment_len == -1:
         overrides['segment_len'] = eval_setting(config, 'tgt_len')
     return mcfg.replace(**overrides)

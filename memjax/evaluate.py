@@ -2,7 +2,8 @@
 
 `python -m memjax.evaluate --config=configs/X.py --workdir=DIR [--config.eval.split=test]`
 scores every target token of the split once, in order, carrying the memory, with the
-evaluation overrides of config.eval (tgt_len, mem_len, clamp_len, same_length).
+evaluation overrides of config.eval (tgt_len, mem_len, clamp_len, same_length; a kind that runs
+on the trained parameters, such as `--config.eval.model.memory=trams`, and its fields).
 """
 
 import os
@@ -69,7 +70,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
         name: metrics_lib.metric_value(result.mean_nll, exp.unit),
         'num_tokens': result.num_tokens,
         'num_target_tokens_of_split': int(streams.num_target_tokens),
-        'settings': {**{k: config_lib.eval_setting(exp.config, k) for k in ('batch_size', 'tgt_len')},
+        'settings': {'memory': exp.eval_mcfg.memory,
+                     **{k: config_lib.eval_setting(exp.config, k) for k in ('batch_size', 'tgt_len')},
                      **{k: getattr(exp.eval_mcfg, k) for k in config_lib.run_time_fields(exp.eval_mcfg.memory)}},
     }
     metrics_lib.log_eval(step, split, result.mean_nll, result.num_tokens, exp.unit)

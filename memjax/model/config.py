@@ -112,6 +112,15 @@ class ModelConfig:
     lamemo_encoding: str = 'disentangled'
     lamemo_eps: float = 1e-6  # epsilon of alpha's denominator (eq. 11).
 
+    # TRAMS, training-free memory selection (memory='trams', run on an 'xl' model's parameters; Yu
+    # et al. 2023): mem_len is the pool; each head attends trams_select of it, the newest
+    # trams_remain and the best-ranked older rows.
+    trams_select: int = 200
+    trams_remain: int = 150
+    trams_metric: str = 'paper'  # cos(K', 1) ||K'||; 'released': ||K'|| |sum K'| (the authors' code).
+    trams_positions: str = 'true'  # Selected keys at their distances; 'contiguous': the authors' code.
+    trams_layers: tuple[int, ...] = ()  # Layers that select (0-based); (): all. Others keep the newest.
+
     # Rematerialise each layer in the backward pass: 'none', 'full' (keep only the layer
     # inputs) or 'dots_saveable' (keep matmul outputs, recompute the cheap element-wise ops).
     remat: str = 'none'
@@ -120,7 +129,7 @@ class ModelConfig:
         if self.d_embed == -1:
             object.__setattr__(self, 'd_embed', self.d_model)
         for name, kind, example in (('cutoffs', int, '(20000, 40000)'), ('ltm_widths', float, '(0.01, 0.05)'),
-                                    ('tie_projs', bool, '(False, True)')):
+                                    ('tie_projs', bool, '(False, True)'), ('trams_layers', int, '(12, 13, 14, 15)')):
             object.__setattr__(self, name, _tuple_of(name, getattr(self, name), kind, example))
         object.__setattr__(self, 'tie_projs', self.tie_projs or (False,) * (len(self.cutoffs) + 1))
         self.validate()

@@ -20,6 +20,7 @@ import ml_collections
 
 from memjax import config_lib
 from memjax import errors
+from memjax.model import memories
 
 # Field (or section prefix) -> why it may change when a run resumes.
 RESUME_SAFE = {
@@ -147,6 +148,11 @@ def check_same_params(saved: dict, requested: Any, source: str, purpose: str) ->
     `purpose` is 'Evaluation' or 'config.train.init_from'.
     """
     blocking = [c for c in differences(saved, requested) if shapes_params(c[0])]
+    old, new = next(((old, new) for name, old, new in blocking if name == 'model.memory'), (None, None))
+    if purpose == 'Evaluation' and new in memories.names() and old in memories.kind_class(new).runs_on:
+        raise errors.ConfigError(
+            f'{source} was trained as memory={old!r}; memory={new!r} runs on its parameters at evaluation: '
+            f'keep config.model.memory={old!r} and add --config.eval.model.memory={new}.')
     if blocking:
         raise errors.ConfigError(
             f'{purpose} needs the parameters of {source}, which was trained with other model or '

@@ -88,6 +88,11 @@ class MemoryKind:
     # Global [n_head, d_head] attention biases of the kind's own beside u and v (shared by the
     # layers unless untie_r); the attend hook finds them in `view.biases`.
     bias_names: ClassVar[tuple[str, ...]] = ()
+    # Kinds whose trained parameters this kind also runs on: evaluation may switch to it with
+    # config.eval.model.memory (TRAMS evaluates an 'xl' model). Its run-time fields may then be set.
+    runs_on: ClassVar[tuple[str, ...]] = ()
+    # False for a training-free kind: it only evaluates parameters trained as one of `runs_on`.
+    trainable: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -182,4 +187,4 @@ def get(config: ModelConfig) -> MemoryKind:
 
 
 register(MemoryKind)
-from memjax.model.memories import infinity, lamemo, xl  # noqa: E402,F401  pylint: disable=unused-import (register themselves)
+from memjax.model.memories import infinity, lamemo, trams, xl  # noqa: E402,F401  pylint: disable=unused-import (register themselves)

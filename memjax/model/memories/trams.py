@@ -1,0 +1,176 @@
+"""TRAMS: training-free memory selection over a Transformer-XL's memory (Yu et al., 2023).
+
+Every layer keeps a pool of `mem_len` past positions. For each batch row and head it attends
+`trams_select` of them: the newest `trams_remain` always, and the `trams_select - trams_remain`
+older ones that a query-independent metric ranks highest, in time order, then the segment. The
+metric reads the key in model space, `K' = k W_Q^T` (k = x W_K, one d_model vector per head):
+
+- 'paper' (default): `cos(K', 1) ||K'||`, which is `sum_d K'_d / sqrt(d_model)`, i.e. the key
+  against `W_Q^T 1`: linear in the key, H x d_head operations per row;
+- 'released': `||K'|| |sum_d K'_d|`, the authors' code; `||K'||^2 = k (W_Q^T W_Q) k^T` per head.
+
+The two do not rank alike (the second ignores the sign). The released code also puts the selected
+keys at contiguous positions, right before the kept window, as if nothing between them had been
+dropped; `trams_positions='true'` (default) scores them at their real distances instead.
+
+Why this is cheaper than the memory it reads: evaluation weights do not change, so the pool holds
+each position's keys and values as its layer projected them when it was the segment, with its
+metric. A step ranks stored numbers, gathers `select` keys and values per head and scores those:
+no pool row is projected again (an XL memory re-projects its whole memory every segment), and the
+positional scores of selected keys cost one product over the pool's distance rows. TRAMS is
+training-free: it evaluates parameters trained as 'xl' (`runs_on`), with
+`--config.eval.model.memory=trams`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from memjax.model.attention import Attended, KeyBlock
+from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, register
+
+METRICS = ('paper', 'released')
+POSITIONS = ('true', 'contiguous')
+
+
+def key_metric(keys: jax.Array, query_kernel: jax.Array, metric: str) -> jax.Array:
+    """[B, N, H, Dh] keys, W_Q [d_model, H, Dh] -> [B, N, H] float32 rank of each row per head."""
+    keys, query_kernel = keys.astype(jnp.float32), query_kernel.astype(jnp.float32)
+    total = jnp.einsum('bnhk,hk->bnh', keys, query_kernel.sum(axis=0))  # sum_d K'_d
+    if metric == 'paper':
+        return total / jnp.sqrt(jnp.float32(query_kernel.shape[0]))
+    gram = jnp.einsum('dhk,dhl->hkl', query_kernel, query_kernel)  # W_Q^T W_Q per head
+    norm = jnp.sqrt(jnp.maximum(jnp.einsum('bnhk,hkl,bnhl->bnh', keys, gram, keys), 0.0))
+    return norm * jnp.abs(total)
+
+
+def select(rank: jax.Array, valid: jax.Array, picks: int) -> jax.Array:
+    """[B, H, picks] int32 indices of the `picks` highest-ranked valid candidates per head, in time
+    order (ascending). rank [B, C, H], valid [B, C]; invalid rows rank below every valid one."""
+    rank = jnp.where(valid[:, :, None], rank, -jnp.inf).transpose(0, 2, 1)
+    _, top = jax.lax.top_k(rank, picks)
+    return jnp.sort(top, axis=-1).astype(jnp.int32)
+
+
+def _per_head(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x [B, C, H, ...] rows at index [B, H, K] of each head -> [B, K, H, ...]."""
+    index = index.transpose(0, 2, 1).reshape(index.shape[0], index.shape[2], index.shape[1],
+                                              *(1,) * (x.ndim - 3))
+    return jnp.take_along_axis(x, index, axis=1)
+
+
+class TramsLayerMemory(LayerMemory):
+    """Ranks the pool's older rows per head, offers the selected keys and the kept window, and
+    stores the segment's keys, values and metric."""
+
+    def blocks(self, state, shared, layer_input, maps):
+        cfg = self.config
+        keys, values, rank = state['keys'], state['values'], state['rank']
+        if cfg.memory_start == 'zeros':  # Rows never written are zero inputs, as XL's zero start.
+            zero = jnp.zeros((1, 1, cfg.d_model), layer_input.dtype)
+            zero_key, zero_value = maps.key(zero), maps.value(zero)
+            fresh = shared['fresh'][:, :, None]
+            keys = jnp.where(fresh[..., None], zero_key.astype(keys.dtype), keys)
+            values = jnp.where(fresh[..., None], zero_value.astype(values.dtype), values)
+            rank = jnp.where(fresh, key_metric(zero_key, maps.query_kernel, cfg.trams_metric), rank)
+        pool, seg_len = keys.shape[1], layer_input.shape[1]
+        candidates = pool - cfg.trams_remain
+        picks = cfg.trams_select - cfg.trams_remain
+        valid = shared['valid']
+        window = KeyBlock(None, valid[:, None, None, candidates:], keys=keys[:, candidates:],
+                          values=values[:, candidates:])
+        if picks == 0:
+            return [window]
+        rank = rank[:, :candidates]
+        if cfg.trams_layers:  # A layer that does not select keeps the newest rows: XL's memory.
+            selects = jnp.isin(maps.index, jnp.asarray(cfg.trams_layers, jnp.int32))
+            rank = jnp.where(selects, rank, jnp.arange(candidates, dtype=rank.dtype)[None, :, None])
+        chosen = select(rank, valid[:, :candidates], picks)  # [B, H, picks]
+        # Which rows each head read (pool index, 0 the oldest): apply with mutable=['intermediates'].
+        self.sow('intermediates', 'selected', chosen)
+        chosen_valid = jnp.take_along_axis(valid[:, None, :candidates], chosen, axis=-1)[:, :, None, :]
+        distances = None
+        if cfg.trams_positions == 'true':  # Pool row p sits pool - p + i back from query i.
+            distances = (pool - chosen)[:, :, None, :] + jnp.arange(seg_len, dtype=jnp.int32)[None, None, :, None]
+        return [KeyBlock(None, chosen_valid, distances, keys=_per_head(keys, chosen),
+                         values=_per_head(values, chosen)), window]
+
+    def attend(self, state, shared, view):
+        seg_len = view.query.shape[1]
+        keys, values = view.key[:, -seg_len:], view.value[:, -seg_len:]
+        return Attended(notes={'keys': keys, 'values': values,
+                               'rank': key_metric(keys, view.maps.query_kernel, self.config.trams_metric)})
+
+    def write(self, state, shared, layer_input, notes):
+        pool = state['keys'].shape[1]
+        written = {name: jnp.concatenate([state[name], notes[name].astype(state[name].dtype)], axis=1)[:, -pool:]
+                   for name in ('keys', 'values', 'rank')}
+        return jax.lax.stop_gradient(written), {}
+
+
+@register
+class TramsMemory(MemoryKind):
+    """layers.keys, .values [n_layer, B, mem_len, H, d_head]: the pool as each layer projected it;
+    layers.rank [n_layer, B, mem_len, H] float32: its metric. shared.valid [B, mem_len]: positions
+    that may be attended; shared.fresh [B, mem_len]: never written (zero rows with
+    memory_start='zeros')."""
+
+    name = 'trams'
+    layer = TramsLayerMemory
+    run_time_fields = ('mem_len', 'memory_start', 'trams_select', 'trams_remain', 'trams_metric',
+                       'trams_positions', 'trams_layers')
+    runs_on = ('xl',)
+    trainable = False
+
+    @classmethod
+    def validate(cls, config):
+        problems = []
+
+        def need(ok, message):
+            if not ok:
+                problems.append(message)
+
+        need(config.trams_metric in METRICS, f'trams_metric={config.trams_metric!r} must be one of {METRICS}.')
+        need(config.trams_positions in POSITIONS,
+             f'trams_positions={config.trams_positions!r} must be one of {POSITIONS}.')
+        need(0 <= config.trams_remain <= config.trams_select,
+             f'trams_remain={config.trams_remain} must be in [0, trams_select={config.trams_select}].')
+        need(config.trams_select <= config.mem_len,
+             f'trams_select={config.trams_select} exceeds the pool (mem_len={config.mem_len}): raise mem_len '
+             '(TRAMS selects from a larger memory than it attends) or lower trams_select.')
+        need(config.trams_select >= 1, f'trams_select={config.trams_select} must be >= 1.')
+        bad = [layer for layer in config.trams_layers if not 0 <= layer < config.n_layer]
+        need(not bad, f'trams_layers {bad} are not layers of a {config.n_layer}-layer model (0-based).')
+        return problems
+
+    def init(self, batch_size):
+        cfg = self.config
+        rows = (cfg.n_layer, batch_size, cfg.mem_len, cfg.n_head)
+        return MemoryState(
+            layers={'keys': jnp.zeros(rows + (cfg.d_head,), cfg.dtype),
+                    'values': jnp.zeros(rows + (cfg.d_head,), cfg.dtype),
+                    'rank': jnp.zeros(rows, jnp.float32)},
+            shared={'valid': jnp.full((batch_size, cfg.mem_len), cfg.memory_start == 'zeros'),
+                    'fresh': jnp.ones((batch_size, cfg.mem_len), bool)})
+
+    def logical_axes(self):
+        rows = (None, 'activation_batch', 'activation_length', 'activation_heads')
+        return MemoryState(
+            layers={'keys': P(*rows, 'activation_kv'), 'values': P(*rows, 'activation_kv'), 'rank': P(*rows)},
+            shared={name: P('activation_batch', 'activation_length') for name in ('valid', 'fresh')})
+
+    def advance(self, shared, embedded):
+        batch, seg_len = embedded.shape[:2]
+        pool = shared['valid'].shape[1]
+        shift = lambda x, new: jnp.concatenate([x, jnp.full((batch, seg_len), new)], axis=1)[:, -pool:]
+        return {'valid': shift(shared['valid'], True), 'fresh': shift(shared['fresh'], False)}
+
+    def position_rows(self, seg_len):
+        cfg = self.config
+        return (cfg.mem_len if cfg.trams_positions == 'true' else cfg.trams_select) + seg_len
+
+    @property
+    def window(self):
+        return self.config.trams_select
