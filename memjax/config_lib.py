@@ -144,13 +144,23 @@ def eval_model_overrides(config: ml_collections.ConfigDict) -> dict:
     return {k: v for k, v in config.eval.model.to_dict().items() if v is not None}
 
 
-def load_config_file(path: str) -> ml_collections.ConfigDict:
-    """`get_config()` of the configs file at `path` (without command-line overrides)."""
+def load_config_module(path: str) -> Any:
+    """The configs file at `path` as a module (config files are not a package)."""
     name = os.path.splitext(os.path.basename(path))[0]
     spec = importlib.util.spec_from_file_location(f'memjax_config_{name}', path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
+    return module
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """`get_config()` of the configs file at `path` (without command-line overrides)."""
+    return load_config_module(path).get_config()
+
+
+def sibling_module(this_file: str, name: str) -> Any:
+    """Configs file `name` next to `this_file` as a module, to share its helpers."""
+    return load_config_module(os.path.join(os.path.dirname(os.path.abspath(this_file)), name))
 
 
 def sibling_config(this_file: str, name: str) -> ml_collections.ConfigDict:

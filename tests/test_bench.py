@@ -208,7 +208,20 @@ def _check_infinity(report):
         assert math.isclose(ltm[f'{phase}_vs_base'], ltm[f'{phase}_ms_per_token'] / none[f'{phase}_ms_per_token'])
 
 
-CHECKS = {'infinity': _check_infinity, 'lamemo': _check_lamemo, 'skip': _check_skip, 'peak': _check_peak, 'adaptive-softmax': _check_adaptive_softmax, 'train': _check_train, 'compile': _check_compile,
+def _check_trams(report):
+    rows = {r['evaluator']: r for r in report['rows']}
+    cfg = report['config']
+    equal, whole = rows[f"xl m={cfg['select']}"], rows[f"xl m={cfg['pool']}"]
+    assert (equal['attended'], whole['attended']) == (cfg['select'], cfg['pool'])
+    for r in rows.values():
+        assert math.isclose(r['vs_xl_equal_attended'], r['step_ms'] / equal['step_ms'])
+        assert math.isclose(r['vs_xl_whole_pool'], r['step_ms'] / whole['step_ms'])
+        assert math.isclose(r['ms_per_token'], r['step_ms'] / (cfg['batch'] * cfg['tgt_len']))
+    trams = [r for r in rows.values() if r['memory'] == 'trams']
+    assert len(trams) == 2 and all((r['pool'], r['attended']) == (cfg['pool'], cfg['select']) for r in trams)
+
+
+CHECKS = {'trams': _check_trams, 'infinity': _check_infinity, 'lamemo': _check_lamemo, 'skip': _check_skip, 'peak': _check_peak, 'adaptive-softmax': _check_adaptive_softmax, 'train': _check_train, 'compile': _check_compile,
           'memory': _check_memory, 'devices': _check_devices}
 
 

@@ -172,8 +172,10 @@ def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window):
                 visible &= first + jnp.arange(b.length)[None, :] > total - qlen + i - window
             masks.append(b.valid & visible)
             first += b.length
-    if relative:
-        scores.append(rel_shift(position_scores(query_v, pos_key[pos_key.shape[0] - span:])))
+    if relative:  # With explicit blocks, the span's distance rows are already scored: the table's last.
+        rows = every_row[..., every_row.shape[-1] - span:] if explicit else position_scores(
+            query_v, pos_key[pos_key.shape[0] - span:])
+        scores.append(rel_shift(rows))
     j = jnp.arange(span)[None, :]
     visible = j <= span - qlen + i
     if same_length:
