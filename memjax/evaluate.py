@@ -22,22 +22,24 @@ from memjax.training import metrics as metrics_lib
 from memjax.training import loop as trainer
 from memjax.training import workdir as workdir_lib
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file.',
+# Also the flags of memjax.sweep, which evaluates over a grid of settings.
+CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file.',
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir holding checkpoints/.')
+WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir holding checkpoints/.')
 flags.mark_flags_as_required(['config', 'workdir'])
 flags.adopt_module_key_flags(cli)
 flags.adopt_module_key_flags(distributed)
 
 
-def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, out_path: str | None = None) -> dict:
     """Restores the newest intact checkpoint's params and scores config.eval.split.
 
-    The result is also written to `<workdir>/eval_<split>.json`; a workdir that does not
-    exist, holds no checkpoint or cannot take that file is an error before anything runs.
+    The result is also written to `out_path` (default `<workdir>/eval_<split>.json`); a workdir
+    that does not exist, holds no checkpoint or cannot take that file is an error before anything
+    runs.
     """
     exp = trainer.setup(config, workdir, training=False)
-    out_path = os.path.join(workdir, f'eval_{exp.config.eval.split}.json')
+    out_path = out_path or os.path.join(workdir, f'eval_{exp.config.eval.split}.json')
     if distributed.is_primary():
         workdir_lib.check_writable_file(out_path)  # Before spending the evaluation.
     directory = trainer.checkpoint_dir(workdir)
@@ -82,7 +84,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> dict
 def main(argv):
     if len(argv) > 1:
         raise errors.UsageError(f'unexpected arguments: {argv[1:]}')
-    summary = cli.run(lambda: evaluate_checkpoint(cli.load_config(_CONFIG), _WORKDIR.value))
+    summary = cli.run(lambda: evaluate_checkpoint(cli.load_config(CONFIG), WORKDIR.value))
     if distributed.is_primary():
         print(summary)
 

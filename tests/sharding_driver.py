@@ -149,6 +149,20 @@ def memory_kind(corpus: str, workdir: str, batches: list, memory: str) -> dict:
     return losses
 
 
+def trams_validation(corpus: str, workdir: str) -> dict:
+    """Validation sums of TRAMS (per-head selection, gathered keys) on one device and on
+    data x tensor, from the same initial XL parameters."""
+    sums = {}
+    for name in ('one_device', 'data2_tensor4'):
+        config = make_config(corpus, MESHES[name])
+        config.eval.model.update(memory='trams', mem_len=16, trams_select=6, trams_remain=2)
+        devices = jax.devices()[:1] if name == 'one_device' else jax.devices()
+        exp = trainer.setup(config, os.path.join(workdir, f'trams_{name}'), devices)
+        state, _ = trainer.init_state(exp)
+        sums[name] = validation(exp, (None, trainer.make_eval_step(exp)), state.params)
+    return sums
+
+
 def main(workdir: str) -> None:
     corpus = training_fixtures.write_text_corpus(os.path.join(workdir, 'corpus'))
     results = {'device_count': jax.device_count(), 'meshes': {}, 'seconds': {}}
@@ -165,6 +179,9 @@ def main(workdir: str) -> None:
         start = time.time()
         results[memory] = memory_kind(corpus, workdir, batches, memory)
         results['seconds'][memory] = time.time() - start
+    start = time.time()
+    results['trams'] = trams_validation(corpus, workdir)
+    results['seconds']['trams'] = time.time() - start
     start = time.time()
     results['resume'] = cross_mesh_resume(workdir, experiments, batches)
     results['seconds']['resume'] = time.time() - start

@@ -11,6 +11,7 @@ import pytest
 
 from memjax import config_lib
 from memjax import model as model_lib
+from memjax.model import memories
 from memjax.training import loop as trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,7 +19,8 @@ CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py'))) + [
     os.path.join(REPO, 'configs', name) for name in (
         'inftyformer_pg19.py:smoke', 'inftyformer_pg19.py:sticky', 'inftyformer_wt103.py:smoke,sticky',
         'inftyformer_sorting.py:16000', 'inftyformer_sorting.py:4000,xl', 'lamemo_wt103.py:smoke,no_interp',
-        'lamemo_wt103.py:no_look_ahead,xl_encoding', 'lamemo_enwik8.py:smoke')]
+        'lamemo_wt103.py:no_look_ahead,xl_encoding', 'lamemo_enwik8.py:smoke', 'trams_wt103.py:xl',
+        'trams_wt103.py:released', 'trams_enwik8.py:xl')]
 TINY = os.path.join(REPO, 'configs', 'tiny.py')
 # Vocabulary sizes the tokenizers give (the word vocabulary of WikiText-103 train).
 VOCAB = {'byte': 256, 'char': 256, 'word': 267735, 'sentencepiece': 8000, 'gpt2_bpe': 50257, 'sorting': 22}
@@ -42,13 +44,16 @@ def test_every_config_is_valid(path):
     mcfg, eval_mcfg = trainer.resolve_model_configs(config, VOCAB[config.data.tokenizer])
     want = config.eval.model.mem_len
     assert eval_mcfg.mem_len == (config.model.mem_len if want is None else want)
-    # Evaluation overrides must not change the parameter shapes of the trained model.
-    assert dataclasses_without(mcfg) == dataclasses_without(eval_mcfg)
+    # Evaluation overrides must not change the parameter shapes of the trained model: the same
+    # fields but run-time ones, or a kind that runs on the trained one's parameters.
+    assert eval_mcfg.memory == mcfg.memory or mcfg.memory in memories.kind_class(eval_mcfg.memory).runs_on
+    dropped = config_lib.run_time_fields(mcfg.memory) + config_lib.run_time_fields(eval_mcfg.memory)
+    assert dataclasses_without(mcfg, dropped) == dataclasses_without(eval_mcfg, dropped)
 
 
-def dataclasses_without(mcfg):
+def dataclasses_without(mcfg, dropped):
     fields = dict(vars(mcfg))
-    for name in config_lib.run_time_fields(mcfg.memory) + ('segment_len',):  # That of eval.tgt_len.
+    for name in set(dropped) | {'segment_len', 'memory'}:  # segment_len: that of eval.tgt_len.
         fields.pop(name)
     return fields
 

@@ -72,6 +72,13 @@ def test_other_memory_kinds_shard_without_changing_losses(driver, memory):
     assert len(set(np.round(runs['one_device']['loss'], 4))) == 4
 
 
+def test_trams_evaluation_shards_without_changing_its_score(driver):
+    """TRAMS's per-head top-k and gathers under data=2 x tensor=4 (heads split) score as on one device."""
+    one, sharded = driver['trams']['one_device'], driver['trams']['data2_tensor4']
+    assert sharded['num_tokens'] == one['num_tokens'] > 0
+    assert sharded['nll_sum'] == pytest.approx(one['nll_sum'], rel=1e-5)
+
+
 @pytest.mark.parametrize('mesh', SHARDED_MESHES)
 def test_validation_sums_are_global(driver, mesh):
     one, sharded = driver['meshes']['one_device']['validation'], driver['meshes'][mesh]['validation']

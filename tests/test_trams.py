@@ -13,6 +13,7 @@ import pytest
 from memjax import config_lib
 from memjax import errors
 from memjax import evaluate
+from memjax import sweep
 from memjax import model as model_lib
 from memjax.model.attention import Attended, AttentionContext, KeyBlock, RelativeAttention
 from memjax.model.memories import trams
@@ -268,3 +269,27 @@ def test_misused_trams_is_one_line_before_anything_runs(xl_workdir, fields, mess
     corpus, workdir = xl_workdir
     with pytest.raises(errors.ConfigError, match=re.escape(message)):
         config_lib.validate_config(training_fixtures.tiny_config(corpus, **fields))
+
+
+def test_the_sweep_scores_every_point_as_memjax_evaluate_and_plots_it(xl_workdir):
+    """`python -m memjax.sweep trams` in miniature: every point's score is memjax.evaluate's for its
+    settings; the table and the plot are written."""
+    corpus, workdir = xl_workdir
+    grid = sweep.TramsGrid(pools=(8, 16), selects=(4, 8), segments=(4, 8), pool=16, select=8, segment=8,
+                           segment_pool=12)
+    config = training_fixtures.tiny_config(corpus, eval__batch_size=2)
+    panels, points = sweep.run_sweep('trams', config, workdir, grid)
+    assert [p['value'] for p in points if p['evaluator'] == 'trams'] == [8, 16, 4, 8, 4, 8]
+    point = next(p for p in points if p['panel'] == 'segment' and p['value'] == 4 and p['evaluator'] == 'trams')
+    assert point['settings']['mem_len'] == 12 and point['settings']['trams_remain'] == 6
+    direct = evaluate.evaluate_checkpoint(training_fixtures.tiny_config(
+        corpus, eval__batch_size=2, eval__tgt_len=4, eval__model__memory='trams', eval__model__mem_len=12,
+        eval__model__trams_select=8, eval__model__trams_remain=6), workdir)
+    assert point['bpc'] == pytest.approx(direct['bpc'], rel=1e-9)
+    xl = [p['bpc'] for p in points if p['panel'] == 'pool' and p['evaluator'] == 'xl']
+    assert xl[0] == xl[1]  # XL does not read the pool.
+    out = f'{workdir}/sweep_trams'
+    with open(f'{out}/results.md') as f:
+        assert f.read() == sweep.table(panels, points)
+    with open(f'{out}/results.png', 'rb') as f:
+        assert f.read(8) == b'\x89PNG\r\n\x1a\n'
