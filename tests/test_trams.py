@@ -172,6 +172,14 @@ def test_each_head_attends_its_naive_selection_at_naive_distances(metric, positi
                                  jnp.asarray(distances, jnp.int32)[None, None])
             want = layer.apply(variables, h[b:b + 1], None, None, ctx, blocks=[block])
             np.testing.assert_allclose(got[b, :, head], np.asarray(want)[0, :, head], atol=2e-5, rtol=1e-5)
+        if positions == 'true':  # The cheaper path is masked attention over the whole pool, per head.
+            mask = np.zeros((1, cfg.n_head, 1, pool_len), bool)
+            for head in range(cfg.n_head):
+                mask[0, head, 0, chosen[head]] = True
+            mask[..., pool_len - remain:] = True
+            masked = layer.apply(variables, h[b:b + 1], None, None, ctx,
+                                 blocks=[KeyBlock(pool[b:b + 1], jnp.asarray(mask & valid[b][None, None, None]))])
+            np.testing.assert_allclose(got[b], np.asarray(masked)[0], atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize('metric', trams.METRICS)

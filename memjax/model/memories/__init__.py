@@ -36,6 +36,14 @@ from memjax.model.config import ModelConfig
 BATCH_AXIS = 'activation_batch'
 
 
+class Problems(list):
+    """What a kind's `validate` found: `need(ok, message)` keeps the message where `ok` fails."""
+
+    def need(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.append(message)
+
+
 @struct.dataclass
 class MemoryState:
     layers: Any  # Leaves [n_layer, ...]: layer l reads and writes index l.

@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import Attended, KeyBlock
 from memjax.model.config import ModelConfig
-from memjax.model.memories import LayerMemory, MemoryState, register
+from memjax.model.memories import LayerMemory, MemoryState, Problems, register
 from memjax.model.memories.xl import XLMemory
 from memjax.model.primitives import normal, projection
 
@@ -295,11 +295,8 @@ class InfinityMemory(XLMemory):
 
     @classmethod
     def validate(cls, config):
-        problems = []
-
-        def need(ok, message):
-            if not ok:
-                problems.append(message)
+        problems = Problems()
+        need = problems.need
 
         need(config.segment_len >= 1, f'memory=\'infinity\' sizes its state by the segment: segment_len='
              f'{config.segment_len} must be >= 1 (-1 takes config.train.tgt_len).')

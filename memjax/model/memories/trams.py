@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import Attended, KeyBlock
-from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, register
+from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, Problems, register
 
 METRICS = ('paper', 'released')
 POSITIONS = ('true', 'contiguous')
@@ -126,11 +126,8 @@ class TramsMemory(MemoryKind):
 
     @classmethod
     def validate(cls, config):
-        problems = []
-
-        def need(ok, message):
-            if not ok:
-                problems.append(message)
+        problems = Problems()
+        need = problems.need
 
         need(config.trams_metric in METRICS, f'trams_metric={config.trams_metric!r} must be one of {METRICS}.')
         need(config.trams_positions in POSITIONS,
