@@ -18,7 +18,7 @@ from ml_collections import config_dict
 
 from memjax.errors import ConfigError  # re-exported: config_lib.ConfigError is public
 from memjax.model import memories
-from memjax.model.config import RUN_TIME_FIELDS, ModelConfig
+from memjax.model.config import RUN_TIME_FIELDS, TRAINING_FIELDS, ModelConfig
 
 DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text', 'sorting')
 TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece', 'gpt2_bpe', 'sorting')
@@ -375,7 +375,9 @@ def eval_model_config(mcfg: ModelConfig, config: ml_collections.ConfigDict) -> M
                                                  f'--config.eval.model.memory={hint[0]}.' if hint else '.'))
     if config.model.segment_len == -1:
         overrides['segment_len'] = eval_setting(config, 'tgt_len')
-    return mcfg.replace(**overrides)
+    # Evaluation never skips layers nor permutes heads.
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in TRAINING_FIELDS}
+    return mcfg.replace(**overrides, **defaults)
 
 
 def validate_config(config: ml_collections.ConfigDict, process_count: int = 1,

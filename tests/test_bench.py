@@ -174,10 +174,19 @@ def _check_adaptive_softmax(report):
 
 
 def _check_skip(report):
-    rows = report['rows']
+    rows = [r for r in report['rows'] if r['row'] == 'k of N']
     assert [r['layers_skipped'] for r in rows] == [0, 1, 2] and rows[0]['time_vs_none_skipped'] == 1.0
     for r in rows:
         assert math.isclose(r['time_vs_none_skipped'], r['step_ms'] / rows[0]['step_ms'])
+    phase = {r['step']: r for r in report['rows'] if r['row'] == 'phase 1'}
+    assert list(phase) == ['xl', 'xl, conditional, none skipped', 'skip-retain, none skipped', 'skip-retain, eq. (1)']
+    for r in phase.values():
+        assert math.isclose(r['time_vs_xl'], r['step_ms'] / phase['xl']['step_ms'])
+    figures = report['figures']
+    assert math.isclose(figures['phase1_mean_vs_xl_mean'],
+                        phase['skip-retain, eq. (1)']['mean_step_ms'] / phase['xl']['mean_step_ms'])
+    n = phase['xl']['n_layer']  # Eq. (1): 1 - sum_{i<N} 0.5 (i - 1) / N / N.
+    assert math.isclose(figures['expected_fraction_of_layers_run'], 1 - sum(0.5 * i / n for i in range(n - 1)) / n)
 
 
 def _check_lamemo(report):

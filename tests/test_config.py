@@ -12,6 +12,7 @@ import pytest
 from memjax import config_lib
 from memjax import model as model_lib
 from memjax.model import memories
+from memjax.model.config import TRAINING_FIELDS
 from memjax.training import loop as trainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +21,9 @@ CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py'))) + [
         'inftyformer_pg19.py:smoke', 'inftyformer_pg19.py:sticky', 'inftyformer_wt103.py:smoke,sticky',
         'inftyformer_sorting.py:16000', 'inftyformer_sorting.py:4000,xl', 'lamemo_wt103.py:smoke,no_interp',
         'lamemo_wt103.py:no_look_ahead,xl_encoding', 'lamemo_enwik8.py:smoke', 'trams_wt103.py:xl',
-        'trams_wt103.py:released', 'trams_enwik8.py:xl')]
+        'trams_wt103.py:released', 'trams_enwik8.py:xl', 'skip_cross_head_wt103.py:smoke',
+        'skip_cross_head_wt103.py:phase1,long', 'skip_cross_head_wt103.py:phase2', 'skip_cross_head_wt103.py:xl',
+        'skip_cross_head_enwik8.py:short,no_sch')]
 TINY = os.path.join(REPO, 'configs', 'tiny.py')
 # Vocabulary sizes the tokenizers give (the word vocabulary of WikiText-103 train).
 VOCAB = {'byte': 256, 'char': 256, 'word': 267735, 'sentencepiece': 8000, 'gpt2_bpe': 50257, 'sorting': 22}
@@ -53,7 +56,8 @@ def test_every_config_is_valid(path):
 
 def dataclasses_without(mcfg, dropped):
     fields = dict(vars(mcfg))
-    for name in set(dropped) | {'segment_len', 'memory'}:  # segment_len: that of eval.tgt_len.
+    # segment_len: that of eval.tgt_len; the training switches are off in evaluation.
+    for name in set(dropped) | {'segment_len', 'memory'} | set(TRAINING_FIELDS):
         fields.pop(name)
     return fields
 

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from memjax.model.config import ModelConfig
-from memjax.model.positions import position_scores, rel_shift
+from memjax.model import stochastic
+from memjax.model.positions import POSITIONS, position_scores, rel_shift
 from memjax.model.primitives import BLOCKS, BTHK, Dropout, layer_norm, projection
 
 
@@ -46,6 +47,9 @@ class KeyBlock:
     keys, values: [B, N, H, Dh] already projected by this layer's maps (`LayerMaps`), instead of
                `rows`; row n of head h may be another position than row n of head h' (per-head
                selection), with `valid` and `distances` per head to match.
+    offset:    int32 scalar (may be traced), with `distances=None`: contiguous keys that lag
+               `offset` positions behind the block that follows (a memory retained while its layer
+               was skipped); scored over a distance table shifted by `offset`.
     """
 
     rows: Optional[jax.Array]
@@ -53,6 +57,11 @@ class KeyBlock:
     distances: Optional[jax.Array] = None
     keys: Optional[jax.Array] = None
     values: Optional[jax.Array] = None
+    offset: Optional[jax.Array] = None
+
+    @property
+    def contiguous(self) -> bool:
+        return self.distances is None and self.offset is None
 
     @property
     def length(self) -> int:
@@ -130,13 +139,13 @@ class Attended:
 
 def _contiguous_tail(blocks: Sequence[KeyBlock]) -> int:
     """Index of the first block of the trailing contiguous run; checks nothing contiguous precedes
-    an explicit block (its distances would be undefined)."""
+    an explicit or lagging block (its distances would be undefined)."""
     start = len(blocks)
-    while start and blocks[start - 1].distances is None:
+    while start and blocks[start - 1].contiguous:
         start -= 1
-    if any(b.distances is None for b in blocks[:start]):
+    if any(b.contiguous for b in blocks[:start]):
         raise ValueError('a contiguous key block (distances=None) must not precede a block with '
-                         'explicit distances: give it explicit distances or move it last.')
+                         'explicit distances or an offset: give it explicit distances or move it last.')
     return start
 
 
@@ -148,9 +157,10 @@ def _gather_rows(scores: jax.Array, distances: jax.Array) -> jax.Array:
     return jnp.take_along_axis(scores, index, axis=-1)
 
 
-def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window):
+def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window, shifted_pos_key=None):
     """Positional scores [B, H, T, K] (None without a distance table) and the mask
-    [B, H or 1, T, K] over every block + segment."""
+    [B, H or 1, T, K] over every block + segment. `shifted_pos_key(rows, offset)` gives the
+    [rows, H, Dh] positional keys of distances offset + rows-1 ... offset, for lagging blocks."""
     tail = _contiguous_tail(blocks)
     span = sum(b.length for b in blocks[tail:]) + qlen
     total = sum(b.length for b in blocks) + qlen
@@ -161,19 +171,26 @@ def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window):
     scores, masks = [], []
     explicit = blocks[:tail]
     i = jnp.arange(qlen)[:, None]
-    if explicit:
-        every_row = position_scores(query_v, pos_key) if relative else None
-        first = 0  # Index of the block's first key in the attended order.
-        for b in explicit:
+    every_row = None
+    if relative and any(b.distances is not None for b in explicit):
+        every_row = position_scores(query_v, pos_key)
+    first = 0  # Index of the block's first key in the attended order.
+    for b in explicit:
+        if b.distances is not None:
             if relative:
                 scores.append(_gather_rows(every_row, b.distances))
             visible = b.distances >= 0
-            if same_length:  # The newest `window` keys in attended order; query i is key total-T+i.
-                visible &= first + jnp.arange(b.length)[None, :] > total - qlen + i - window
-            masks.append(b.valid & visible)
-            first += b.length
+        else:  # Lagging: the block and the queries as one span over a table shifted by the lag.
+            if relative:
+                shifted = position_scores(query_v, shifted_pos_key(b.length + qlen, b.offset))
+                scores.append(rel_shift(shifted)[..., :b.length])
+            visible = jnp.ones((qlen, b.length), bool)  # All in the past.
+        if same_length:  # The newest `window` keys in attended order; query i is key total-T+i.
+            visible &= first + jnp.arange(b.length)[None, :] > total - qlen + i - window
+        masks.append(b.valid & visible)
+        first += b.length
     if relative:  # With explicit blocks, the span's distance rows are already scored: the table's last.
-        rows = every_row[..., every_row.shape[-1] - span:] if explicit else position_scores(
+        rows = every_row[..., every_row.shape[-1] - span:] if every_row is not None else position_scores(
             query_v, pos_key[pos_key.shape[0] - span:])
         scores.append(rel_shift(rows))
     j = jnp.arange(span)[None, :]
@@ -248,17 +265,29 @@ class RelativeAttention(nn.Module):
         value = constrain(jnp.concatenate([projected(b, value_proj, b.values) for b in blocks] + [segment_value],
                                           axis=1))  # [B, K, H, Dh]
 
-        pos_key = None
+        # Stochastic Cross-Head attention (training): query head h reads head perm[h]'s keys,
+        # positional keys and values; the u, v biases stay with the query head.
+        permute = lambda x, axis: x
+        if cfg.sch_beta > 0 and not deterministic:
+            _, perm = stochastic.cross_head_permutation(self.make_rng('cross_head'), cfg.sch_beta, cfg.n_head)
+            self.sow('intermediates', 'cross_head', perm)  # For analysis and tests.
+            permute = lambda x, axis: jnp.take(x, perm, axis=axis)
+            key, value = permute(key, 2), permute(value, 2)
+
+        pos_key = shifted_pos_key = None
         if ctx.positions is not None:
-            span_only = all(b.distances is None for b in blocks)
+            span_only = all(b.contiguous for b in blocks)
             positions = ctx.positions[ctx.positions.shape[0] - key.shape[1]:] if span_only else ctx.positions
-            pos_key = maps.position(positions)  # [R, H, Dh]
+            pos_key = permute(maps.position(positions), 1)  # [R, H, Dh]
+            position_dropout = Dropout(cfg.dropout)
+            shifted_pos_key = lambda rows, offset: permute(maps.position(position_dropout(
+                POSITIONS[cfg.positions](rows, cfg.d_model, cfg.clamp_len, offset), deterministic)), 1)
             content_query, position_query = query + u_bias.astype(cfg.dtype), query + v_bias.astype(cfg.dtype)
         else:
             content_query = position_query = query
         scores = jnp.einsum('bthd,bkhd->bhtk', content_query, key, preferred_element_type=jnp.float32)
         position, mask = _scores_and_mask(position_query, pos_key, blocks, h.shape[1], cfg.same_length,
-                                          ctx.window)
+                                          ctx.window, shifted_pos_key)
         if position is not None:
             scores = scores + position
         scores = scores * (cfg.d_head ** -0.5)

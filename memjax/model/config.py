@@ -12,6 +12,9 @@ _MEMORY_STARTS = ('empty', 'zeros')
 # Fields of every memory kind that shape no parameter: evaluation may override them
 # (config.eval.model), together with the kind's own `run_time_fields`.
 RUN_TIME_FIELDS = ('clamp_len', 'same_length')
+# Fields that act in training only (Skip-Retain, cross-head attention): evaluation runs with their
+# defaults, which switch them off.
+TRAINING_FIELDS = ('skip_rule', 'skip_p', 'skip_until', 'sch_beta')
 
 
 def _tuple_of(name: str, value: Any, kind: type, example: str) -> tuple:
@@ -121,6 +124,18 @@ class ModelConfig:
     trams_positions: str = 'true'  # Selected keys at their distances; 'contiguous': the authors' code.
     trams_layers: tuple[int, ...] = ()  # Layers that select (0-based); (): all. Others keep the newest.
 
+    # Training-time switches of the skeleton (memjax/model/stochastic.py; Vishnu & Sekhar).
+    # Skip-Retain: phase 1 skips layer l per step with probability p_skip(l), given by `skip_rule`
+    # ('none', 'linear': eq. 1, 'uniform': eq. 2, 'keep_first': 3, 'keep_last': 4, 'keep_ends': 5;
+    # skip_p is the p of eqs. 2-5); a skipped layer's memory is retained and ages. Phase 2 trains
+    # without skipping from step skip_until (-1: the whole run is phase 1).
+    skip_rule: str = 'none'
+    skip_p: float = 0.1
+    skip_until: int = -1
+    # Stochastic Cross-Head attention: per layer and step, with this probability, the heads' keys,
+    # positional keys and values are permuted.
+    sch_beta: float = 0.0
+
     # Rematerialise each layer in the backward pass: 'none', 'full' (keep only the layer
     # inputs) or 'dots_saveable' (keep matmul outputs, recompute the cheap element-wise ops).
     remat: str = 'none'
@@ -202,8 +217,18 @@ class ModelConfig:
             need(self.pre_lnorm or not primitives.BLOCKS[self.block].final_norm,
                  f'block={self.block!r} normalises before each sub-block: set pre_lnorm=True.')
         need(self.n_positions >= 1, f'n_positions={self.n_positions} must be >= 1.')
+        from memjax.model import stochastic  # pylint: disable=import-outside-toplevel
+        need(self.skip_rule == 'none' or self.skip_rule in stochastic.SKIP_RULES,
+             f"skip_rule={self.skip_rule!r} must be 'none' or one of {tuple(stochastic.SKIP_RULES)}.")
+        need(0.0 <= self.skip_p < 1.0, f'skip_p={self.skip_p} must be in [0, 1).')
+        need(self.skip_until >= -1, f'skip_until={self.skip_until} must be a training step, or -1 (skip all run).')
+        need(0.0 <= self.sch_beta <= 1.0, f'sch_beta={self.sch_beta} must be in [0, 1].')
         if self.memory in memories.names():
-            problems.extend(memories.kind_class(self.memory).validate(self))
+            kind = memories.kind_class(self.memory)
+            problems.extend(kind.validate(self))
+            need(self.skip_rule == 'none' or kind.skip_retain,
+                 f"skip_rule={self.skip_rule!r}: Skip-Retain is built for memory 'xl' and 'none' (a skipped layer "
+                 f"keeps its memory and ages it), not memory={self.memory!r}.")
         else:
             need(False, f'memory={self.memory!r} must be one of {memories.names()}.')
         bounds = self.cluster_bounds

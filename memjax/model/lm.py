@@ -112,7 +112,8 @@ class MemoryLM(nn.Module):
                  reset: Optional[jax.Array] = None, deterministic: bool = True,
                  skip: Optional[jax.Array] = None):
         """tokens, targets: [B, T] int32; reset: [B] bool, starts those rows' memory afresh first;
-        skip: [n_layer] bool, layers not run this step (default: the kind's `skip_layers`)."""
+        skip: [n_layer] bool, layers not run this step (default in training: the kind's
+        `skip_layers`; evaluation never skips)."""
         cfg, kind = self.config, self.kind
         _check_layer_layout(self, cfg)
         _check_memory(kind, memory, tokens.shape[0])
@@ -138,7 +139,7 @@ class MemoryLM(nn.Module):
             if not cfg.untie_r:
                 u_bias, v_bias, biases = self.u_bias, self.v_bias, self.kind_biases
         ctx = AttentionContext(positions, u_bias, v_bias, window=kind.window, biases=biases)
-        if skip is None and 'skip' in kind.streams and not self.is_initializing():
+        if skip is None and 'skip' in kind.streams and not deterministic and not self.is_initializing():
             skip = kind.skip_layers(self.make_rng('skip'), self.phase)
 
         h, layers, losses = layer_stack(cfg, kind, deterministic)(

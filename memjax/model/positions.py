@@ -19,20 +19,21 @@ def sinusoid_encoding(distances: jax.Array, d_model: int) -> jax.Array:
     return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
 
 
-def key_distances(klen: int, clamp_len: int) -> jax.Array:
-    """Distances K-1, ..., 0, one per relative-position row; clamped at clamp_len when it is > 0."""
-    distances = jnp.arange(klen - 1, -1, -1, dtype=jnp.float32)
+def key_distances(klen: int, clamp_len: int, offset=0) -> jax.Array:
+    """Distances offset + K-1, ..., offset, one per relative-position row; clamped at clamp_len when
+    it is > 0. `offset` may be traced (an aged memory's lag)."""
+    distances = jnp.arange(klen - 1, -1, -1, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
     if clamp_len > 0:
         distances = jnp.minimum(distances, float(clamp_len))
     return distances
 
 
-def relative_sinusoid_table(rows: int, d_model: int, clamp_len: int) -> jax.Array:
-    """[rows, d_model] encodings of distances rows-1, ..., 0 (clamped)."""
-    return sinusoid_encoding(key_distances(rows, clamp_len), d_model)
+def relative_sinusoid_table(rows: int, d_model: int, clamp_len: int, offset=0) -> jax.Array:
+    """[rows, d_model] encodings of distances offset + rows-1, ..., offset (clamped)."""
+    return sinusoid_encoding(key_distances(rows, clamp_len, offset), d_model)
 
 
-# config.model.positions -> (rows, d_model, clamp_len) -> the descending distance table, or None
+# config.model.positions -> (rows, d_model, clamp_len, offset=0) -> the descending distance table, or None
 # for an absolute scheme: a learned [n_positions, d_model] table added to the token embeddings
 # (MemoryLM), after which the attention scores content alone.
 POSITIONS = {'relative_sinusoid': relative_sinusoid_table, 'learned_absolute': None}

@@ -59,7 +59,7 @@ class DecoderLayer(nn.Module):
 
     def skip(self, carry, state, shared, ctx, index):
         losses = {name: jnp.zeros((), jnp.float32) for name in self.kind.loss_weights}
-        return carry, (self.memory.skipped(state, shared), losses)
+        return carry, (self.memory.skipped(state, shared, carry[1]), losses)
 
     @nn.compact
     def compute(self, carry, state, shared, ctx, index):

@@ -1,44 +1,109 @@
-"""`skip`: training-step time as more layers are skipped for the step.
+"""`skip`: training-step time when layers are skipped, and Skip-Retain's phase 1 against Transformer-XL.
 
-The skip decision is an argument of one compiled step ([n_layer] bool), run under `lax.cond`
-by the layer stack: a skipped layer's forward and backward are not computed, so the step time
-should fall about linearly with the layers skipped, down to embeddings, softmax and Adam.
+Rows 'k of N': one compiled step of Transformer-XL with the skip decision an argument ([n_layer]
+bool, the first k layers skipped), run under `lax.cond` by the layer stack: a skipped layer's
+forward and backward are not computed, so the step time should fall about linearly with the
+layers skipped, down to embeddings, softmax and Adam.
+
+Rows 'phase 1': the paper's comparison (its table 5: 535 / 607 ms = 0.88) at its depth, 15 layers,
+scaled in width to this CPU. Four steps timed round-robin: plain Transformer-XL; the same with the
+skip argument and nothing skipped (what the conditional costs); Skip-Retain's step (per-layer
+validity and age, the lagging memory block) with nothing skipped; and that step with skips drawn
+from eq. (1), a new pattern every call (the same sequence for every repeat count). The target is
+the expected fraction of layers run, 1 - mean p_skip, plus 5 %.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from memjax.bench import harness
 from memjax.bench import workload
 from memjax.bench.suites import train
+from memjax.model import stochastic
 
 FULL = train.FULL_SIZES[1]  # 8 x 384, batch 4, tgt = mem = 256.
 TINY = ('2x32', dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64), 2, 8)
+PHASE1 = {'full': ('15x256', dict(n_layer=15, d_model=256, n_head=4, d_head=64, d_inner=1024), 4, 128),
+          'tiny': ('3x32', dict(n_layer=3, d_model=32, n_head=2, d_head=16, d_inner=64), 2, 8)}
 
 
-@harness.register('skip')
-def run(ctx: harness.Context) -> harness.SuiteResult:
-    name, shape, batch, seq = TINY if ctx.tiny else FULL
+class _Patterns:
+    """A step loop whose skip pattern is the next of `patterns` at every call."""
+
+    def __init__(self, executable, work, patterns):
+        self._loop = workload.StepLoop(executable, work)
+        self._work, self._patterns, self._calls = work, patterns, 0
+
+    def __call__(self):
+        self._work.batch['skip'] = self._patterns[self._calls % len(self._patterns)]
+        self._calls += 1
+        return self._loop()
+
+
+def _skipped_k(ctx, name, shape, batch, seq) -> list[dict]:
     mcfg = workload.model_config(ctx.config, mem_len=seq, **shape)
     work = workload.build(mcfg, batch, seq, ctx.config)
     layers = mcfg.n_layer
-    counts = sorted({0, layers // 4, layers // 2, 3 * layers // 4, layers})
     work.batch['skip'] = jnp.zeros(layers, bool)
     compiled = workload.compile_step(work)
     rows = []
-    for skipped in counts:
+    for skipped in sorted({0, layers // 4, layers // 2, 3 * layers // 4, layers}):
         ctx.log(f'skip: {name}, {skipped} of {layers} layers skipped')
         run_work = workload.copy_state(work)
         run_work.batch = dict(work.batch, skip=jnp.arange(layers) < skipped)
         timing = harness.time_fn(workload.StepLoop(compiled.executable, run_work),
                                  warmup=ctx.warmup, repeats=ctx.repeats)
-        rows.append({'size': name, 'layers_skipped': skipped, 'n_layer': layers,
-                     'step_ms': timing.median_s * 1e3, 'timing': timing.as_dict()})
+        rows.append({'row': 'k of N', 'size': name, 'layers_skipped': skipped, 'n_layer': layers,
+                     'step_ms': timing.median_s * 1e3})
     for row in rows:
         row['time_vs_none_skipped'] = row['step_ms'] / rows[0]['step_ms']
+    return rows
+
+
+def _phase1(ctx, name, shape, batch, seq) -> tuple[list[dict], dict]:
+    plain = workload.model_config(ctx.config, mem_len=seq, **shape)
+    retain = plain.replace(skip_rule='linear')
+    probs = stochastic.skip_probabilities('linear', plain.n_layer, 0.0)
+    rng = np.random.default_rng(0)
+    patterns = [jnp.asarray(rng.random(plain.n_layer) < probs) for _ in range(64)]
+    loops, fraction_run = {}, 1.0 - float(probs.mean())
+    for label, mcfg, skip in (('xl', plain, None), ('xl, conditional, none skipped', plain, False),
+                              ('skip-retain, none skipped', retain, False), ('skip-retain, eq. (1)', retain, True)):
+        ctx.log(f'skip: {name}, {label}')
+        work = workload.build(mcfg, batch, seq, ctx.config)
+        if skip is not None:
+            work.batch['skip'] = jnp.zeros(mcfg.n_layer, bool)
+        executable = workload.compile_step(work).executable
+        loops[label] = (_Patterns(executable, work, patterns) if skip else workload.StepLoop(executable, work))
+    timings = harness.time_interleaved(loops, warmup=ctx.warmup, repeats=max(ctx.repeats, 3 if ctx.tiny else 15))
+    base = timings['xl'].median_s
+    rows = [{'row': 'phase 1', 'size': name, 'step': label, 'n_layer': plain.n_layer, 'step_ms': t.median_s * 1e3,
+             'mean_step_ms': float(np.mean(t.times_s)) * 1e3,
+             'time_vs_xl': t.median_s / base} for label, t in timings.items()]
+    drawn = next(r for r in rows if r['step'] == 'skip-retain, eq. (1)')
+    xl_mean = next(r for r in rows if r['step'] == 'xl')['mean_step_ms']
+    figures = {'phase1_mean_vs_xl_mean': drawn['mean_step_ms'] / xl_mean,
+               'expected_fraction_of_layers_run': fraction_run,
+               'conditional_none_skipped_vs_xl': next(r for r in rows if r['step'].startswith('xl, cond'))['time_vs_xl'],
+               'skip_retain_none_skipped_vs_xl': next(r for r in rows if r['step'] == 'skip-retain, none skipped')['time_vs_xl']}
+    return rows, figures
+
+
+@harness.register('skip')
+def run(ctx: harness.Context) -> harness.SuiteResult:
+    name, shape, batch, seq = TINY if ctx.tiny else FULL
+    rows = _skipped_k(ctx, name, shape, batch, seq)
+    phase_rows, figures = _phase1(ctx, *PHASE1['tiny' if ctx.tiny else 'full'])
+    figures['all_skipped_vs_none'] = rows[-1]['time_vs_none_skipped']
     return harness.SuiteResult(
-        rows=rows, columns=('size', 'n_layer', 'layers_skipped', 'step_ms', 'time_vs_none_skipped'),
-        figures={'all_skipped_vs_none': rows[-1]['time_vs_none_skipped'], 'compile_s': compiled.compile_s},
+        rows=rows + phase_rows,
+        columns=('row', 'size', 'n_layer', 'layers_skipped', 'step', 'step_ms', 'mean_step_ms', 'time_vs_none_skipped',
+                 'time_vs_xl'),
+        figures=figures,
         config={'batch': batch, 'tgt_len': seq, 'mem_len': seq, 'model': shape,
+                'phase1': {k: v for k, v in zip(('size', 'model', 'batch', 'tgt_len'),
+                                                PHASE1['tiny' if ctx.tiny else 'full'])},
                 'step': 'memjax.bench.workload train step, skip pattern an argument of one executable'})

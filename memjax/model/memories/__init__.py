@@ -31,6 +31,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import Attended, AttentionView, KeyBlock, LayerMaps
+from memjax.model import stochastic
 from memjax.model.config import ModelConfig
 
 BATCH_AXIS = 'activation_batch'
@@ -72,13 +73,14 @@ class LayerMemory(nn.Module):
         positions}) with one entry per name in the kind's `loss_weights`."""
         return state, {}
 
-    def skipped(self, state: Any, shared: Any) -> Any:
-        """This layer's next state when the layer is skipped this step: kept as it was."""
+    def skipped(self, state: Any, shared: Any, layer_input: jax.Array) -> Any:
+        """This layer's next state when the layer is skipped this step (`layer_input` [B, T,
+        d_model] passes through it unchanged): kept as it was."""
         return state
 
 
 class MemoryKind:
-    """The no-memory baseline, and the base every memory kind extends."""
+    """The base every memory kind extends; on its own it keeps nothing ('none', `NoMemory`)."""
 
     name: ClassVar[str] = 'none'
     layer: ClassVar[type[LayerMemory]] = LayerMemory
@@ -101,9 +103,17 @@ class MemoryKind:
     runs_on: ClassVar[tuple[str, ...]] = ()
     # False for a training-free kind: it only evaluates parameters trained as one of `runs_on`.
     trainable: ClassVar[bool] = True
+    # True for a kind whose skipped layer may keep its state for a step (Skip-Retain): its memory
+    # then ages (`LayerMemory.skipped`).
+    skip_retain: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig):
         self.config = config
+        # The skeleton's training switches (Skip-Retain, cross-head attention) add their streams,
+        # and Skip-Retain's phase 2 a phase, to the kind's own.
+        self.streams = {**type(self).streams, **stochastic.streams(config)}
+        if stochastic.skipping(config) and config.skip_until >= 0 and not type(self).phase_starts:
+            self.phase_starts = (config.skip_until,)
 
     # Kinds are static attributes of flax modules and cache keys: equal when type and config are.
     def __eq__(self, other):
@@ -160,10 +170,13 @@ class MemoryKind:
         return self.config.mem_len
 
     def skip_layers(self, key: Optional[jax.Array], phase: int) -> Optional[jax.Array]:
-        """[n_layer] bool: layers skipped this step (None: none). Called only by kinds that declare
-        a 'skip' stream (declare it shared between chunks: one decision per step); `key` is its
-        draw for this step."""
-        return None
+        """[n_layer] bool: layers skipped this training step (None: none). Called only when the
+        kind's streams hold 'skip' (shared between chunks: one decision per step); `key` is its
+        draw for this step. The default is Skip-Retain's phase 1 (config.model.skip_rule)."""
+        cfg = self.config
+        if phase > 0 or not stochastic.skipping(cfg):
+            return None
+        return stochastic.draw_skips(key, stochastic.skip_probabilities(cfg.skip_rule, cfg.n_layer, cfg.skip_p))
 
     def phase(self, step: int) -> int:
         return sum(step >= s for s in self.phase_starts)
@@ -194,5 +207,9 @@ def get(config: ModelConfig) -> MemoryKind:
     return kind_class(config.memory)(config)
 
 
-register(MemoryKind)
+@register
+class NoMemory(MemoryKind):
+    """'none': the Transformer with relative positions and nothing carried. Skip-Retain only skips
+    its layers (there is no memory to age)."""
+    skip_retain = True
 from memjax.model.memories import infinity, lamemo, trams, xl  # noqa: E402,F401  pylint: disable=unused-import (register themselves)

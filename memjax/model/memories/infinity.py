@@ -292,6 +292,7 @@ class InfinityMemory(XLMemory):
                        'ltm_sticky_within_bin', 'ltm_tau', 'ltm_samples', 'ltm_padding')
     # Sticky samples: every accumulation chunk draws its own (its rows are other sequences).
     streams = {'sticky': False}
+    skip_retain = False  # Its long-term memory would have to age too: not built.
 
     @classmethod
     def validate(cls, config):

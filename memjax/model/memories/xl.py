@@ -10,14 +10,26 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from memjax.model import stochastic
 from memjax.model.attention import KeyBlock
 from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, register
 
 
+def _shift_in(valid: jax.Array, seg_len: int) -> jax.Array:
+    """[B, M] validity after a segment of seg_len positions (all valid) arrived."""
+    return jnp.concatenate([valid, jnp.ones((valid.shape[0], seg_len), bool)], axis=1)[:, seg_len:]
+
+
 class XLLayerMemory(LayerMemory):
-    """Offers the kept inputs as one block right before the segment; keeps the newest mem_len."""
+    """Offers the kept inputs as one block right before the segment; keeps the newest mem_len.
+
+    With Skip-Retain the layer has its own validity and an age: the positions by which its memory
+    lags the segment (one segment per step it was skipped), so its keys sit that much further back.
+    """
 
     def blocks(self, state, shared, layer_input, maps):
+        if 'age' in state:
+            return [KeyBlock(rows=state['hidden'], valid=state['valid'][:, None, None, :], offset=state['age'])]
         return [KeyBlock(rows=state['hidden'], valid=shared['valid'][:, None, None, :])]
 
     def write(self, state, shared, layer_input, notes):
@@ -26,7 +38,15 @@ class XLLayerMemory(LayerMemory):
             return state, {}
         hidden = jnp.concatenate([state['hidden'], layer_input.astype(state['hidden'].dtype)], axis=1)
         # Gradients never flow into a past segment.
-        return {'hidden': jax.lax.stop_gradient(hidden[:, -keep:])}, {}
+        written = {'hidden': jax.lax.stop_gradient(hidden[:, -keep:])}
+        if 'age' in state:
+            written.update(valid=_shift_in(state['valid'], layer_input.shape[1]), age=jnp.zeros_like(state['age']))
+        return written, {}
+
+    def skipped(self, state, shared, layer_input):
+        if 'age' not in state:
+            return state
+        return {**state, 'age': state['age'] + layer_input.shape[1]}
 
 
 @register
@@ -37,31 +57,37 @@ class XLMemory(MemoryKind):
     name = 'xl'
     layer = XLLayerMemory
     run_time_fields = ('mem_len', 'memory_start')
+    skip_retain = True
 
     @classmethod
     def validate(cls, config):
         return []
 
+    @property
+    def ages(self) -> bool:
+        """Whether layers may be skipped in training, so each keeps its own validity and age."""
+        return type(self).skip_retain and stochastic.skipping(self.config) and self.config.mem_len > 0
+
     def init(self, batch_size):
         cfg = self.config
-        return MemoryState(
-            layers={'hidden': jnp.zeros((cfg.n_layer, batch_size, cfg.mem_len, cfg.d_model), cfg.dtype)},
-            # 'zeros' attends mem_len zero vectors before the first segment, as HF / TF
-            # Transformer-XL do (numerical parity with them); 'empty' masks them.
-            shared={'valid': jnp.full((batch_size, cfg.mem_len), cfg.memory_start == 'zeros')})
+        # 'zeros' attends mem_len zero vectors before the first segment, as HF / TF
+        # Transformer-XL do (numerical parity with them); 'empty' masks them.
+        valid = jnp.full((batch_size, cfg.mem_len), cfg.memory_start == 'zeros')
+        layers = {'hidden': jnp.zeros((cfg.n_layer, batch_size, cfg.mem_len, cfg.d_model), cfg.dtype)}
+        if self.ages:
+            layers.update(valid=jnp.broadcast_to(valid, (cfg.n_layer,) + valid.shape),
+                          age=jnp.zeros((cfg.n_layer,), jnp.int32))
+        return MemoryState(layers=layers, shared={'valid': valid})
 
     def logical_axes(self):
         # Batch-major like the activations the memory holds.
-        return MemoryState(
-            layers={'hidden': P(None, 'activation_batch', 'activation_length', 'activation_embed')},
-            shared={'valid': P('activation_batch', 'activation_length')})
+        layers = {'hidden': P(None, 'activation_batch', 'activation_length', 'activation_embed')}
+        if self.ages:  # One age per layer: the skip decision is the same for every stream.
+            layers.update(valid=P(None, 'activation_batch', 'activation_length'), age=P(None))
+        return MemoryState(layers=layers, shared={'valid': P('activation_batch', 'activation_length')})
 
     def advance(self, shared, embedded):
-        seg_len = embedded.shape[1]
-        valid = shared['valid']
-        keep = valid.shape[1]
-        valid = jnp.concatenate([valid, jnp.ones((valid.shape[0], seg_len), bool)], axis=1)
-        return {'valid': valid[:, valid.shape[1] - keep:]}
+        return {'valid': _shift_in(shared['valid'], embedded.shape[1])}
 
     def position_rows(self, seg_len):
         return self.config.mem_len + seg_len
