@@ -133,15 +133,19 @@ def cross_mesh_resume(workdir: str, experiments: dict, batches: list) -> dict:
             'layout': restored_layout}
 
 
-MEMORY_KINDS = ('every_other', 'lamemo')  # The test-only kind in its skipping phase, and LaMemo.
+# The test-only kind in its skipping phase, LaMemo, and XL with Skip-Retain (layers skipped at
+# random, memories aging) and a head permutation in every layer and step (heads split over tensor).
+MEMORY_KINDS = {'every_other': dict(memory='every_other'), 'lamemo': dict(memory='lamemo'),
+                'skip_cross_head': dict(skip_rule='uniform', skip_p=0.5, sch_beta=1.0)}
 
 
 def memory_kind(corpus: str, workdir: str, batches: list, memory: str) -> dict:
-    """Losses of a memory kind other than XL's on one device and on data x tensor."""
+    """Losses of a memory kind other than XL's (or of XL's with the training switches) on one
+    device and on data x tensor."""
     losses = {}
     for name in ('one_device', 'data2_tensor4'):
         devices = jax.devices()[:1] if name == 'one_device' else jax.devices()
-        exp = trainer.setup(make_config(corpus, MESHES[name], memory=memory, dropout=0.0),
+        exp = trainer.setup(make_config(corpus, MESHES[name], dropout=0.0, **MEMORY_KINDS[memory]),
                             os.path.join(workdir, f'{memory}_{name}'), devices)
         steps = (trainer.make_train_step(exp, phase=exp.model.kind.phase(toy_memory.SKIP_FROM_STEP)), None)
         _, _, metrics = train(exp, steps, batches)

@@ -157,10 +157,32 @@ def _gather_rows(scores: jax.Array, distances: jax.Array) -> jax.Array:
     return jnp.take_along_axis(scores, index, axis=-1)
 
 
+def _lagging_then_span(query_v, pos_key, shifted_pos_key, block: KeyBlock, span: int, every_row):
+    """Positional scores [B, H, T, N + span] of a lagging block right before the contiguous span.
+
+    Most steps it does not lag (Skip-Retain: its layer ran the step before), and then block and
+    span are one span scored by one `rel_shift`, as without lagging; only when it lags is the block
+    scored over the distance table shifted by its offset and the span over its own rows (a branch
+    of `lax.cond`: the other is not computed)."""
+    qlen, rows = query_v.shape[1], pos_key.shape[0]
+    span_rows = lambda width: (every_row[..., every_row.shape[-1] - width:] if every_row is not None
+                               else position_scores(query_v, pos_key[rows - width:]))
+
+    def lagging(offset):
+        shifted = rel_shift(position_scores(query_v, shifted_pos_key(block.length + qlen, offset)))
+        return jnp.concatenate([shifted[..., :block.length], rel_shift(span_rows(span))], axis=-1)
+
+    if rows < block.length + span:
+        return lagging(block.offset)
+    return jax.lax.cond(block.offset == 0, lambda _: rel_shift(span_rows(block.length + span)), lagging,
+                        block.offset)
+
+
 def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window, shifted_pos_key=None):
     """Positional scores [B, H, T, K] (None without a distance table) and the mask
     [B, H or 1, T, K] over every block + segment. `shifted_pos_key(rows, offset)` gives the
-    [rows, H, Dh] positional keys of distances offset + rows-1 ... offset, for lagging blocks."""
+    [rows, H, Dh] positional keys of distances offset + rows-1 ... offset, for lagging blocks (a
+    pure function: it may run inside `lax.cond`)."""
     tail = _contiguous_tail(blocks)
     span = sum(b.length for b in blocks[tail:]) + qlen
     total = sum(b.length for b in blocks) + qlen
@@ -175,13 +197,16 @@ def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window, shifte
     if relative and any(b.distances is not None for b in explicit):
         every_row = position_scores(query_v, pos_key)
     first = 0  # Index of the block's first key in the attended order.
-    for b in explicit:
+    adjacent_lag = None  # A lagging block right before the span: scored with it.
+    for index, b in enumerate(explicit):
         if b.distances is not None:
             if relative:
                 scores.append(_gather_rows(every_row, b.distances))
             visible = b.distances >= 0
         else:  # Lagging: the block and the queries as one span over a table shifted by the lag.
-            if relative:
+            if relative and index == len(explicit) - 1:
+                adjacent_lag = b
+            elif relative:
                 shifted = position_scores(query_v, shifted_pos_key(b.length + qlen, b.offset))
                 scores.append(rel_shift(shifted)[..., :b.length])
             visible = jnp.ones((qlen, b.length), bool)  # All in the past.
@@ -189,7 +214,9 @@ def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window, shifte
             visible &= first + jnp.arange(b.length)[None, :] > total - qlen + i - window
         masks.append(b.valid & visible)
         first += b.length
-    if relative:  # With explicit blocks, the span's distance rows are already scored: the table's last.
+    if relative and adjacent_lag is not None:
+        scores.append(_lagging_then_span(query_v, pos_key, shifted_pos_key, adjacent_lag, span, every_row))
+    elif relative:  # With explicit blocks, the span's distance rows are already scored: the table's last.
         rows = every_row[..., every_row.shape[-1] - span:] if every_row is not None else position_scores(
             query_v, pos_key[pos_key.shape[0] - span:])
         scores.append(rel_shift(rows))
@@ -279,9 +306,15 @@ class RelativeAttention(nn.Module):
             span_only = all(b.contiguous for b in blocks)
             positions = ctx.positions[ctx.positions.shape[0] - key.shape[1]:] if span_only else ctx.positions
             pos_key = permute(maps.position(positions), 1)  # [R, H, Dh]
-            position_dropout = Dropout(cfg.dropout)
-            shifted_pos_key = lambda rows, offset: permute(maps.position(position_dropout(
-                POSITIONS[cfg.positions](rows, cfg.d_model, cfg.clamp_len, offset), deterministic)), 1)
+            if any(b.offset is not None for b in blocks):
+                # A pure function of the offset (it runs inside lax.cond): its dropout mask is
+                # drawn here, for the largest table.
+                table_rows = ctx.positions.shape[0]
+                kept = Dropout(cfg.dropout)(jnp.ones((table_rows, cfg.d_model), cfg.dtype), deterministic)
+                pos_kernel = nn.meta.unbox(pos_proj.variables['params']['kernel']).astype(cfg.dtype)
+                shifted_pos_key = lambda rows, offset: permute(jnp.tensordot(
+                    POSITIONS[cfg.positions](rows, cfg.d_model, cfg.clamp_len, offset).astype(cfg.dtype)
+                    * kept[table_rows - rows:], pos_kernel, axes=1), 1)
             content_query, position_query = query + u_bias.astype(cfg.dtype), query + v_bias.astype(cfg.dtype)
         else:
             content_query = position_query = query
