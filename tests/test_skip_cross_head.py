@@ -239,3 +239,19 @@ def test_cross_head_is_one_permutation_per_step_in_every_accumulation_chunk(tmp_
     np.testing.assert_allclose(two[2]['nll_sum'], one[2]['nll_sum'], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(one[0].params), jax.tree.leaves(two[0].params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_phase_two_may_start_from_a_phase_one_workdir_but_a_resume_keeps_the_switches(tmp_path):
+    """train.init_from (and evaluation) take a phase-1 run's parameters with the switches off;
+    resuming the same workdir with them changed is refused (its memory holds the layers' ages)."""
+    from memjax.training import resume  # pylint: disable=import-outside-toplevel
+    corpus = training_fixtures.write_text_corpus(str(tmp_path))
+    phase1 = training_fixtures.tiny_config(corpus, model__skip_rule='linear', model__sch_beta=0.1)
+    phase2 = training_fixtures.tiny_config(corpus)
+    saved = resume.to_plain(phase1)
+    resume.check_same_params(saved, phase2, 'runs/phase1', 'config.train.init_from')
+    with pytest.raises(config_lib.ConfigError, match="model.skip_rule 'linear' -> 'none'"):
+        resume.check_resume(saved, phase2, 'runs/phase1', 'its newest checkpoint')
+    with pytest.raises(config_lib.ConfigError, match='model.d_model 32 -> 48'):
+        resume.check_same_params(saved, training_fixtures.tiny_config(corpus, model__d_model=48), 'runs/phase1',
+                                 'config.train.init_from')
