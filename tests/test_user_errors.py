@@ -200,8 +200,14 @@ def test_converter_errors_are_one_line(env, tmp_path):
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'does not exist')
 
 
+def test_an_unknown_sweep_is_one_line(env, tmp_path):
+    code, stderr = run([sys.executable, '-m', 'memjax.sweep', 'tram', '--config=configs/tiny.py',
+                        f'--workdir={tmp_path}'], env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, "name exactly one sweep (one of ['trams'])")
+
+
 def test_help_lists_the_flags_users_set(env):
-    for module in ('memjax.train', 'memjax.evaluate'):
+    for module in ('memjax.train', 'memjax.evaluate', 'memjax.sweep'):
         result = subprocess.run([sys.executable, '-m', module, '--help'], env=env,
                                 capture_output=True, text=True, timeout=TIMEOUT_S)
         for flag in ('config', 'workdir', 'host_memory', 'verbose', 'coordinator_address',
