@@ -179,12 +179,15 @@ def _check_skip(report):
     for r in rows:
         assert math.isclose(r['time_vs_none_skipped'], r['step_ms'] / rows[0]['step_ms'])
     phase = {r['step']: r for r in report['rows'] if r['row'] == 'phase 1'}
-    assert list(phase) == ['xl', 'xl, conditional, none skipped', 'skip-retain, none skipped', 'skip-retain, eq. (1)']
+    assert list(phase) == ['xl', 'xl, conditional, none skipped', 'skip-retain, none skipped', 'skip-retain, eq. (1)',
+                           'xl + cross-head, beta 0.1']
     for r in phase.values():
         assert math.isclose(r['time_vs_xl'], r['step_ms'] / phase['xl']['step_ms'])
     figures = report['figures']
     assert math.isclose(figures['phase1_mean_vs_xl_mean'],
                         phase['skip-retain, eq. (1)']['mean_step_ms'] / phase['xl']['mean_step_ms'])
+    assert math.isclose(figures['cross_head_mean_vs_xl_mean'],
+                        phase['xl + cross-head, beta 0.1']['mean_step_ms'] / phase['xl']['mean_step_ms'])
     n = phase['xl']['n_layer']  # Eq. (1): 1 - sum_{i<N} 0.5 (i - 1) / N / N.
     assert math.isclose(figures['expected_fraction_of_layers_run'], 1 - sum(0.5 * i / n for i in range(n - 1)) / n)
 

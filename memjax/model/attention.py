@@ -296,9 +296,10 @@ class RelativeAttention(nn.Module):
         # positional keys and values; the u, v biases stay with the query head.
         permute = lambda x, axis: x
         if cfg.sch_beta > 0 and not deterministic:
-            _, perm = stochastic.cross_head_permutation(self.make_rng('cross_head'), cfg.sch_beta, cfg.n_head)
+            applied, perm = stochastic.cross_head_permutation(self.make_rng('cross_head'), cfg.sch_beta, cfg.n_head)
             self.sow('intermediates', 'cross_head', perm)  # For analysis and tests.
-            permute = lambda x, axis: jnp.take(x, perm, axis=axis)
+            # Gathered only in the steps that permute (beta of them), a branch of lax.cond.
+            permute = lambda x, axis: jax.lax.cond(applied, lambda y: jnp.take(y, perm, axis=axis), lambda y: y, x)
             key, value = permute(key, 2), permute(value, 2)
 
         pos_key = shifted_pos_key = None

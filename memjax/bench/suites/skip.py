@@ -6,11 +6,12 @@ forward and backward are not computed, so the step time should fall about linear
 layers skipped, down to embeddings, softmax and Adam.
 
 Rows 'phase 1': the paper's comparison (its table 5: 535 / 607 ms = 0.88) at its depth, 15 layers,
-scaled in width to this CPU. Four steps timed round-robin: plain Transformer-XL; the same with the
+scaled in width to this CPU. Five steps timed round-robin: plain Transformer-XL; the same with the
 skip argument and nothing skipped (what the conditional costs); Skip-Retain's step (per-layer
-validity and age, the lagging memory block) with nothing skipped; and that step with skips drawn
-from eq. (1), a new pattern every call (the same sequence for every repeat count). The target is
-the expected fraction of layers run, 1 - mean p_skip, plus 5 %.
+validity and age, the lagging memory block) with nothing skipped; that step with skips drawn
+from eq. (1), a new pattern every call; and XL with Stochastic Cross-Head attention at beta = 0.1
+(a new key every call, so one step in ten permutes). The target is the expected fraction of layers
+run, 1 - mean p_skip, plus 5 %.
 """
 
 from __future__ import annotations
@@ -30,15 +31,18 @@ PHASE1 = {'full': ('15x256', dict(n_layer=15, d_model=256, n_head=4, d_head=64, 
           'tiny': ('3x32', dict(n_layer=3, d_model=32, n_head=2, d_head=16, d_inner=64), 2, 8)}
 
 
-class _Patterns:
-    """A step loop whose skip pattern is the next of `patterns` at every call."""
+class _Varying:
+    """A step loop whose skip pattern (when `patterns`) and random key change at every call, as
+    in training, the same sequence for every repeat count."""
 
-    def __init__(self, executable, work, patterns):
+    def __init__(self, executable, work, patterns=None):
         self._loop = workload.StepLoop(executable, work)
         self._work, self._patterns, self._calls = work, patterns, 0
 
     def __call__(self):
-        self._work.batch['skip'] = self._patterns[self._calls % len(self._patterns)]
+        if self._patterns:
+            self._work.batch['skip'] = self._patterns[self._calls % len(self._patterns)]
+        self._loop._key = jax.random.fold_in(self._work.key, self._calls)  # pylint: disable=protected-access
         self._calls += 1
         return self._loop()
 
@@ -71,13 +75,14 @@ def _phase1(ctx, name, shape, batch, seq) -> tuple[list[dict], dict]:
     patterns = [jnp.asarray(rng.random(plain.n_layer) < probs) for _ in range(64)]
     loops, fraction_run = {}, 1.0 - float(probs.mean())
     for label, mcfg, skip in (('xl', plain, None), ('xl, conditional, none skipped', plain, False),
-                              ('skip-retain, none skipped', retain, False), ('skip-retain, eq. (1)', retain, True)):
+                              ('skip-retain, none skipped', retain, False), ('skip-retain, eq. (1)', retain, True),
+                              ('xl + cross-head, beta 0.1', plain.replace(sch_beta=0.1), None)):
         ctx.log(f'skip: {name}, {label}')
         work = workload.build(mcfg, batch, seq, ctx.config)
         if skip is not None:
             work.batch['skip'] = jnp.zeros(mcfg.n_layer, bool)
         executable = workload.compile_step(work).executable
-        loops[label] = (_Patterns(executable, work, patterns) if skip else workload.StepLoop(executable, work))
+        loops[label] = _Varying(executable, work, patterns if skip else None)
     timings = harness.time_interleaved(loops, warmup=ctx.warmup, repeats=max(ctx.repeats, 3 if ctx.tiny else 15))
     base = timings['xl'].median_s
     rows = [{'row': 'phase 1', 'size': name, 'step': label, 'n_layer': plain.n_layer, 'step_ms': t.median_s * 1e3,
@@ -88,7 +93,8 @@ def _phase1(ctx, name, shape, batch, seq) -> tuple[list[dict], dict]:
     figures = {'phase1_mean_vs_xl_mean': drawn['mean_step_ms'] / xl_mean,
                'expected_fraction_of_layers_run': fraction_run,
                'conditional_none_skipped_vs_xl': next(r for r in rows if r['step'].startswith('xl, cond'))['time_vs_xl'],
-               'skip_retain_none_skipped_vs_xl': next(r for r in rows if r['step'] == 'skip-retain, none skipped')['time_vs_xl']}
+               'skip_retain_none_skipped_vs_xl': next(r for r in rows if r['step'] == 'skip-retain, none skipped')['time_vs_xl'],
+               'cross_head_mean_vs_xl_mean': next(r for r in rows if r['step'].startswith('xl + cross'))['mean_step_ms'] / xl_mean}
     return rows, figures
 
 
@@ -98,10 +104,10 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     rows = _skipped_k(ctx, name, shape, batch, seq)
     phase_rows, figures = _phase1(ctx, *PHASE1['tiny' if ctx.tiny else 'full'])
     figures['all_skipped_vs_none'] = rows[-1]['time_vs_none_skipped']
+    columns = ('row', 'size', 'n_layer', 'layers_skipped', 'step', 'step_ms', 'mean_step_ms', 'time_vs_none_skipped',
+               'time_vs_xl')
     return harness.SuiteResult(
-        rows=rows + phase_rows,
-        columns=('row', 'size', 'n_layer', 'layers_skipped', 'step', 'step_ms', 'mean_step_ms', 'time_vs_none_skipped',
-                 'time_vs_xl'),
+        rows=[{**dict.fromkeys(columns), **r} for r in rows + phase_rows], columns=columns,
         figures=figures,
         config={'batch': batch, 'tgt_len': seq, 'mem_len': seq, 'model': shape,
                 'phase1': {k: v for k, v in zip(('size', 'model', 'batch', 'tgt_len'),
