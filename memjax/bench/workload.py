@@ -122,10 +122,10 @@ class StepLoop:
         self._executable = executable
         self._state = (work.params, work.opt_state, work.memory)
         self._batch = work.batch
-        self._key = work.key
+        self.key = work.key  # The step's random key; a caller may change it between calls.
 
     def __call__(self) -> tuple:
-        out = self._executable(*self._state, self._batch, self._key)
+        out = self._executable(*self._state, self._batch, self.key)
         self._state = out[:3]
         return out
 

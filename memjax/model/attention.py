@@ -157,6 +157,12 @@ def _gather_rows(scores: jax.Array, distances: jax.Array) -> jax.Array:
     return jnp.take_along_axis(scores, index, axis=-1)
 
 
+def _lagging_block(query_v, shifted_pos_key, block: KeyBlock, offset) -> jax.Array:
+    """[B, H, T, N]: the block and the queries as one span over the table shifted by `offset`."""
+    shifted = position_scores(query_v, shifted_pos_key(block.length + query_v.shape[1], offset))
+    return rel_shift(shifted)[..., :block.length]
+
+
 def _lagging_then_span(query_v, pos_key, shifted_pos_key, block: KeyBlock, span: int, every_row):
     """Positional scores [B, H, T, N + span] of a lagging block right before the contiguous span.
 
@@ -164,13 +170,13 @@ def _lagging_then_span(query_v, pos_key, shifted_pos_key, block: KeyBlock, span:
     span are one span scored by one `rel_shift`, as without lagging; only when it lags is the block
     scored over the distance table shifted by its offset and the span over its own rows (a branch
     of `lax.cond`: the other is not computed)."""
-    qlen, rows = query_v.shape[1], pos_key.shape[0]
+    rows = pos_key.shape[0]
     span_rows = lambda width: (every_row[..., every_row.shape[-1] - width:] if every_row is not None
                                else position_scores(query_v, pos_key[rows - width:]))
 
     def lagging(offset):
-        shifted = rel_shift(position_scores(query_v, shifted_pos_key(block.length + qlen, offset)))
-        return jnp.concatenate([shifted[..., :block.length], rel_shift(span_rows(span))], axis=-1)
+        return jnp.concatenate([_lagging_block(query_v, shifted_pos_key, block, offset), rel_shift(span_rows(span))],
+                               axis=-1)
 
     if rows < block.length + span:
         return lagging(block.offset)
@@ -207,8 +213,7 @@ def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window, shifte
             if relative and index == len(explicit) - 1:
                 adjacent_lag = b
             elif relative:
-                shifted = position_scores(query_v, shifted_pos_key(b.length + qlen, b.offset))
-                scores.append(rel_shift(shifted)[..., :b.length])
+                scores.append(_lagging_block(query_v, shifted_pos_key, b, b.offset))
             visible = jnp.ones((qlen, b.length), bool)  # All in the past.
         if same_length:  # The newest `window` keys in attended order; query i is key total-T+i.
             visible &= first + jnp.arange(b.length)[None, :] > total - qlen + i - window

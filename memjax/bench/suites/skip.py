@@ -42,7 +42,7 @@ class _Varying:
     def __call__(self):
         if self._patterns:
             self._work.batch['skip'] = self._patterns[self._calls % len(self._patterns)]
-        self._loop._key = jax.random.fold_in(self._work.key, self._calls)  # pylint: disable=protected-access
+        self._loop.key = jax.random.fold_in(self._work.key, self._calls)
         self._calls += 1
         return self._loop()
 
