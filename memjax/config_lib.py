@@ -118,10 +118,10 @@ def diverged_loss(train: Any, vocab_size: int) -> float:
 def model_defaults() -> dict:
     """config.model's fields and defaults, read from ModelConfig (vocab_size -1: the tokenizer's).
     An optional field unset by default is a typed placeholder, so the command line can set it."""
-    types = typing.get_type_hints(ModelConfig)
-    return {f.name: f.default if f.default is not None else config_dict.placeholder(
-        next(t for t in typing.get_args(types[f.name]) if t is not type(None)))
-        for f in dataclasses.fields(ModelConfig)}
+    types = ModelConfig.field_types()
+    return {name: default if default is not None else config_dict.placeholder(
+        next(t for t in typing.get_args(types[name]) if t is not type(None)))
+        for name, default in ModelConfig.defaults().items()}
 
 
 def eval_model_placeholders() -> ml_collections.ConfigDict:
@@ -376,7 +376,7 @@ def eval_model_config(mcfg: ModelConfig, config: ml_collections.ConfigDict) -> M
     if config.model.segment_len == -1:
         overrides['segment_len'] = eval_setting(config, 'tgt_len')
     # Evaluation never skips layers nor permutes heads.
-    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in TRAINING_FIELDS}
+    defaults = {name: ModelConfig.defaults()[name] for name in TRAINING_FIELDS}
     return mcfg.replace(**overrides, **defaults)
 
 

@@ -227,5 +227,5 @@ def test_batch_must_split_over_processes():
 
 def test_model_config_field_layout_matches_model():
     """Every config.model field is a ModelConfig field, so from_config_dict accepts them all."""
-    names = set(model_lib.ModelConfig.__dataclass_fields__)
+    names = set(model_lib.ModelConfig.defaults())
     assert set(config_lib.base_config().model.keys()) == names

@@ -1,9 +1,17 @@
-"""The model's hyper-parameters, validated before anything is traced or compiled."""
+"""The model's hyper-parameters, validated before anything is traced or compiled.
+
+The skeleton's fields are declared here; each memory kind declares its own in its own file
+(`KindFields`, prefixed with the kind's namespace: `ltm_`, `lamemo_`, `trams_`) and registers them
+with `declare_fields`. Modules that own a registry the config names (block styles, positions,
+remat policies, skip rules, memory kinds) add their check with `add_check`: they import this
+module, never the other way round.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import typing
+from typing import Any, Callable, Mapping
 
 import jax.numpy as jnp
 
@@ -15,6 +23,42 @@ RUN_TIME_FIELDS = ('clamp_len', 'same_length')
 # Fields that act in training only (Skip-Retain, cross-head attention): evaluation runs with their
 # defaults, which switch them off.
 TRAINING_FIELDS = ('skip_rule', 'skip_p', 'skip_until', 'sch_beta')
+
+
+def example(default: tuple, text: str) -> Any:
+    """A tuple field with the command-line example its error message shows."""
+    return dataclasses.field(default=default, metadata={'example': text})
+
+
+@dataclasses.dataclass(frozen=True)
+class KindFields:
+    """A memory kind's own hyper-parameters: subclass it as a frozen dataclass in the kind's file,
+    every field named with the kind's prefix, and pass it to `declare_fields`. The config, the
+    command line (`--config.model.<field>`) and `ModelConfig` then know them by name."""
+
+
+_KIND_FIELDS: dict[str, type[KindFields]] = {}
+_CHECKS: list[Callable[['ModelConfig'], list[str]]] = []
+
+
+def declare_fields(kind: str, fields: type[KindFields]) -> None:
+    """Makes `fields` part of every ModelConfig (memory kinds call it when they register)."""
+    taken = set(_field_defaults()) - {f.name for f in dataclasses.fields(_KIND_FIELDS.get(kind, KindFields))}
+    clash = sorted(taken & {f.name for f in dataclasses.fields(fields)})
+    if clash:
+        raise ValueError(f'memory kind {kind!r} declares fields {clash} that another part already has.')
+    _KIND_FIELDS[kind] = fields
+
+
+def add_check(check: Callable[['ModelConfig'], list[str]]) -> Callable[['ModelConfig'], list[str]]:
+    """Decorator: `check(config)` returns one-line problems; ModelConfig runs it when built."""
+    _CHECKS.append(check)
+    return check
+
+
+def _field_defaults() -> dict[str, dataclasses.Field]:
+    """Every field a ModelConfig knows, the skeleton's and every declared kind's, by name."""
+    return {f.name: f for group in (ModelConfig, *_KIND_FIELDS.values()) for f in dataclasses.fields(group)}
 
 
 def _tuple_of(name: str, value: Any, kind: type, example: str) -> tuple:
@@ -42,10 +86,12 @@ def _tuple_of(name: str, value: Any, kind: type, example: str) -> tuple:
                          f'e.g. --config.model.{name}=\'{example}\'.') from None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False, eq=False)
 class ModelConfig:
     """Hyper-parameters of the memory-transformer language model; the one place their defaults live
-    (config_lib.base_config starts from them).
+    (config_lib.base_config starts from them). Built from flat keywords, the skeleton's and every
+    declared kind's (`ModelConfig(memory='infinity', ltm_basis=64)`); a kind's fields read as
+    attributes (`config.ltm_basis`).
 
     Fields that only change how the model is *run* (RUN_TIME_FIELDS and the memory kind's
     `run_time_fields`) do not change its parameters, so evaluation can override them.
@@ -73,9 +119,9 @@ class ModelConfig:
     pre_lnorm: bool = False
     untie_r: bool = False  # True: every layer has its own u, v biases.
     tie_weight: bool = True
-    cutoffs: tuple[int, ...] = ()  # () : plain softmax over the whole vocabulary.
+    cutoffs: tuple[int, ...] = example((), '(20000, 40000)')  # () : plain softmax over the whole vocabulary.
     div_val: int = 1
-    tie_projs: tuple[bool, ...] = ()  # () : no projection is tied.
+    tie_projs: tuple[bool, ...] = example((), '(False, True)')  # () : no projection is tied.
     init_std: float = 0.02
     proj_init_std: float = 0.01
     # 'empty': the first segment sees no memory (masked). 'zeros': it sees mem_len zero vectors,
@@ -89,40 +135,6 @@ class ModelConfig:
     # Tokens per segment. -1: config.train.tgt_len (config.eval.tgt_len in evaluation), filled in
     # when the config is resolved. Read by kinds whose state is sized by the segment.
     segment_len: int = -1
-
-    # The infinity-former's continuous long-term memory (memory='infinity'; Martins et al. 2022).
-    ltm_basis: int = 512  # N Gaussian basis functions: N / len(ltm_widths) centres x the widths.
-    ltm_widths: tuple[float, ...] = (0.01, 0.05)
-    ltm_ridge: float = 1.0  # lambda of the ridge regression.
-    ltm_tau: float = 0.75  # The old signal is contracted into [0, tau].
-    ltm_samples: int = -1  # M positions the old signal is sampled at; -1: ltm_basis.
-    ltm_reset_tokens: int = 0  # Start the memory afresh after this many tokens; 0: only at documents.
-    ltm_min_variance: float = 1e-6  # Floor of the attention density's variance.
-    ltm_kl_weight: float = 1e-5  # lambda_KL; the KL term is also logged on its own (aux/kl).
-    ltm_kl_sigma: float = 0.05  # sigma_0 of the KL prior.
-    # mu_0 of the KL prior; None: centred on mu (variance term only). The released GPT-2 runs: -1.
-    ltm_kl_mu0: float | None = None
-    # Zero-padding of the refit after an update: 'released' (the authors' code) or 'even'.
-    ltm_padding: str = 'released'
-    ltm_sticky: bool = False  # Sticky memories: sample where last step attended, not evenly.
-    ltm_sticky_bins: int = 128
-    ltm_sticky_within_bin: str = 'uniform'  # Or 'left_edge', as the authors' code.
-
-    # LaMemo's look-ahead memory (memory='lamemo'; Ji et al. 2022) and the paper's ablations.
-    lamemo_look_ahead: bool = True  # False: the memory keeps its causal outputs (Transformer-XL).
-    lamemo_interpolate: bool = True  # False: alpha = 0, the refreshed memory forgets its past.
-    # 'disentangled': R_|i-j| with v+ / v- by direction (eq. 12); 'xl': R_(i-j) and one v (eq. 6).
-    lamemo_encoding: str = 'disentangled'
-    lamemo_eps: float = 1e-6  # epsilon of alpha's denominator (eq. 11).
-
-    # TRAMS, training-free memory selection (memory='trams', run on an 'xl' model's parameters; Yu
-    # et al. 2023): mem_len is the pool; each head attends trams_select of it, the newest
-    # trams_remain and the best-ranked older rows.
-    trams_select: int = 200
-    trams_remain: int = 150
-    trams_metric: str = 'paper'  # cos(K', 1) ||K'||; 'released': ||K'|| |sum K'| (the authors' code).
-    trams_positions: str = 'true'  # Selected keys at their distances; 'contiguous': the authors' code.
-    trams_layers: tuple[int, ...] = ()  # Layers that select (0-based); (): all. Others keep the newest.
 
     # Training-time switches of the skeleton (memjax/model/stochastic.py; Vishnu & Sekhar).
     # Skip-Retain: phase 1 skips layer l per step with probability p_skip(l), given by `skip_rule`
@@ -140,14 +152,48 @@ class ModelConfig:
     # inputs) or 'dots_saveable' (keep matmul outputs, recompute the cheap element-wise ops).
     remat: str = 'none'
 
-    def __post_init__(self):
+    def __init__(self, **values: Any):
+        known = _field_defaults()
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise TypeError(f'ModelConfig got unknown fields {unknown}.')
+        types = self.field_types()
+        for name, f in known.items():
+            value = values.get(name, f.default)
+            args = typing.get_args(types[name])
+            if typing.get_origin(types[name]) is tuple and args[1:] == (Ellipsis,):
+                value = _tuple_of(name, value, args[0], f.metadata.get('example', '(1, 2)'))
+            object.__setattr__(self, name, value)
         if self.d_embed == -1:
             object.__setattr__(self, 'd_embed', self.d_model)
-        for name, kind, example in (('cutoffs', int, '(20000, 40000)'), ('ltm_widths', float, '(0.01, 0.05)'),
-                                    ('tie_projs', bool, '(False, True)'), ('trams_layers', int, '(12, 13, 14, 15)')):
-            object.__setattr__(self, name, _tuple_of(name, getattr(self, name), kind, example))
         object.__setattr__(self, 'tie_projs', self.tie_projs or (False,) * (len(self.cutoffs) + 1))
         self.validate()
+
+    # Equal, and hashed alike, when every field is: a static attribute of flax modules and jit.
+    def __eq__(self, other: Any) -> bool:
+        return type(other) is ModelConfig and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(vars(self).items()))
+
+    def __repr__(self) -> str:
+        return f'ModelConfig({", ".join(f"{k}={v!r}" for k, v in vars(self).items())})'
+
+    @staticmethod
+    def defaults() -> dict[str, Any]:
+        """Every field's default, the skeleton's and every declared kind's."""
+        return {name: f.default for name, f in _field_defaults().items()}
+
+    @staticmethod
+    def field_types() -> dict[str, Any]:
+        hints = {}
+        for group in (ModelConfig, *_KIND_FIELDS.values()):
+            hints.update(typing.get_type_hints(group))
+        return {name: hints[name] for name in _field_defaults()}
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field by name (the flat form configs and checkpoints hold)."""
+        return dict(vars(self))
 
     @classmethod
     def from_config_dict(cls, cfg: Mapping[str, Any], vocab_size: int | None = None,
@@ -155,7 +201,7 @@ class ModelConfig:
         """Builds from an ml_collections ConfigDict (or dict); `vocab_size=-1` there takes
         `vocab_size`, `segment_len=-1` takes `segment_len` (the data's tgt_len)."""
         fields = dict(cfg.to_dict() if hasattr(cfg, 'to_dict') else cfg)
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = set(_field_defaults())
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f'config.model has unknown fields {unknown}; known fields: {sorted(known)}.')
@@ -172,7 +218,7 @@ class ModelConfig:
         return cls(**fields)
 
     def replace(self, **changes) -> ModelConfig:
-        return dataclasses.replace(self, **changes)
+        return ModelConfig(**{**self.as_dict(), **changes})
 
     @property
     def dtype(self):
@@ -194,7 +240,9 @@ class ModelConfig:
             if not ok:
                 problems.append(message)
 
-        for name in ('vocab_size', 'd_model', 'n_layer', 'n_head', 'd_head', 'd_inner', 'd_embed', 'div_val'):
+        # vocab_size -1: the tokenizer's, not known yet (checked again once it is, by the caller).
+        sized = self.vocab_size != -1
+        for name in ('vocab_size',) * sized + ('d_model', 'n_layer', 'n_head', 'd_head', 'd_inner', 'd_embed', 'div_val'):
             need(int(getattr(self, name)) >= 1, f'{name}={getattr(self, name)} must be a positive integer.')
         need(self.d_model % 2 == 0, f'd_model={self.d_model} must be even (sin and cos halves of the '
              'positional encoding).')
@@ -207,31 +255,10 @@ class ModelConfig:
              f'memory_start={self.memory_start!r} must be one of {_MEMORY_STARTS}.')
         need(self.compute_dtype in _COMPUTE_DTYPES,
              f'compute_dtype={self.compute_dtype!r} must be one of {tuple(_COMPUTE_DTYPES)}.')
-        # Imported here: the registries' modules import this one.
-        from memjax.model import memories, positions, primitives, stack  # pylint: disable=import-outside-toplevel
-        need(self.remat in stack.REMAT_POLICIES, f'remat={self.remat!r} must be one of {tuple(stack.REMAT_POLICIES)}.')
-        need(self.positions in positions.POSITIONS,
-             f'positions={self.positions!r} must be one of {tuple(positions.POSITIONS)}.')
-        need(self.block in primitives.BLOCKS, f'block={self.block!r} must be one of {tuple(primitives.BLOCKS)}.')
-        if self.block in primitives.BLOCKS:
-            need(self.pre_lnorm or not primitives.BLOCKS[self.block].final_norm,
-                 f'block={self.block!r} normalises before each sub-block: set pre_lnorm=True.')
         need(self.n_positions >= 1, f'n_positions={self.n_positions} must be >= 1.')
-        from memjax.model import stochastic  # pylint: disable=import-outside-toplevel
-        need(self.skip_rule == 'none' or self.skip_rule in stochastic.SKIP_RULES,
-             f"skip_rule={self.skip_rule!r} must be 'none' or one of {tuple(stochastic.SKIP_RULES)}.")
-        need(0.0 <= self.skip_p < 1.0, f'skip_p={self.skip_p} must be in [0, 1).')
-        need(self.skip_until >= -1, f'skip_until={self.skip_until} must be a training step, or -1 (skip all run).')
-        need(0.0 <= self.sch_beta <= 1.0, f'sch_beta={self.sch_beta} must be in [0, 1].')
-        if self.memory in memories.names():
-            kind = memories.kind_class(self.memory)
-            problems.extend(kind.validate(self))
-            need(self.skip_rule == 'none' or kind.skip_retain,
-                 f"skip_rule={self.skip_rule!r}: Skip-Retain is built for memory 'xl' and 'none' (a skipped layer "
-                 f"keeps its memory and ages it), not memory={self.memory!r}.")
-        else:
-            need(False, f'memory={self.memory!r} must be one of {memories.names()}.')
-        bounds = self.cluster_bounds
+        for check in _CHECKS:
+            problems.extend(check(self))
+        bounds = self.cluster_bounds if sized else (0,) + self.cutoffs
         need(all(a < b for a, b in zip(bounds, bounds[1:])),
              f'cutoffs={self.cutoffs} must be strictly increasing and below vocab_size={self.vocab_size}.')
         need(len(self.tie_projs) == len(self.cutoffs) + 1,

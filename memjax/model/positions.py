@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from memjax.model.config import ModelConfig, add_check
+
 
 def sinusoid_encoding(distances: jax.Array, d_model: int) -> jax.Array:
     """[K] distances -> [K, d_model]: sin half then cos half (concatenated, not interleaved)."""
@@ -37,6 +39,11 @@ def relative_sinusoid_table(rows: int, d_model: int, clamp_len: int, offset=0) -
 # for an absolute scheme: a learned [n_positions, d_model] table added to the token embeddings
 # (MemoryLM), after which the attention scores content alone.
 POSITIONS = {'relative_sinusoid': relative_sinusoid_table, 'learned_absolute': None}
+
+
+@add_check
+def _known_positions(cfg: ModelConfig) -> list[str]:
+    return [] if cfg.positions in POSITIONS else [f'positions={cfg.positions!r} must be one of {tuple(POSITIONS)}.']
 
 
 def _broadcast_position_scores(query: jax.Array, pos_key: jax.Array) -> jax.Array:

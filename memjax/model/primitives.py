@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from memjax.model.config import ModelConfig
+from memjax.model.config import ModelConfig, add_check
 
 BTE = ('activation_batch', 'activation_length', 'activation_embed')
 BTHK = ('activation_batch', 'activation_length', 'activation_heads', 'activation_kv')
@@ -37,6 +37,15 @@ BLOCKS = {
     'gpt2': BlockStyle(functools.partial(nn.gelu, approximate=True), bias=True, final_norm=True,
                        embed_scale=False),
 }
+
+
+@add_check
+def _known_block(cfg: ModelConfig) -> list[str]:
+    if cfg.block not in BLOCKS:
+        return [f'block={cfg.block!r} must be one of {tuple(BLOCKS)}.']
+    if BLOCKS[cfg.block].final_norm and not cfg.pre_lnorm:
+        return [f'block={cfg.block!r} normalises before each sub-block: set pre_lnorm=True.']
+    return []
 
 
 def normal(std: float, axes: tuple):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from memjax.model.attention import AttentionContext, RelativeAttention, dropout_residual_norm
-from memjax.model.config import ModelConfig
+from memjax.model.config import ModelConfig, add_check
 from memjax.model.memories import MemoryKind
 from memjax.model.positions import POSITIONS
 from memjax.model.primitives import BLOCKS, BTE, Dropout, layer_norm, normal
@@ -93,6 +93,11 @@ def _stack_rows(kind: MemoryKind, shared, h):
 
 
 REMAT_POLICIES = {'none': None, 'full': None, 'dots_saveable': jax.checkpoint_policies.dots_saveable}
+
+
+@add_check
+def _known_remat(cfg: ModelConfig) -> list[str]:
+    return [] if cfg.remat in REMAT_POLICIES else [f'remat={cfg.remat!r} must be one of {tuple(REMAT_POLICIES)}.']
 
 
 def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool):

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memjax.model.config import ModelConfig, add_check
+
 
 def _linear(n_layer: int, p: float) -> np.ndarray:
     """Eq. (1): 0.5 (i - 1) / N for i = 1 .. N - 1, the top layer never (p unused)."""
@@ -48,6 +50,17 @@ SKIP_RULES: dict[str, Callable[[int, float], np.ndarray]] = {
 }
 
 
+@add_check
+def _valid_switches(cfg: ModelConfig) -> list[str]:
+    checks = (
+        (cfg.skip_rule == 'none' or cfg.skip_rule in SKIP_RULES,
+         f"skip_rule={cfg.skip_rule!r} must be 'none' or one of {tuple(SKIP_RULES)}."),
+        (0.0 <= cfg.skip_p < 1.0, f'skip_p={cfg.skip_p} must be in [0, 1).'),
+        (cfg.skip_until >= -1, f'skip_until={cfg.skip_until} must be a training step, or -1 (skip all run).'),
+        (0.0 <= cfg.sch_beta <= 1.0, f'sch_beta={cfg.sch_beta} must be in [0, 1].'))
+    return [message for ok, message in checks if not ok]
+
+
 def skip_probabilities(skip_rule: str, n_layer: int, skip_p: float) -> np.ndarray:
     """[n_layer] float64: p_skip of every layer; zeros for 'none'."""
     if skip_rule == 'none':
@@ -55,7 +68,7 @@ def skip_probabilities(skip_rule: str, n_layer: int, skip_p: float) -> np.ndarra
     return SKIP_RULES[skip_rule](n_layer, skip_p)
 
 
-def skipping(config) -> bool:
+def skipping(config: ModelConfig) -> bool:
     """Whether some layer can be skipped in training (a rule whose probabilities are not all 0)."""
     return bool(skip_probabilities(config.skip_rule, config.n_layer, config.skip_p).any())
 
@@ -79,7 +92,7 @@ def cross_head_permutation(key: jax.Array, beta: float, n_head: int) -> tuple[ja
     return applied, perm.astype(jnp.int32)
 
 
-def streams(config) -> dict[str, bool]:
+def streams(config: ModelConfig) -> dict[str, bool]:
     """The random streams the switches draw from (name -> the same draw in every gradient
     accumulation chunk of a step: both are one decision per layer and step)."""
     out = {}

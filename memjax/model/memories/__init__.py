@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import Attended, AttentionView, KeyBlock, LayerMaps
 from memjax.model import stochastic
-from memjax.model.config import ModelConfig
+from memjax.model.config import KindFields, ModelConfig, add_check, declare_fields
 
 BATCH_AXIS = 'activation_batch'
 
@@ -84,6 +84,8 @@ class MemoryKind:
 
     name: ClassVar[str] = 'none'
     layer: ClassVar[type[LayerMemory]] = LayerMemory
+    # The kind's own hyper-parameters (a KindFields dataclass in the kind's file), or None.
+    fields: ClassVar[Optional[type[KindFields]]] = None
     # ModelConfig fields this kind reads that shape no parameter: evaluation may override them
     # (config.eval.model), with the kind-independent RUN_TIME_FIELDS of ModelConfig.
     run_time_fields: ClassVar[tuple[str, ...]] = ()
@@ -186,11 +188,26 @@ _KINDS: dict[str, type[MemoryKind]] = {}
 
 
 def register(kind: type[MemoryKind]) -> type[MemoryKind]:
-    """Class decorator: makes `kind` selectable as config.model.memory = kind.name."""
+    """Class decorator: makes `kind` selectable as config.model.memory = kind.name, and its own
+    `fields` part of the model config."""
     if kind.name in _KINDS and _KINDS[kind.name] is not kind:
         raise ValueError(f'memory kind {kind.name!r} is registered twice.')
     _KINDS[kind.name] = kind
+    if 'fields' in vars(kind) and kind.fields is not None:
+        declare_fields(kind.name, kind.fields)
     return kind
+
+
+@add_check
+def _valid_for_kind(config: ModelConfig) -> list[str]:
+    if config.memory not in _KINDS:
+        return [f'memory={config.memory!r} must be one of {names()}.']
+    kind = _KINDS[config.memory]
+    problems = list(kind.validate(config))
+    if config.skip_rule != 'none' and not kind.skip_retain:
+        problems.append(f"skip_rule={config.skip_rule!r}: Skip-Retain is built for memory 'xl' and 'none' (a "
+                        f"skipped layer keeps its memory and ages it), not memory={config.memory!r}.")
+    return problems
 
 
 def names() -> tuple[str, ...]:

@@ -41,6 +41,7 @@ for the LTM; the rest: the STM), `coefficients` [B, N, d_model] float32, and the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -50,7 +51,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import Attended, KeyBlock
-from memjax.model.config import ModelConfig
+from memjax.model.config import KindFields, ModelConfig, example
 from memjax.model.memories import LayerMemory, MemoryState, Problems, register
 from memjax.model.memories.xl import XLMemory
 from memjax.model.primitives import normal, projection
@@ -178,6 +179,28 @@ def sticky_histogram(mu: jax.Array, sigma2: jax.Array, bins: int) -> jax.Array:
 STICKY_WITHIN_BIN = ('uniform', 'left_edge')
 
 
+@dataclasses.dataclass(frozen=True)
+class InfinityFields(KindFields):
+    """config.model.ltm_*: the continuous long-term memory."""
+
+    ltm_basis: int = 512  # N Gaussian basis functions: N / len(ltm_widths) centres x the widths.
+    ltm_widths: tuple[float, ...] = example((0.01, 0.05), '(0.01, 0.05)')
+    ltm_ridge: float = 1.0  # lambda of the ridge regression.
+    ltm_tau: float = 0.75  # The old signal is contracted into [0, tau].
+    ltm_samples: int = -1  # M positions the old signal is sampled at; -1: ltm_basis.
+    ltm_reset_tokens: int = 0  # Start the memory afresh after this many tokens; 0: only at documents.
+    ltm_min_variance: float = 1e-6  # Floor of the attention density's variance.
+    ltm_kl_weight: float = 1e-5  # lambda_KL; the KL term is also logged on its own (aux/kl).
+    ltm_kl_sigma: float = 0.05  # sigma_0 of the KL prior.
+    # mu_0 of the KL prior; None: centred on mu (variance term only). The released GPT-2 runs: -1.
+    ltm_kl_mu0: float | None = None
+    # Zero-padding of the refit after an update: 'released' (the authors' code) or 'even'.
+    ltm_padding: str = 'released'
+    ltm_sticky: bool = False  # Sticky memories: sample where last step attended, not evenly.
+    ltm_sticky_bins: int = 128
+    ltm_sticky_within_bin: str = 'uniform'  # Or 'left_edge', as the authors' code.
+
+
 def sticky_positions(key: jax.Array, histogram: jax.Array, samples: int, within_bin: str = 'uniform') -> jax.Array:
     """[B, samples] sorted positions in [0, 1]: a bin drawn from each row's histogram, then a
     position inside it: uniform, or the bin's left edge as the authors' code takes it (M samples
@@ -284,6 +307,7 @@ class InfinityLayerMemory(LayerMemory):
 
 @register
 class InfinityMemory(XLMemory):
+    fields = InfinityFields
     """The XL memory extended by segment_len waiting rows and the continuous LTM (module docstring)."""
 
     name = 'infinity'

@@ -28,6 +28,8 @@ O(M x T) (the code's are O(M^2)).
 
 from __future__ import annotations
 
+import dataclasses
+
 from flax import traverse_util
 import jax
 import jax.numpy as jnp
@@ -35,11 +37,23 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import Attended, KeyBlock
+from memjax.model.config import KindFields
 from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, register
 from memjax.model.positions import rel_shift
 from memjax.model.primitives import Dropout
 
 ENCODINGS = ('disentangled', 'xl')
+
+
+@dataclasses.dataclass(frozen=True)
+class LaMemoFields(KindFields):
+    """config.model.lamemo_*: the look-ahead memory and the paper's ablations."""
+
+    lamemo_look_ahead: bool = True  # False: the memory keeps its causal outputs (Transformer-XL).
+    lamemo_interpolate: bool = True  # False: alpha = 0, the refreshed memory forgets its past.
+    # 'disentangled': R_|i-j| with v+ / v- by direction (eq. 12); 'xl': R_(i-j) and one v (eq. 6).
+    lamemo_encoding: str = 'disentangled'
+    lamemo_eps: float = 1e-6  # epsilon of alpha's denominator (eq. 11).
 _NEG = float(np.finfo(np.float32).min)  # log(0) that stays finite: exp() of it is 0, no NaN.
 
 
@@ -182,6 +196,7 @@ def memorizing_coefficients(model, params, inputs: jax.Array, memory: MemoryStat
 
 @register
 class LaMemoMemory(MemoryKind):
+    fields = LaMemoFields
     """layers.context [n_layer, B, M, H, Dh], layers.log_norm [n_layer, B, H, M] float32;
     shared.embedded [B, M, d_model] (the first layer's input), shared.valid [B, M]."""
 

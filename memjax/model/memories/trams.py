@@ -24,15 +24,31 @@ training-free: it evaluates parameters trained as 'xl' (`runs_on`), with
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import Attended, KeyBlock
+from memjax.model.config import KindFields, example
 from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, Problems, register
 
 METRICS = ('paper', 'released')
 POSITIONS = ('true', 'contiguous')
+
+
+@dataclasses.dataclass(frozen=True)
+class TramsFields(KindFields):
+    """config.model.trams_*: mem_len is the pool; each head attends trams_select of it, the newest
+    trams_remain and the best-ranked older rows."""
+
+    trams_select: int = 200
+    trams_remain: int = 150
+    trams_metric: str = 'paper'  # cos(K', 1) ||K'||; 'released': ||K'|| |sum K'| (the authors' code).
+    trams_positions: str = 'true'  # Selected keys at their distances; 'contiguous': the authors' code.
+    # Layers that select (0-based); (): all. Others keep the newest.
+    trams_layers: tuple[int, ...] = example((), '(12, 13, 14, 15)')
 
 
 def key_metric(keys: jax.Array, query_kernel: jax.Array, metric: str) -> jax.Array:
@@ -112,6 +128,7 @@ class TramsLayerMemory(LayerMemory):
 
 @register
 class TramsMemory(MemoryKind):
+    fields = TramsFields
     """layers.keys, .values [n_layer, B, mem_len, H, d_head]: the pool as each layer projected it;
     layers.rank [n_layer, B, mem_len, H] float32: its metric. shared.valid [B, mem_len]: positions
     that may be attended; shared.fresh [B, mem_len]: never written (zero rows with
