@@ -9,12 +9,14 @@ import os
 import re
 import sys
 import traceback
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Optional, Sequence
 
 from absl import app
 from absl import flags
+import jax
 import ml_collections
 
+from memjax import config_lib
 from memjax.runtime import distributed
 from memjax import errors
 from memjax.runtime import host_memory
@@ -113,6 +115,13 @@ def load_config(config_flag: flags.FlagHolder) -> ml_collections.ConfigDict:
                                      'model section: start from memjax.config_lib.base_config().'
                                      ) from error
         raise _config_error(error, sys.argv) from error
+
+
+def load_run(config_flag: flags.FlagHolder) -> Optional[config_lib.RunConfig]:
+    """The config of `config_flag` resolved once, for this run's processes and devices (None: no
+    --config given). A multi-process command calls it inside `run`'s job, once they are joined."""
+    config = load_config(config_flag)
+    return None if config is None else config_lib.resolve(config, jax.process_count(), jax.device_count())
 
 
 def prepare_host_memory() -> bool:

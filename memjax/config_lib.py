@@ -1,118 +1,239 @@
-"""Shared config defaults and up-front validation of a whole experiment config.
+"""The experiment config: its defaults, and its resolution into typed sections at the entry.
 
-Every `configs/*.py` starts from `base_config()` and only states what differs, so a
-field added here reaches all experiments. `validate_config` runs before anything is
-built or compiled: a typo in a length or a batch size should cost a second, not a
-compilation and a crash deep inside XLA.
+Every `configs/*.py` starts from `base_config()` and only states what differs. The commands
+(`memjax.train`, `memjax.evaluate`, `memjax.bench`, `memjax.sweep`) hand the ml_collections
+config to `resolve` once: every field is checked before anything is built or compiled (a typo in
+a length or a batch size costs a second, not a compilation), -1 placeholders are filled, and the
+result is a frozen `RunConfig` of sections. Below the entry each package takes its own section:
+the model a `ModelConfig`, the data a `DataConfig`, the mesh a `MeshConfig`, training the run.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import math
 import os
 import typing
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import ml_collections
 from ml_collections import config_dict
 
+from memjax.data.config import SPLITS, DataConfig
 from memjax.errors import ConfigError  # re-exported: config_lib.ConfigError is public
 from memjax.model import memories
 from memjax.model.config import RUN_TIME_FIELDS, TRAINING_FIELDS, ModelConfig
 
-DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text', 'sorting')
-TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece', 'gpt2_bpe', 'sorting')
-SPLITS = ('train', 'validation', 'valid', 'test')
 MESH_AXES = ('data', 'fsdp', 'tensor')
 INIT_FROM_STATES = ('params', 'params_and_optimizer')
+SECTIONS = ('model', 'data', 'train', 'eval', 'mesh')
+
+
+def _from_mapping(cls: type, section: str, fields: Mapping[str, Any]) -> Any:
+    """`cls` from config.<section>, refusing fields it does not have (a typo is not ignored)."""
+    values = dict(fields)
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f'config.{section} has unknown fields {unknown}; known fields: {known}.')
+    return cls(**values)
+
+
+def _problems(*checks: tuple[bool, str]) -> list[str]:
+    return [message for ok, message in checks if not ok]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """config.train. Reference optimisation: Adam, lr 2.5e-4, linear warmup, cosine decay, clip 0.25."""
+
+    batch_size: int = 16
+    tgt_len: int = 64
+    segments_per_step: int = 1
+    grad_accum_steps: int = 1
+    num_steps: int = 1000
+    learning_rate: float = 2.5e-4
+    # > 0: the peak learning rate of the memory kind's own parameters (the LTM's); -1: as above.
+    memory_learning_rate: float = -1.0
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    clip_norm: float = 0.25  # <= 0: no clipping.
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    log_every: int = 100
+    eval_every: int = 1000  # 0: only the final validation.
+    eval_batches: int = -1  # -1: the whole validation split.
+    checkpoint_every: int = 1000  # 0: only the final checkpoint.
+    keep_checkpoints: int = 3  # The newest N; the best validated checkpoint is kept beside them.
+    # A run whose training or validation loss (nats per scored token) exceeds this has diverged:
+    # it stops with exit 3 before that state is saved. -1: 3 ln(vocab_size), three times the
+    # loss of a uniform guess; 0: only a NaN or inf loss stops it.
+    diverged_loss: float = -1.0
+    # A workdir, its checkpoints/ folder or one step's folder to start a new run from (read
+    # only while this workdir has no checkpoint); init_from_state = 'params' (fresh optimizer,
+    # step 0) or 'params_and_optimizer' (Adam moments and step carried over).
+    init_from: str = ''
+    init_from_state: str = 'params'
+
+    def diverged_limit(self, vocab_size: int) -> float:
+        """The loss above which the run has diverged (`diverged_loss` resolved); inf: off."""
+        if self.diverged_loss == -1:
+            return 3.0 * math.log(vocab_size)
+        return self.diverged_loss if self.diverged_loss > 0 else math.inf
+
+    def problems(self, process_count: int) -> list[str]:
+        found = [f'config.train.{name}={getattr(self, name)} must be >= 1.'
+                 for name in ('batch_size', 'tgt_len', 'segments_per_step', 'grad_accum_steps', 'num_steps',
+                              'keep_checkpoints') if getattr(self, name) < 1]
+        steps = self.segments_per_step
+        for name in ('log_every', 'eval_every', 'checkpoint_every'):
+            value = getattr(self, name)
+            # The host only sees the state between dispatches of segments_per_step updates.
+            found += _problems((value >= 0, f'config.train.{name}={value} must be >= 0.'),
+                               (value <= 0 or steps < 1 or value % steps == 0,
+                                f'config.train.{name}={value} must be a multiple of '
+                                f'config.train.segments_per_step={steps} (or 0).'))
+        per_process = self.grad_accum_steps * process_count
+        return found + _problems(
+            (steps < 1 or self.num_steps % steps == 0,
+             f'config.train.num_steps={self.num_steps} must be a multiple of config.train.segments_per_step={steps}.'),
+            (self.grad_accum_steps < 1 or self.batch_size < 1 or self.batch_size % per_process == 0,
+             f'config.train.batch_size={self.batch_size} must be divisible by config.train.grad_accum_steps '
+             f'({self.grad_accum_steps}) x process count ({process_count}) = {per_process}: use a multiple '
+             f'of {per_process}.'),
+            (self.learning_rate > 0, f'config.train.learning_rate={self.learning_rate} must be > 0.'),
+            (0 <= self.warmup_steps <= self.num_steps,
+             f'config.train.warmup_steps={self.warmup_steps} must lie in [0, num_steps={self.num_steps}].'),
+            (0.0 <= self.min_lr_ratio <= 1.0, f'config.train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1].'),
+            (0.0 <= self.b1 < 1.0, f'config.train.b1={self.b1} must lie in [0, 1).'),
+            (0.0 <= self.b2 < 1.0, f'config.train.b2={self.b2} must lie in [0, 1).'),
+            (self.eps > 0, f'config.train.eps={self.eps} must be > 0.'),
+            (self.weight_decay >= 0, f'config.train.weight_decay={self.weight_decay} must be >= 0.'),
+            (self.init_from_state in INIT_FROM_STATES,
+             f'config.train.init_from_state={self.init_from_state!r} must be one of {INIT_FROM_STATES}.'),
+            (self.eval_batches == -1 or self.eval_batches >= 1,
+             f'config.train.eval_batches={self.eval_batches} must be -1 (whole split) or >= 1.'),
+            (self.diverged_loss in (-1, 0) or self.diverged_loss > 0,
+             f'config.train.diverged_loss={self.diverged_loss} must be > 0, -1 (3 ln(vocab_size)) or 0 (off).'))
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """config.eval. batch_size, tgt_len -1: as in training (filled in by `resolve`). The model
+    evaluation runs (config.eval.model merged over config.model) is `RunConfig.eval_model`."""
+
+    split: str = 'validation'
+    # Also report the accuracy of the argmax prediction on the scored tokens (the sorting task).
+    accuracy: bool = False
+    batch_size: int = -1
+    tgt_len: int = -1
+
+    def problems(self, process_count: int) -> list[str]:
+        return _problems(
+            (self.split in SPLITS, f'config.eval.split={self.split!r} must be one of {SPLITS}.'),
+            (self.batch_size == -1 or (self.batch_size >= 1 and self.batch_size % process_count == 0),
+             f'config.eval.batch_size={self.batch_size} must be -1 (as in training) or a positive '
+             f'multiple of the process count ({process_count}).'),
+            (self.tgt_len == -1 or self.tgt_len >= 1,
+             f'config.eval.tgt_len={self.tgt_len} must be -1 (as in training) or >= 1.'))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """config.mesh: the device mesh ('data', 'fsdp', 'tensor'); one size may be -1 (all remaining
+    devices). rules: ((logical_name, mesh_axes), ...) replacing entries of
+    memjax.runtime.sharding.DEFAULT_RULES, e.g. (('vocab', None),) to replicate the vocabulary."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    rules: tuple = ()
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in MESH_AXES}
+
+    def shape(self, device_count: int) -> dict[str, int]:
+        """Axis sizes with the -1 entry (if any) filled so that they multiply to device_count."""
+        fixed = math.prod(size for size in self.sizes.values() if size != -1)
+        return {name: device_count // fixed if size == -1 else size for name, size in self.sizes.items()}
+
+    def problems(self) -> list[str]:
+        bad = [f'config.mesh.{n}={v}' for n, v in self.sizes.items() if not isinstance(v, int) or (v != -1 and v < 1)]
+        found = _problems((not bad, f'{", ".join(bad)}: mesh sizes must be positive ints or -1.'),
+                          (list(self.sizes.values()).count(-1) <= 1,
+                           f'config.mesh {self.sizes}: at most one size may be -1 (the remaining devices).'))
+        for rule in self.rules:
+            ok = (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
+                  and all(axis in MESH_AXES for axis in
+                          ((rule[1],) if rule[1] is None or isinstance(rule[1], str) else rule[1]) if axis is not None))
+            found += _problems((ok, f'config.mesh.rules entry {rule!r} must be (logical_name, mesh_axes) '
+                                f'with mesh_axes None, one of {MESH_AXES} or a tuple of them.'))
+        return found
+
+    def device_problems(self, device_count: int) -> list[str]:
+        """Whether the sizes fit `device_count` devices (after `problems` found none)."""
+        sizes = self.sizes
+        fixed = math.prod(size for size in sizes.values() if size != -1)
+        if -1 in sizes.values() and device_count % fixed:
+            return [f'config.mesh {sizes}: the fixed sizes multiply to {fixed}, which does not '
+                    f'divide the {device_count} devices.']
+        if -1 not in sizes.values() and fixed != device_count:
+            shape = 'x'.join(f'{n}={v}' for n, v in self.shape(device_count).items())
+            return [f'config.mesh {shape} has {fixed} devices but {device_count} are present: '
+                    'make the sizes multiply to the device count or set one of them to -1.']
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A resolved experiment: typed sections, every default and -1 placeholder filled, except
+    the vocabulary size of a config that takes it from the tokenizer (`with_vocab_size`)."""
+
+    seed: int
+    model: ModelConfig
+    eval_model: ModelConfig  # config.eval.model merged over `model`: what evaluation runs.
+    data: DataConfig
+    train: TrainConfig
+    eval: EvalConfig
+    mesh: MeshConfig
+    # The config as plain nested dicts: what the workdir saves and a resumed run is compared with.
+    source: dict = dataclasses.field(compare=False, hash=False)
+
+    def with_vocab_size(self, vocab_size: int) -> RunConfig:
+        """The run with the tokenizer's vocabulary size."""
+        if self.model.vocab_size not in (-1, vocab_size):
+            raise ConfigError(f'invalid config.model: config.model.vocab_size={self.model.vocab_size} but the '
+                              f'tokenizer has {vocab_size} tokens; set config.model.vocab_size=-1 to take it '
+                              'from the tokenizer.')
+        try:
+            model, eval_model = (m.replace(vocab_size=vocab_size) for m in (self.model, self.eval_model))
+        except ValueError as error:
+            raise ConfigError(f'invalid config.model: {error}') from None
+        source = {**self.source, 'model': {**self.source['model'], 'vocab_size': vocab_size}}
+        return dataclasses.replace(self, model=model, eval_model=eval_model, source=source)
+
+    def as_config_dict(self) -> ml_collections.ConfigDict:
+        return ml_collections.ConfigDict(self.source)
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """Defaults shared by all experiments (a small byte-level Transformer-XL)."""
+    """Defaults shared by all experiments (a small byte-level Transformer-XL): each section's
+    fields and defaults are its dataclass's."""
     config = ml_collections.ConfigDict()
     config.seed = 0
-
-    # ModelConfig holds the defaults; the base experiment is a small byte-level model.
     config.model = ml_collections.ConfigDict(model_defaults())
     config.model.update(d_model=128, n_layer=4, n_head=4, d_head=32, d_inner=512, mem_len=64)
-
-    config.data = ml_collections.ConfigDict(dict(
-        name='embedded',
-        data_dir='~/tensorflow_datasets',
-        manual_dir='',
-        text_path='',
-        tokenizer='byte',
-        vocab_path='',
-        sp_vocab_size=8000,
-        word_min_freq=1,  # words seen fewer times in train become <unk>.
-        word_max_size=0,  # 0: no cap on the word vocabulary (specials included).
-        heldout_size=5_000_000,  # enwik8 / text8: bytes or characters of validation and of test.
-        cache_dir='',  # '': <data_dir>/memjax_token_cache.
-        reset_at_doc_boundary=False,
-        # > 0: only the first N documents of the train split, in the prepared order (PG-19: by book
-        # id); the infinity-former fine-tunes on PG-19's first 2,000 books.
-        train_documents=0,
-        # A resumed run whose training data reads as other token ids than it was trained on stops;
-        # True: it continues on the new data, with a warning.
-        accept_changed_data=False,
-    ))
-
-    # Reference optimisation: Adam, lr 2.5e-4, linear warmup, cosine decay, clip 0.25.
-    config.train = ml_collections.ConfigDict(dict(
-        batch_size=16,
-        tgt_len=64,
-        segments_per_step=1,
-        grad_accum_steps=1,
-        num_steps=1000,
-        learning_rate=2.5e-4,
-        # > 0: the peak learning rate of the memory kind's own parameters (the LTM's); -1: as above.
-        memory_learning_rate=-1.0,
-        warmup_steps=0,
-        min_lr_ratio=0.0,
-        clip_norm=0.25,  # <= 0: no clipping.
-        b1=0.9,
-        b2=0.999,
-        eps=1e-8,
-        weight_decay=0.0,
-        log_every=100,
-        eval_every=1000,  # 0: only the final validation.
-        eval_batches=-1,  # -1: the whole validation split.
-        checkpoint_every=1000,  # 0: only the final checkpoint.
-        keep_checkpoints=3,  # The newest N; the best validated checkpoint is kept beside them.
-        # A run whose training or validation loss (nats per scored token) exceeds this has diverged:
-        # it stops with exit 3 before that state is saved. -1: 3 ln(vocab_size), three times the
-        # loss of a uniform guess; 0: only a NaN or inf loss stops it.
-        diverged_loss=-1.0,
-        # A workdir, its checkpoints/ folder or one step's folder to start a new run from (read
-        # only while this workdir has no checkpoint); init_from_state = 'params' (fresh optimizer,
-        # step 0) or 'params_and_optimizer' (Adam moments and step carried over).
-        init_from='',
-        init_from_state='params',
-    ))
-
-    # batch_size, tgt_len -1: as in training. model: fields merged over config.model for
-    # evaluation (unset: as in training); only fields that shape no parameter may be set.
-    config.eval = ml_collections.ConfigDict(dict(
-        split='validation',
-        # Also report the accuracy of the argmax prediction on the scored tokens (the sorting task).
-        accuracy=False,
-        batch_size=-1,
-        tgt_len=-1,
-        model=eval_model_placeholders(),
-    ))
-
-    # Device mesh ('data', 'fsdp', 'tensor'): one size may be -1 (all remaining devices).
-    # rules: ((logical_name, mesh_axes), ...) replacing entries of memjax.runtime.sharding.DEFAULT_RULES,
-    # e.g. (('vocab', None),) to replicate the vocabulary dimension.
-    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1, rules=()))
+    config.data = ml_collections.ConfigDict(dataclasses.asdict(DataConfig()))
+    config.train = ml_collections.ConfigDict(dataclasses.asdict(TrainConfig()))
+    config.eval = ml_collections.ConfigDict(dataclasses.asdict(EvalConfig()))
+    # Only fields that shape no parameter may be set (unset: as in training).
+    config.eval.model = eval_model_placeholders()
+    config.mesh = ml_collections.ConfigDict(dataclasses.asdict(MeshConfig()))
     return config
-
-
-def diverged_loss(train: Any, vocab_size: int) -> float:
-    """The loss above which a run has diverged (config.train.diverged_loss resolved); inf: off."""
-    if train.diverged_loss == -1:
-        return 3.0 * math.log(vocab_size)
-    return train.diverged_loss if train.diverged_loss > 0 else math.inf
 
 
 def model_defaults() -> dict:
@@ -201,158 +322,96 @@ def shrink_to_smoke(config: ml_collections.ConfigDict, **model: Any) -> ml_colle
     return config
 
 
-def cfg_get(cfg: Any, name: str, default: Any) -> Any:
-    """Reads an optional config field (ConfigDict, dict or object); None counts as unset."""
-    if isinstance(cfg, dict) or hasattr(cfg, 'get'):
-        value = cfg.get(name, default)
-    else:
-        value = getattr(cfg, name, default)
-    return default if value is None else value
+def resolve(config: ml_collections.ConfigDict, process_count: int = 1,
+            device_count: Optional[int] = None) -> RunConfig:
+    """The config checked and resolved into a RunConfig; ConfigError lists every problem found.
 
-
-def _check(errors: list[str], ok: bool, message: str) -> None:
-    if not ok:
-        errors.append(message)
-
-
-def _validate_train(t: Any, process_count: int, errors: list[str]) -> None:
-    for name in ('batch_size', 'tgt_len', 'segments_per_step', 'grad_accum_steps', 'num_steps',
-                 'keep_checkpoints'):
-        _check(errors, getattr(t, name) >= 1,
-               f'config.train.{name}={getattr(t, name)} must be >= 1.')
-    for name in ('log_every', 'eval_every', 'checkpoint_every'):
-        value = getattr(t, name)
-        _check(errors, value >= 0, f'config.train.{name}={value} must be >= 0.')
-        # The host only sees the state between dispatches of segments_per_step updates.
-        if value > 0 and t.segments_per_step >= 1:
-            _check(errors, value % t.segments_per_step == 0,
-                   f'config.train.{name}={value} must be a multiple of '
-                   f'config.train.segments_per_step={t.segments_per_step} (or 0).')
-    if t.segments_per_step >= 1:
-        _check(errors, t.num_steps % t.segments_per_step == 0,
-               f'config.train.num_steps={t.num_steps} must be a multiple of '
-               f'config.train.segments_per_step={t.segments_per_step}.')
-    if t.grad_accum_steps >= 1 and t.batch_size >= 1:
-        per_process = t.grad_accum_steps * process_count
-        _check(errors, t.batch_size % per_process == 0,
-               f'config.train.batch_size={t.batch_size} must be divisible by '
-               f'config.train.grad_accum_steps ({t.grad_accum_steps}) x process count '
-               f'({process_count}) = {per_process}: use a multiple of {per_process}.')
-    _check(errors, t.learning_rate > 0,
-           f'config.train.learning_rate={t.learning_rate} must be > 0.')
-    _check(errors, 0 <= t.warmup_steps <= t.num_steps,
-           f'config.train.warmup_steps={t.warmup_steps} must lie in [0, num_steps={t.num_steps}].')
-    _check(errors, 0.0 <= t.min_lr_ratio <= 1.0,
-           f'config.train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1].')
-    for name in ('b1', 'b2'):
-        _check(errors, 0.0 <= getattr(t, name) < 1.0,
-               f'config.train.{name}={getattr(t, name)} must lie in [0, 1).')
-    _check(errors, t.eps > 0, f'config.train.eps={t.eps} must be > 0.')
-    _check(errors, t.weight_decay >= 0, f'config.train.weight_decay={t.weight_decay} must be >= 0.')
-    _check(errors, t.init_from_state in INIT_FROM_STATES,
-           f'config.train.init_from_state={t.init_from_state!r} must be one of {INIT_FROM_STATES}.')
-    _check(errors, t.eval_batches == -1 or t.eval_batches >= 1,
-           f'config.train.eval_batches={t.eval_batches} must be -1 (whole split) or >= 1.')
-    _check(errors, t.diverged_loss in (-1, 0) or t.diverged_loss > 0,
-           f'config.train.diverged_loss={t.diverged_loss} must be > 0, -1 (3 ln(vocab_size)) or 0 (off).')
-
-
-def _validate_eval(e: Any, process_count: int, errors: list[str]) -> None:
-    _check(errors, e.split in SPLITS, f'config.eval.split={e.split!r} must be one of {SPLITS}.')
-    _check(errors, e.batch_size == -1 or (e.batch_size >= 1 and e.batch_size % process_count == 0),
-           f'config.eval.batch_size={e.batch_size} must be -1 (as in training) or a positive '
-           f'multiple of the process count ({process_count}).')
-    _check(errors, e.tgt_len == -1 or e.tgt_len >= 1,
-           f'config.eval.tgt_len={e.tgt_len} must be -1 (as in training) or >= 1.')
-
-
-def resolve_mesh_shape(mesh_cfg: Any, device_count: int) -> dict[str, int]:
-    """Mesh axis sizes with the -1 entry (if any) filled so that they multiply to device_count."""
-    sizes = {name: int(mesh_cfg[name]) for name in MESH_AXES}
-    fixed = _fixed_mesh_size(sizes)
-    return {name: device_count // fixed if size == -1 else size for name, size in sizes.items()}
-
-
-def _fixed_mesh_size(sizes: dict[str, int]) -> int:
-    return math.prod(size for size in sizes.values() if size != -1)
-
-
-def _validate_mesh(config: Any, process_count: int, device_count: int | None,
-                   errors: list[str]) -> None:
-    m = config.mesh
-    sizes = {name: m[name] for name in MESH_AXES}
-    bad = [f'config.mesh.{n}={v}' for n, v in sizes.items()
-           if not isinstance(v, int) or (v != -1 and v < 1)]
-    _check(errors, not bad, f'{", ".join(bad)}: mesh sizes must be positive ints or -1.')
-    _check(errors, list(sizes.values()).count(-1) <= 1,
-           f'config.mesh {sizes}: at most one size may be -1 (the remaining devices).')
-    for rule in m.rules:
-        ok = (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
-              and all(axis in MESH_AXES for axis in
-                      ((rule[1],) if rule[1] is None or isinstance(rule[1], str) else rule[1])
-                      if axis is not None))
-        _check(errors, ok, f'config.mesh.rules entry {rule!r} must be (logical_name, mesh_axes) '
-               f'with mesh_axes None, one of {MESH_AXES} or a tuple of them.')
-    if bad or device_count is None or list(sizes.values()).count(-1) > 1:
-        return
-    fixed = _fixed_mesh_size(sizes)
-    resolved = resolve_mesh_shape(m, device_count)
-    shape = 'x'.join(f'{n}={resolved[n]}' for n in MESH_AXES)
-    if -1 in sizes.values() and device_count % fixed:
-        errors.append(f'config.mesh {sizes}: the fixed sizes multiply to {fixed}, which does not '
-                      f'divide the {device_count} devices.')
-        return
-    if -1 not in sizes.values() and fixed != device_count:
-        errors.append(f'config.mesh {shape} has {fixed} devices but {device_count} are present: '
-                      'make the sizes multiply to the device count or set one of them to -1.')
-        return
-    # Streams are split over data x fsdp; each process feeds whole, distinct blocks of them.
-    data_parallel = resolved['data'] * resolved['fsdp']
-    t = config.train
-    per_update = data_parallel * t.grad_accum_steps
-    _check(errors, t.batch_size % per_update == 0,
-           f'config.train.batch_size={t.batch_size} must be divisible by config.mesh data x fsdp '
-           f'({data_parallel}) x config.train.grad_accum_steps ({t.grad_accum_steps}) = {per_update}.')
-    eval_batch = eval_setting(config, 'batch_size')
-    _check(errors, eval_batch % data_parallel == 0,
-           f'evaluation batch size {eval_batch} (config.eval.batch_size, -1 = train) must be '
-           f'divisible by config.mesh data x fsdp ({data_parallel}).')
-    _check(errors, data_parallel % process_count == 0,
-           f'config.mesh data x fsdp ({data_parallel}) must be a multiple of the process count '
-           f'({process_count}): every process reads its own share of the streams.')
-
-
-def _validate_model(config: Any, errors: list[str]) -> None:
-    # The vocabulary size is known once the tokenizer is built; until then a stand-in that
-    # fits the cutoffs lets every other model field be checked in the same round.
-    model_cfg = config.model
-    if model_cfg.memory in memories.names() and not memories.kind_class(model_cfg.memory).trainable:
-        runs_on = memories.kind_class(model_cfg.memory).runs_on
-        errors.append(f'config.model.memory={model_cfg.memory!r} is training-free: set config.model.memory to '
-                      f'the kind that was trained ({" or ".join(map(repr, runs_on))}) and evaluate with '
-                      f'--config.eval.model.memory={model_cfg.memory}.')
-        return
-    stand_in = max([int(c) for c in model_cfg.cutoffs] + [1]) + 1
+    The mesh is checked against `device_count` when it is given; the vocabulary size, when the
+    config takes it from the tokenizer, once that is built (`RunConfig.with_vocab_size`).
+    """
+    missing = [s for s in ('seed',) + SECTIONS if s not in config]
+    if missing:
+        raise ConfigError(f'config lacks section(s) {missing}: start from '
+                          'memjax.config_lib.base_config().')
     try:
-        mcfg = ModelConfig.from_config_dict(
-            model_cfg, vocab_size=None if model_cfg.vocab_size > 0 else stand_in,
-            segment_len=config.train.tgt_len)
+        data = DataConfig.from_dict(config.data)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    train = _from_mapping(TrainConfig, 'train', config.train)
+    evaluation = _from_mapping(EvalConfig, 'eval', {k: v for k, v in config.eval.items() if k != 'model'})
+    mesh = _from_mapping(MeshConfig, 'mesh', config.mesh)
+    errors = _problems((isinstance(config.seed, int), f'config.seed={config.seed!r} must be an int.'))
+    errors += data.problems() + train.problems(process_count) + evaluation.problems(process_count)
+    evaluation = dataclasses.replace(
+        evaluation, batch_size=train.batch_size if evaluation.batch_size == -1 else evaluation.batch_size,
+        tgt_len=train.tgt_len if evaluation.tgt_len == -1 else evaluation.tgt_len)
+    mesh_problems = mesh.problems()
+    errors += mesh_problems
+    if not mesh_problems and device_count is not None:
+        errors += mesh.device_problems(device_count) or _mesh_fits_batches(mesh, train, evaluation, process_count,
+                                                                           device_count)
+    model, eval_model = _resolve_models(config, train, evaluation, errors)
+    if errors:
+        raise ConfigError('invalid config:\n  ' + '\n  '.join(errors))
+    return RunConfig(seed=config.seed, model=model, eval_model=eval_model, data=data, train=train,
+                     eval=evaluation, mesh=mesh, source=config.to_dict())
+
+
+def validate_config(config: ml_collections.ConfigDict, process_count: int = 1,
+                    device_count: Optional[int] = None) -> None:
+    """Raises ConfigError listing every problem found in the config (`resolve` without its result)."""
+    resolve(config, process_count, device_count)
+
+
+def _mesh_fits_batches(mesh: MeshConfig, train: TrainConfig, evaluation: EvalConfig, process_count: int,
+                       device_count: int) -> list[str]:
+    # Streams are split over data x fsdp; each process feeds whole, distinct blocks of them.
+    shape = mesh.shape(device_count)
+    data_parallel = shape['data'] * shape['fsdp']
+    per_update = data_parallel * train.grad_accum_steps
+    return _problems(
+        (train.batch_size % per_update == 0,
+         f'config.train.batch_size={train.batch_size} must be divisible by config.mesh data x fsdp '
+         f'({data_parallel}) x config.train.grad_accum_steps ({train.grad_accum_steps}) = {per_update}.'),
+        (evaluation.batch_size % data_parallel == 0,
+         f'evaluation batch size {evaluation.batch_size} (config.eval.batch_size, -1 = train) must be '
+         f'divisible by config.mesh data x fsdp ({data_parallel}).'),
+        (data_parallel % process_count == 0,
+         f'config.mesh data x fsdp ({data_parallel}) must be a multiple of the process count '
+         f'({process_count}): every process reads its own share of the streams.'))
+
+
+def _resolve_models(config: ml_collections.ConfigDict, train: TrainConfig, evaluation: EvalConfig,
+                    errors: list[str]) -> tuple[Optional[ModelConfig], Optional[ModelConfig]]:
+    """(training, evaluation) model configs; their problems are added to `errors`."""
+    memory = config.model.memory
+    if memory in memories.names() and not memories.kind_class(memory).trainable:
+        runs_on = memories.kind_class(memory).runs_on
+        errors.append(f'config.model.memory={memory!r} is training-free: set config.model.memory to '
+                      f'the kind that was trained ({" or ".join(map(repr, runs_on))}) and evaluate with '
+                      f'--config.eval.model.memory={memory}.')
+        return None, None
+    try:
+        model = ModelConfig.from_config_dict(config.model, segment_len=train.tgt_len)
     except ValueError as error:
         errors.append(f'config.model: {error}')
-        return
+        return None, None
     try:
-        eval_model_config(mcfg, config)
+        eval_model = eval_model_config(model, config, evaluation.tgt_len)
     except ValueError as error:
         errors.append(f'config.eval.model: {error}')
+        return model, None
     # A dispatch runs segments_per_step updates in one compiled step, so with one phase.
-    steps = config.train.segments_per_step
-    late = [s for s in memories.get(mcfg).phase_starts if steps >= 1 and s % steps]
-    _check(errors, not late, f'memory={mcfg.memory!r} changes its training phase at steps {late}: '
-           f'config.train.segments_per_step={steps} must divide them.')
+    steps = train.segments_per_step
+    late = [s for s in memories.get(model).phase_starts if steps >= 1 and s % steps]
+    errors.extend(_problems((not late, f'memory={model.memory!r} changes its training phase at steps {late}: '
+                                       f'config.train.segments_per_step={steps} must divide them.')))
+    return model, eval_model
 
 
-def eval_model_config(mcfg: ModelConfig, config: ml_collections.ConfigDict) -> ModelConfig:
-    """The model config evaluation runs: config.eval.model's set fields over `mcfg`.
+def eval_model_config(mcfg: ModelConfig, config: ml_collections.ConfigDict, tgt_len: int) -> ModelConfig:
+    """The model config evaluation runs: config.eval.model's set fields over `mcfg`, with
+    segments of `tgt_len` (evaluation's).
 
     Raises ValueError for a field that would change the parameters (not a run-time field of
     the memory kind) and for invalid values.
@@ -374,41 +433,7 @@ def eval_model_config(mcfg: ModelConfig, config: ml_collections.ConfigDict) -> M
                          'shape no parameter' + (f'; they are fields of memory={hint[0]!r}: add '
                                                  f'--config.eval.model.memory={hint[0]}.' if hint else '.'))
     if config.model.segment_len == -1:
-        overrides['segment_len'] = eval_setting(config, 'tgt_len')
+        overrides['segment_len'] = tgt_len
     # Evaluation never skips layers nor permutes heads.
     defaults = {name: ModelConfig.defaults()[name] for name in TRAINING_FIELDS}
     return mcfg.replace(**overrides, **defaults)
-
-
-def validate_config(config: ml_collections.ConfigDict, process_count: int = 1,
-                    device_count: int | None = None) -> None:
-    """Raises ConfigError listing every problem found in the config, model fields included.
-
-    The vocabulary size is checked again once the tokenizer is built
-    (`trainer.resolve_model_configs`). The mesh is checked against `device_count` when it is
-    given.
-    """
-    missing = [s for s in ('model', 'data', 'train', 'eval', 'mesh') if s not in config]
-    if missing:
-        raise ConfigError(f'config lacks section(s) {missing}: start from '
-                          'memjax.config_lib.base_config().')
-    errors: list[str] = []
-    _check(errors, isinstance(config.seed, int), f'config.seed={config.seed!r} must be an int.')
-    _check(errors, config.data.name in DATA_NAMES,
-           f'config.data.name={config.data.name!r} must be one of {DATA_NAMES}.')
-    _check(errors, config.data.tokenizer in TOKENIZERS,
-           f'config.data.tokenizer={config.data.tokenizer!r} must be one of {TOKENIZERS}.')
-    _check(errors, config.data.train_documents >= 0,
-           f'config.data.train_documents={config.data.train_documents} must be >= 0 (0: every document).')
-    _validate_train(config.train, process_count, errors)
-    _validate_eval(config.eval, process_count, errors)
-    _validate_mesh(config, process_count, device_count, errors)
-    _validate_model(config, errors)
-    if errors:
-        raise ConfigError('invalid config:\n  ' + '\n  '.join(errors))
-
-
-def eval_setting(config: ml_collections.ConfigDict, name: str) -> int:
-    """Evaluation's 'batch_size' or 'tgt_len': config.eval's value, -1 meaning the training one."""
-    override = config.eval[name]
-    return config.train[name] if override == -1 else override

@@ -31,7 +31,8 @@ flags.adopt_module_key_flags(cli)
 flags.adopt_module_key_flags(distributed)
 
 
-def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, out_path: str | None = None) -> dict:
+def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig, workdir: str,
+                        out_path: str | None = None) -> dict:
     """Restores the newest intact checkpoint's params and scores config.eval.split.
 
     The result is also written to `out_path` (default `<workdir>/eval_<split>.json`); a workdir
@@ -39,7 +40,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, out_pat
     runs.
     """
     exp = trainer.setup(config, workdir, training=False)
-    out_path = out_path or os.path.join(workdir, f'eval_{exp.config.eval.split}.json')
+    out_path = out_path or os.path.join(workdir, f'eval_{exp.run.eval.split}.json')
     if distributed.is_primary():
         workdir_lib.check_writable_file(out_path)  # Before spending the evaluation.
     directory = trainer.checkpoint_dir(workdir)
@@ -58,12 +59,12 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, out_pat
         raise errors.CheckpointError(f'no readable checkpoint in {directory}: train first with '
                                      f'python -m memjax.train --workdir={workdir} ...')
     step, params = found
-    split = exp.config.eval.split
+    split = exp.run.eval.split
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
-        streams = evaluation.eval_streams(exp.config, exp.tokenizer, split)
+        streams = evaluation.eval_streams(exp.run, exp.tokenizer, split)
     result = evaluation.evaluate_streams(trainer.make_eval_step(exp), params, exp.eval_mcfg, streams,
-                                         evaluation.local_eval_batch(exp.config),
-                                         partitioner=exp.partitioner, key=evaluation.eval_key(exp.config))
+                                         evaluation.local_eval_batch(exp.run),
+                                         partitioner=exp.partitioner, key=evaluation.eval_key(exp.run))
     name = metrics_lib.metric_name(exp.unit)
     summary = {
         'split': split,
@@ -73,7 +74,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, out_pat
         'num_tokens': result.num_tokens,
         'num_target_tokens_of_split': int(streams.num_target_tokens),
         'settings': {'memory': exp.eval_mcfg.memory,
-                     **{k: config_lib.eval_setting(exp.config, k) for k in ('batch_size', 'tgt_len')},
+                     **{k: getattr(exp.run.eval, k) for k in ('batch_size', 'tgt_len')},
                      **{k: getattr(exp.eval_mcfg, k) for k in config_lib.run_time_fields(exp.eval_mcfg.memory)}},
     }
     metrics_lib.log_eval(step, split, result.mean_nll, result.num_tokens, exp.unit)
@@ -84,7 +85,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, out_pat
 def main(argv):
     if len(argv) > 1:
         raise errors.UsageError(f'unexpected arguments: {argv[1:]}')
-    summary = cli.run(lambda: evaluate_checkpoint(cli.load_config(CONFIG), WORKDIR.value))
+    summary = cli.run(lambda: evaluate_checkpoint(cli.load_run(CONFIG), WORKDIR.value))
     if distributed.is_primary():
         print(summary)
 

@@ -31,7 +31,7 @@ flags.adopt_module_key_flags(distributed)
 def main(argv):
     if len(argv) > 1:
         raise errors.UsageError(f'unexpected arguments: {argv[1:]}')
-    cli.run(lambda: trainer.train_and_evaluate(cli.load_config(_CONFIG), _WORKDIR.value))
+    cli.run(lambda: trainer.train_and_evaluate(cli.load_run(_CONFIG), _WORKDIR.value))
 
 
 if __name__ == '__main__':

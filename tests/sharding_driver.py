@@ -54,9 +54,9 @@ def setup(corpus: str, workdir: str, name: str, **model):
 
 
 def train_batches(exp):
-    tcfg = exp.config.train
+    tcfg = exp.run.train
     iterator = pipeline.LMStreams(
-        exp.config.data, 'train', exp.tokenizer, batch_size=tcfg.batch_size,
+        exp.run.data, 'train', exp.tokenizer, batch_size=tcfg.batch_size,
         tgt_len=tcfg.tgt_len, segments_per_batch=tcfg.segments_per_step).iterator()
     return [next(iterator) for _ in range(NUM_BATCHES)]
 
@@ -103,9 +103,9 @@ def train(exp, steps, batches, state=None, memory=None):
 
 def validation(exp, steps, params) -> dict:
     _, eval_step = steps
-    streams = evaluation.eval_streams(exp.config, exp.tokenizer, 'validation')
+    streams = evaluation.eval_streams(exp.run, exp.tokenizer, 'validation')
     result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams,
-                                         evaluation.local_eval_batch(exp.config), 2,
+                                         evaluation.local_eval_batch(exp.run), 2,
                                          exp.partitioner)
     return {'nll_sum': result.nll_sum, 'num_tokens': result.num_tokens}
 

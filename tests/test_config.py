@@ -43,8 +43,8 @@ def parse(argv):
 @pytest.mark.parametrize('path', CONFIG_FILES, ids=os.path.basename)
 def test_every_config_is_valid(path):
     config = parse([f'--config={path}'])
-    config_lib.validate_config(config)
-    mcfg, eval_mcfg = trainer.resolve_model_configs(config, VOCAB[config.data.tokenizer])
+    run = config_lib.resolve(config).with_vocab_size(VOCAB[config.data.tokenizer])
+    mcfg, eval_mcfg = run.model, run.eval_model
     want = config.eval.model.mem_len
     assert eval_mcfg.mem_len == (config.model.mem_len if want is None else want)
     # Evaluation overrides must not change the parameter shapes of the trained model: the same
@@ -66,7 +66,7 @@ def test_eval_model_overrides_are_checked_against_the_memory_kind():
     """config.eval.model is merged over config.model; a field the memory kind does not run
     with (mem_len for 'none') is refused, with the fields that may be set."""
     config = parse([f'--config={TINY}', '--config.eval.model.mem_len=20', '--config.eval.model.clamp_len=7'])
-    _, eval_mcfg = trainer.resolve_model_configs(config, 256)
+    eval_mcfg = config_lib.resolve(config).with_vocab_size(256).eval_model
     assert (eval_mcfg.mem_len, eval_mcfg.clamp_len, eval_mcfg.same_length) == (20, 7, config.model.same_length)
     config = parse([f'--config={TINY}', '--config.model.memory=none', '--config.model.mem_len=0',
                     '--config.eval.model.mem_len=20'])
@@ -111,7 +111,7 @@ def test_lamemo_configs_follow_appendix_c():
         assert (m.lamemo_look_ahead, m.lamemo_interpolate, m.lamemo_encoding, m.lamemo_eps) == (
             True, True, 'disentangled', 1e-6), name
         assert config.data.tokenizer == tokenizer and config_lib.eval_model_overrides(config) == {}, name
-        assert config_lib.eval_setting(config, 'tgt_len') == length, name
+        assert config_lib.resolve(config).eval.tgt_len == length, name
     wt103 = os.path.join(REPO, 'configs', 'lamemo_wt103.py')
     ablated = parse([f'--config={wt103}:no_interp,no_look_ahead,xl_encoding']).model
     assert (ablated.lamemo_interpolate, ablated.lamemo_look_ahead, ablated.lamemo_encoding) == (False, False, 'xl')

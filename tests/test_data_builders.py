@@ -1,5 +1,6 @@
 """TFDS builders on tiny generated raw files, read back with tfds.data_source."""
 
+import dataclasses
 import logging
 import zipfile
 
@@ -7,6 +8,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from memjax.data import builders, pipeline, tokenizers
+from memjax.data.config import DataConfig
 
 
 def _records(name, data_dir, split):
@@ -46,8 +48,8 @@ def _write_wikitext(folder):
 
 def test_wikitext103_one_document_per_article(tmp_path):
     texts = _write_wikitext(tmp_path / 'raw')
-    cfg = {'name': 'wikitext103', 'data_dir': str(tmp_path / 'tfds'),
-           'manual_dir': str(tmp_path / 'raw')}
+    cfg = DataConfig(name='wikitext103', data_dir=str(tmp_path / 'tfds'),
+                     manual_dir=str(tmp_path / 'raw'))
     builders.prepare(cfg)
     train = _docs_from_records(
         _records('memjax_wikitext103', tmp_path / 'tfds', 'train'))
@@ -62,14 +64,14 @@ def test_wikitext103_one_document_per_article(tmp_path):
 def test_wikitext103_missing_file_names_it_and_the_fix(tmp_path):
     _write_wikitext(tmp_path / 'raw')
     (tmp_path / 'raw' / 'wiki.valid.tokens').unlink()
-    cfg = {'name': 'wikitext103', 'data_dir': str(tmp_path / 'tfds'),
-           'manual_dir': str(tmp_path / 'raw')}
+    cfg = DataConfig(name='wikitext103', data_dir=str(tmp_path / 'tfds'),
+                     manual_dir=str(tmp_path / 'raw'))
     with pytest.raises(FileNotFoundError, match='wiki.valid.tokens.*manual_dir'):
         builders.prepare(cfg)
 
 
 def test_missing_manual_dir_is_one_message_without_tfds_warnings(tmp_path, caplog):
-    cfg = {'name': 'pg19', 'data_dir': str(tmp_path / 'tfds')}
+    cfg = DataConfig(name='pg19', data_dir=str(tmp_path / 'tfds'))
     with pytest.raises(FileNotFoundError, match='downloads/manual.*train/'):
         builders.prepare(cfg)
     # TFDS's own "Variant folder ... has no dataset_info.json" would come before memjax's line.
@@ -83,8 +85,8 @@ def test_enwik8_byte_split_and_bounded_records(tmp_path, monkeypatch):
     with zipfile.ZipFile(tmp_path / 'raw' / 'enwik8.zip', 'w') as z:
         z.writestr('enwik8', raw)
     held = 50  # Cuts through a 3-byte character on purpose.
-    cfg = {'name': 'enwik8', 'data_dir': str(tmp_path / 'tfds'),
-           'manual_dir': str(tmp_path / 'raw'), 'heldout_size': held}
+    cfg = DataConfig(name='enwik8', data_dir=str(tmp_path / 'tfds'),
+                     manual_dir=str(tmp_path / 'raw'), heldout_size=held)
     builders.prepare(cfg)
     n = len(raw)
     expected = {'train': raw[:n - 2 * held],
@@ -102,8 +104,8 @@ def test_enwik8_byte_split_and_bounded_records(tmp_path, monkeypatch):
 def test_enwik8_wrong_size_is_rejected(tmp_path):
     (tmp_path / 'raw').mkdir()
     (tmp_path / 'raw' / 'enwik8').write_bytes(b'x' * 1000)
-    cfg = {'name': 'enwik8', 'data_dir': str(tmp_path / 'tfds'),
-           'manual_dir': str(tmp_path / 'raw')}
+    cfg = DataConfig(name='enwik8', data_dir=str(tmp_path / 'tfds'),
+                     manual_dir=str(tmp_path / 'raw'))
     with pytest.raises(ValueError, match='standard enwik8 has 100,000,000'):
         builders.prepare(cfg)
 
@@ -111,8 +113,8 @@ def test_enwik8_wrong_size_is_rejected(tmp_path):
 def test_text8_rejects_non_utf8(tmp_path):
     (tmp_path / 'raw').mkdir()
     (tmp_path / 'raw' / 'text8').write_bytes(b'abc def \xff' * 30)
-    cfg = {'name': 'text8', 'data_dir': str(tmp_path / 'tfds'),
-           'manual_dir': str(tmp_path / 'raw'), 'heldout_size': 20}
+    cfg = DataConfig(name='text8', data_dir=str(tmp_path / 'tfds'),
+                     manual_dir=str(tmp_path / 'raw'), heldout_size=20)
     with pytest.raises(ValueError, match='text8 is not valid UTF-8'):
         builders.prepare(cfg)
 
@@ -128,8 +130,8 @@ def _write_pg19(root):
 
 def test_pg19_books_in_numeric_order(tmp_path):
     _write_pg19(tmp_path / 'raw')
-    cfg = {'name': 'pg19', 'data_dir': str(tmp_path / 'tfds'),
-           'manual_dir': str(tmp_path / 'raw')}
+    cfg = DataConfig(name='pg19', data_dir=str(tmp_path / 'tfds'),
+                     manual_dir=str(tmp_path / 'raw'))
     builders.prepare(cfg)
     records = _records('memjax_pg19', tmp_path / 'tfds', 'train')
     assert _docs_from_records(records) == ['nine\n', 'ten\n', 'hundred\n']
@@ -139,23 +141,23 @@ def test_pg19_books_in_numeric_order(tmp_path):
 def test_train_documents_reads_the_first_books_by_id_and_caches_them_apart(tmp_path):
     # The infinity-former's PG-19 subset: the first N training books; other splits stay whole.
     _write_pg19(tmp_path / 'raw')
-    cfg = {'name': 'pg19', 'data_dir': str(tmp_path / 'tfds'), 'manual_dir': str(tmp_path / 'raw')}
-    tok = tokenizers.train_tokenizer('byte', ())
+    cfg = DataConfig(name='pg19', data_dir=str(tmp_path / 'tfds'), manual_dir=str(tmp_path / 'raw'))
+    tok = tokenizers.ByteTokenizer()
     whole = pipeline.load_token_ids(cfg, 'train', tok)
-    first_two = pipeline.load_token_ids({**cfg, 'train_documents': 2}, 'train', tok)
+    first_two = pipeline.load_token_ids(dataclasses.replace(cfg, train_documents=2), 'train', tok)
     tokens, offsets = first_two
     assert [tok.decode(tokens[a:b]) for a, b in zip(offsets[:-1], offsets[1:])] == ['nine\n', 'ten\n']
     assert len(whole[1]) == 4  # The full split's cache was not overwritten by the subset's.
     assert pipeline.load_token_ids(cfg, 'train', tok)[0].tolist() == whole[0].tolist()
-    valid = pipeline.load_token_ids({**cfg, 'train_documents': 2}, 'validation', tok)
+    valid = pipeline.load_token_ids(dataclasses.replace(cfg, train_documents=2), 'validation', tok)
     assert tok.decode(valid[0]) == 'five\n'
 
 
 def test_pg19_undecodable_book_names_the_file(tmp_path):
     _write_pg19(tmp_path / 'raw')
     (tmp_path / 'raw' / 'test' / '7.txt').write_bytes(b'caf\xe9\n')
-    cfg = {'name': 'pg19', 'data_dir': str(tmp_path / 'tfds'),
-           'manual_dir': str(tmp_path / 'raw')}
+    cfg = DataConfig(name='pg19', data_dir=str(tmp_path / 'tfds'),
+                     manual_dir=str(tmp_path / 'raw'))
     with pytest.raises(ValueError, match=r'7\.txt is not valid UTF-8.*iconv'):
         builders.prepare(cfg)
 
@@ -163,8 +165,8 @@ def test_pg19_undecodable_book_names_the_file(tmp_path):
 def test_pg19_empty_split_folder(tmp_path):
     _write_pg19(tmp_path / 'raw')
     (tmp_path / 'raw' / 'validation' / '5.txt').unlink()
-    cfg = {'name': 'pg19', 'data_dir': str(tmp_path / 'tfds'),
-           'manual_dir': str(tmp_path / 'raw')}
+    cfg = DataConfig(name='pg19', data_dir=str(tmp_path / 'tfds'),
+                     manual_dir=str(tmp_path / 'raw'))
     with pytest.raises(ValueError, match='validation has no .txt books'):
         builders.prepare(cfg)
 
@@ -177,8 +179,8 @@ def test_text_folder_hash_splits_one_document_per_file(tmp_path):
     for name, text in contents.items():
         (folder / name).write_text(text)
     (folder / '.hidden').write_text('ignored\n')
-    cfg = {'name': 'text', 'text_path': str(folder),
-           'data_dir': str(tmp_path / 'tfds')}
+    cfg = DataConfig(name='text', text_path=str(folder),
+                     data_dir=str(tmp_path / 'tfds'))
     splits = {s: load_split_documents(cfg, s) for s in builders.SPLITS}
     all_docs = [d for docs in splits.values() for d in docs]
     assert sorted(all_docs) == sorted(contents.values())
@@ -199,13 +201,13 @@ def test_text_folder_explicit_splits_and_single_file(tmp_path):
     folder.mkdir()
     for name in ('train.txt', 'valid.txt', 'test.txt'):
         (folder / name).write_text(f'{name} body\n')
-    cfg = {'name': 'text', 'text_path': str(folder),
-           'data_dir': str(tmp_path / 'tfds')}
+    cfg = DataConfig(name='text', text_path=str(folder),
+                     data_dir=str(tmp_path / 'tfds'))
     assert load_split_documents(cfg, 'validation') == [
         'valid.txt body\n']
     single = tmp_path / 'one.txt'
     single.write_text(''.join(f'line {i}\n' for i in range(100)))
-    cfg1 = dict(cfg, text_path=str(single))
+    cfg1 = dataclasses.replace(cfg, text_path=str(single))
     parts = [load_split_documents(cfg1, s) for s in builders.SPLITS]
     assert ''.join(p[0] for p in parts) == single.read_text()
     text = single.read_text()
@@ -220,15 +222,15 @@ def test_text_incomplete_explicit_splits(tmp_path):
     folder.mkdir()
     (folder / 'train.txt').write_text('a\n')
     (folder / 'test.txt').write_text('b\n')
-    cfg = {'name': 'text', 'text_path': str(folder),
-           'data_dir': str(tmp_path / 'tfds')}
+    cfg = DataConfig(name='text', text_path=str(folder),
+                     data_dir=str(tmp_path / 'tfds'))
     with pytest.raises(FileNotFoundError, match=r"not \['validation'\]"):
         builders.prepare(cfg)
 
 
 def test_unknown_dataset_and_split():
     with pytest.raises(ValueError, match='data.name'):
-        builders.make_builder({'name': 'wikitext2'})
+        builders.make_builder(DataConfig(name='wikitext2'))
     with pytest.raises(ValueError, match='Unknown split'):
         builders.canonical_split('training')
 
@@ -239,8 +241,8 @@ def test_empty_split_file_is_rejected(tmp_path):
     for name, text in (('train.txt', 'a b\n'), ('valid.txt', ''),
                        ('test.txt', 'c\n')):
         (folder / name).write_text(text)
-    cfg = {'name': 'text', 'text_path': str(folder),
-           'data_dir': str(tmp_path / 'tfds')}
+    cfg = DataConfig(name='text', text_path=str(folder),
+                     data_dir=str(tmp_path / 'tfds'))
     with pytest.raises(ValueError, match="'validation' of memjax_text is empty"):
         builders.prepare(cfg)
 

@@ -1,12 +1,14 @@
 """LMStreams layout, resets, exact coverage, process split and resumption."""
 
+import dataclasses
 import json
 import os
 
 import numpy as np
 import pytest
 
-from memjax.data import pipeline, tokenizers
+from memjax.data import factory, pipeline, tokenizers
+from memjax.data.config import DataConfig
 
 
 def _write_docs(folder, doc_lengths, seed=0):
@@ -31,9 +33,9 @@ def corpus(tmp_path_factory):
     lengths = {'train': [40, 7, 1, 23, 61, 15, 2, 33, 9, 18],
                'valid': [30, 12, 25, 8], 'test': [20, 20, 20]}
     docs = _write_docs(root / 'text', lengths)
-    cfg = {'name': 'text', 'text_path': str(root / 'text'),
-           'data_dir': str(root / 'tfds'), 'tokenizer': 'word'}
-    tok = tokenizers.build_tokenizer(cfg, root / 'run')
+    cfg = DataConfig(name='text', text_path=str(root / 'text'),
+                     data_dir=str(root / 'tfds'), tokenizer='word')
+    tok = factory.build_tokenizer(cfg, root / 'run')
     ids = {s: [tok.encode(d) for d in docs[s]] for s in docs}
     return cfg, tok, ids
 
@@ -82,7 +84,7 @@ def test_contiguous_streams_match_naive_slicing(corpus, batch_size, tgt_len,
 
 def test_document_streams_reset_and_pad_at_boundaries(corpus):
     cfg, tok, ids = corpus
-    cfg = dict(cfg, reset_at_doc_boundary=True)
+    cfg = dataclasses.replace(cfg, reset_at_doc_boundary=True)
     t = 6
     streams = pipeline.LMStreams(cfg, 'train', tok, batch_size=3, tgt_len=t,
                                  segments_per_batch=2)
@@ -207,7 +209,7 @@ def test_too_short_split_reports_numbers(corpus):
     with pytest.raises(ValueError, match=f'has {n} tokens.*needs {4 * 20 + 1}'):
         pipeline.LMStreams(cfg, 'test', tok, batch_size=4, tgt_len=20)
     with pytest.raises(ValueError, match='3 documents.*batch_size=4'):
-        pipeline.LMStreams(dict(cfg, reset_at_doc_boundary=True), 'test', tok,
+        pipeline.LMStreams(dataclasses.replace(cfg, reset_at_doc_boundary=True), 'test', tok,
                            batch_size=4, tgt_len=4)
 
 
@@ -219,9 +221,9 @@ def test_batch_not_divisible_by_processes(corpus):
 
 
 def test_embedded_corpus_streams_smoke(tmp_path):
-    cfg = {'name': 'embedded', 'data_dir': str(tmp_path / 'tfds'),
-           'tokenizer': 'byte'}
-    tok = tokenizers.build_tokenizer(cfg, tmp_path / 'run')
+    cfg = DataConfig(name='embedded', data_dir=str(tmp_path / 'tfds'),
+                     tokenizer='byte')
+    tok = factory.build_tokenizer(cfg, tmp_path / 'run')
     streams = pipeline.LMStreams(cfg, 'validation', tok, batch_size=4,
                                  tgt_len=64, segments_per_batch=2)
     batch = next(streams.iterator())

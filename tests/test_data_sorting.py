@@ -5,6 +5,7 @@ import collections
 import numpy as np
 
 from memjax.data import sorting
+from memjax.data.config import DataConfig
 
 
 def test_answer_is_symbols_by_descending_count_ties_and_absent_by_id():
@@ -24,8 +25,8 @@ def test_generated_sequences_drift_and_carry_their_answer():
 
 
 def test_streams_score_only_the_answer_which_ends_the_last_segment():
-    streams = sorting.SortingStreams({'sort_length': 100, 'sort_train_sequences': 6}, 'train', batch_size=2,
-                                     tgt_len=32, segments_per_batch=4)
+    streams = sorting.SortingStreams(DataConfig(sort_length=100, sort_train_sequences=6), 'train',
+                                     batch_size=2, tgt_len=32, segments_per_batch=4)
     assert streams.segments == 4 and streams.num_batches == 3  # 121 tokens -> 4 x 32; 3 sequences per stream.
     batch = streams.batch(1)  # The second sequence of each stream.
     assert batch['inputs'].shape == (4, 2, 32)

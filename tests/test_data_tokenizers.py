@@ -1,12 +1,14 @@
 """Tokenizer round trips, vocabulary rules and persistence."""
 
+import dataclasses
 import json
 import random
 
 import numpy as np
 import pytest
 
-from memjax.data import tokenizers
+from memjax.data import factory, tokenizers
+from memjax.data.config import DataConfig
 
 
 def _random_corpus(seed, num_lines, words):
@@ -87,10 +89,10 @@ def test_sentencepiece_round_trip_is_lossless(sp_tokenizer):
 
 def test_sentencepiece_save_and_load(tmp_path, sp_tokenizer):
     sp_tokenizer.save(tmp_path)
-    loaded = tokenizers.load_tokenizer(tmp_path)
+    loaded = factory.load_tokenizer(tmp_path)
     text = 'beta gamma\nzeta\n'
     assert loaded.encode(text).tolist() == sp_tokenizer.encode(text).tolist()
-    direct = tokenizers.load_tokenizer(tmp_path / tokenizers.SENTENCEPIECE_FILE)
+    direct = factory.load_tokenizer(tmp_path / tokenizers.SENTENCEPIECE_FILE)
     assert direct.fingerprint == sp_tokenizer.fingerprint
 
 
@@ -107,7 +109,7 @@ def test_sentencepiece_too_small_vocab_names_the_field():
 def test_save_load_preserves_ids(tmp_path, tok):
     path = tok.save(tmp_path)
     json.loads(path.read_text())  # Plain JSON, no pickles.
-    loaded = tokenizers.load_tokenizer(path)
+    loaded = factory.load_tokenizer(path)
     assert loaded.fingerprint == tok.fingerprint
     text = 'a b\nc a\n'
     assert loaded.encode(text).tolist() == tok.encode(text).tolist()
@@ -122,20 +124,20 @@ def test_decode_rejects_out_of_range_ids():
 def test_build_tokenizer_reuses_workdir_and_checks_kind(tmp_path):
     vocab = tokenizers.WordTokenizer(['<eos>', '<unk>', 'hello'])
     vocab.save(tmp_path / 'given')
-    cfg = {'name': 'embedded', 'tokenizer': 'word',
-           'vocab_path': str(tmp_path / 'given' / 'tokenizer.json')}
-    tok = tokenizers.build_tokenizer(cfg, tmp_path / 'run')
+    cfg = DataConfig(name='embedded', tokenizer='word',
+                     vocab_path=str(tmp_path / 'given' / 'tokenizer.json'))
+    tok = factory.build_tokenizer(cfg, tmp_path / 'run')
     assert tok.tokens == vocab.tokens
     assert (tmp_path / 'run' / 'tokenizer.json').exists()
     # The run's saved vocabulary wins over data.vocab_path from now on.
-    again = tokenizers.build_tokenizer(dict(cfg, vocab_path='/nonexistent'),
-                                       tmp_path / 'run')
+    again = factory.build_tokenizer(dataclasses.replace(cfg, vocab_path='/nonexistent'),
+                                  tmp_path / 'run')
     assert again.fingerprint == vocab.fingerprint
     with pytest.raises(ValueError, match='fresh workdir'):
-        tokenizers.build_tokenizer(dict(cfg, tokenizer='char'),
-                                   tmp_path / 'run')
+        factory.build_tokenizer(dataclasses.replace(cfg, tokenizer='char'),
+                              tmp_path / 'run')
 
 
 def test_unknown_tokenizer_kind():
     with pytest.raises(ValueError, match='data.tokenizer'):
-        tokenizers.build_tokenizer({'tokenizer': 'bpe'}, None)
+        factory.build_tokenizer(DataConfig(tokenizer='bpe'), None)

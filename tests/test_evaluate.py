@@ -86,8 +86,8 @@ def test_single_stream_equals_naive_segment_loop_with_accuracy(corpus, experimen
 
 def test_max_batches_limits_the_pass(experiment):
     exp, params, eval_step = experiment
-    streams = evaluation.eval_streams(exp.config, exp.tokenizer, 'validation')
-    local_batch = evaluation.local_eval_batch(exp.config)
+    streams = evaluation.eval_streams(exp.run, exp.tokenizer, 'validation')
+    local_batch = evaluation.local_eval_batch(exp.run)
     first = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams, local_batch,
                                         max_batches=1)
     batch = next(iter(streams.iterator()))

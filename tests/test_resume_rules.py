@@ -3,6 +3,7 @@ that keeps two training runs out of one workdir (memjax/training/workdir.py)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -155,3 +156,42 @@ def test_read_only_workdir_is_an_error(tmp_path):
             workdir_lib.check(str(tmp_path), create=True)
     finally:
         os.chmod(tmp_path, 0o755)
+
+
+SAVED_BEFORE_TYPED_CONFIG = os.path.join(os.path.dirname(__file__), 'data', 'workdir_604f53f')
+
+
+def test_a_workdir_saved_before_the_typed_config_resumes_and_evaluates(tmp_path):
+    """tests/data/workdir_604f53f was written by memjax at commit 604f53f (configs/tiny.py on the
+    embedded corpus, 4 steps), when every memory kind's fields were ModelConfig's and config.data
+    had no sorting fields: its config and its checkpoint still load as they are."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    from memjax import model as model_lib  # pylint: disable=import-outside-toplevel
+    from memjax.training import checkpoints as checkpointing  # pylint: disable=import-outside-toplevel
+    from memjax.training import loop as trainer  # pylint: disable=import-outside-toplevel
+
+    workdir = str(shutil.copytree(SAVED_BEFORE_TYPED_CONFIG, tmp_path / 'run'))
+    config = training_fixtures.override(config_lib.load_config_file(training_fixtures.TINY),
+                                        data__data_dir=str(tmp_path / 'data'), train__num_steps=8,
+                                        train__keep_checkpoints=1)
+    exp = trainer.setup(config, workdir)  # Compares with the saved config: refuses what may not change.
+    with open(os.path.join(workdir, 'config.json')) as f:
+        saved = json.load(f)
+    assert exp.mcfg == model_lib.ModelConfig.from_config_dict(saved['model'], segment_len=config.train.tgt_len)
+    ckpt = checkpointing.Checkpointer(trainer.checkpoint_dir(workdir), 1, read_only=True)
+    try:
+        restored = ckpt.restore_latest(*trainer.abstract_state(exp))
+    finally:
+        ckpt.close()
+    assert restored.step == 4 and int(restored.state.step) == 4
+    fresh = trainer.init_state(exp)[0].params
+    trained = jax.tree.leaves(restored.state.params)
+    assert all(np.isfinite(np.asarray(x)).all() for x in trained)
+    assert any(not np.array_equal(a, b) for a, b in zip(trained, jax.tree.leaves(fresh)))
+    # Evaluation with another memory length is accepted, another width refused, as for any workdir.
+    trainer.check_saved_config(config_lib.resolve(training_fixtures.override(
+        config.copy_and_resolve_references(), eval__model__mem_len=16)), workdir, training=False)
+    with pytest.raises(errors.ConfigError, match='model.d_model 32 -> 48'):
+        trainer.check_saved_config(config_lib.resolve(training_fixtures.override(
+            config.copy_and_resolve_references(), model__d_model=48)), workdir, training=False)

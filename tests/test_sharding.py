@@ -199,4 +199,4 @@ def test_data_axes_must_cover_the_processes():
 def test_default_mesh_uses_every_device_for_data():
     config = config_lib.base_config()
     config_lib.validate_config(config, device_count=8)
-    assert config_lib.resolve_mesh_shape(config.mesh, 8) == {'data': 8, 'fsdp': 1, 'tensor': 1}
+    assert config_lib.resolve(config).mesh.shape(8) == {'data': 8, 'fsdp': 1, 'tensor': 1}

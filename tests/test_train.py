@@ -214,11 +214,10 @@ def test_a_finite_loss_above_the_divergence_limit_stops_the_interval_at_its_step
     trainer._Interval(10).check_healthy(values, None, 1e7 + 1)  # Per token: 2, 10, 1e7.
     with pytest.raises(errors.DivergedError, match=r'training loss 1e\+07 at step 13 exceeds .*diverged_loss '
                        r'\(16\.64 nats.*last good checkpoint is /run/checkpoints/10'):
-        trainer._Interval(10).check_healthy(values, '/run/checkpoints/10', config_lib.diverged_loss(
-            config_lib.base_config().train, 256))
-    off = config_lib.base_config().train
-    off.diverged_loss = 0.0
-    trainer._Interval(10).check_healthy(values, None, config_lib.diverged_loss(off, 256))
+        trainer._Interval(10).check_healthy(values, '/run/checkpoints/10',
+                                            config_lib.TrainConfig().diverged_limit(256))
+    off = config_lib.TrainConfig(diverged_loss=0.0)
+    trainer._Interval(10).check_healthy(values, None, off.diverged_limit(256))
 
 
 def test_train_step_counts_out_of_range_ids_of_inputs_and_scored_targets():

@@ -36,7 +36,7 @@ def main(argv):
     cli.prepare_host_memory()
     tiny = _SIZE.value == 'tiny'
     ctx = harness.Context(
-        size=_SIZE.value, config=cli.load_config(_CONFIG),
+        size=_SIZE.value, config=cli.load_run(_CONFIG),
         warmup=_WARMUP.value if _WARMUP.value is not None else (1 if tiny else 2),
         repeats=_REPEATS.value if _REPEATS.value is not None else (2 if tiny else 5))
     report = harness.run_suite(argv[1], ctx, command=['python', '-m', 'memjax.bench'] + sys.argv[1:])

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import ml_collections
 
+from memjax import config_lib
 from memjax.errors import BenchError  # re-exported for the suites
 
 SIZES = ('tiny', 'full')
@@ -74,7 +75,7 @@ def get_suite(name: str) -> Callable[['Context'], 'SuiteResult']:
 class Context:
     """What a suite may read: the size to run, the experiment config and timing settings."""
     size: str = 'full'  # 'tiny': seconds-long shapes for CI; 'full': the real measurement.
-    config: Optional[ml_collections.ConfigDict] = None  # None: the suite's default config.
+    config: Optional[config_lib.RunConfig] = None  # --config resolved; None: the suite's default.
     warmup: int = 2
     repeats: int = 5
 
@@ -311,7 +312,7 @@ def run_suite(name: str, ctx: Context, command: Optional[Sequence[str]] = None) 
         'wall_s': time.perf_counter() - start,
         'machine': machine_info(),
         'timing': {'warmup': ctx.warmup, 'repeats': ctx.repeats, 'statistic': 'median'},
-        'experiment_config': ctx.config,
+        'experiment_config': ctx.config.source if ctx.config is not None else None,
         'config': result.config,
         'figures': result.figures,
         'columns': list(result.columns),

@@ -13,7 +13,6 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 from memjax import config_lib
@@ -24,17 +23,17 @@ from memjax.bench import harness
 BYTE_VOCAB = 256  # Used when the config takes its vocabulary from a tokenizer (vocab_size=-1).
 
 
-def base_config(config: Optional[ml_collections.ConfigDict]) -> ml_collections.ConfigDict:
-    return config if config is not None else config_lib.base_config()
+def run_config(run: Optional[config_lib.RunConfig]) -> config_lib.RunConfig:
+    """The bench's --config resolved, or base_config's."""
+    return run if run is not None else config_lib.resolve(config_lib.base_config())
 
 
-def model_config(config: Optional[ml_collections.ConfigDict], **overrides: Any) -> model_lib.ModelConfig:
-    """config.model (default: base_config's) with `overrides`; a tokenizer-sized vocabulary -> bytes."""
-    fields = base_config(config).model.to_dict()
-    fields.update(overrides)
-    if fields.get('vocab_size', -1) in (-1, None):
-        fields['vocab_size'] = BYTE_VOCAB
-    return model_lib.ModelConfig.from_config_dict(fields)
+def model_config(run: Optional[config_lib.RunConfig], **overrides: Any) -> model_lib.ModelConfig:
+    """The run's model (default: base_config's) with `overrides`; a tokenizer-sized vocabulary -> bytes.
+    The segment length is the suite's (`segment_len` among the overrides), not the run's."""
+    model = run_config(run).model
+    vocab_size = BYTE_VOCAB if model.vocab_size == -1 else model.vocab_size
+    return model.replace(**{'vocab_size': vocab_size, 'segment_len': -1, **overrides})
 
 
 def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation) -> Callable:
@@ -91,11 +90,11 @@ class TrainWorkload:
 
 
 def build(mcfg: model_lib.ModelConfig, batch_size: int, tgt_len: int,
-          config: Optional[ml_collections.ConfigDict] = None, seed: int = 0) -> TrainWorkload:
+          run: Optional[config_lib.RunConfig] = None, seed: int = 0) -> TrainWorkload:
     """Initialises parameters, Adam state, an empty memory and a random token batch."""
     params_key, data_key, dropout_key = jax.random.split(jax.random.PRNGKey(seed), 3)
     model = model_lib.build_model(mcfg)
-    tx = optim.make_optimizer(base_config(config).train)
+    tx = optim.make_optimizer(run_config(run).train)
     params = model_lib.init_params(mcfg, params_key)
     tokens = jax.random.randint(data_key, (batch_size, tgt_len + 1), 0, mcfg.vocab_size, jnp.int32)
     return TrainWorkload(

@@ -29,12 +29,11 @@ from tensorflow_datasets.core import utils as tfds_utils
 
 from memjax import errors
 from memjax.data import embedded_corpus
-from memjax.config_lib import cfg_get
+from memjax.data.config import DEFAULT_DATA_DIR, DataConfig
 
 SPLITS = embedded_corpus.SPLITS
 SPLIT_ALIASES = {'valid': 'validation', 'val': 'validation', 'dev': 'validation'}
 RECORD_BYTES = 1 << 20
-DEFAULT_DATA_DIR = '~/tensorflow_datasets'
 # enwik8 / text8: the standard split is 90M / 5M / 5M of the 100M file.
 STANDARD_HELDOUT = 5_000_000
 STANDARD_TOTAL = 100_000_000
@@ -422,29 +421,27 @@ def _text_config(text_path: str) -> TextConfig:
                       description=f'Text from {path}.')
 
 
-def data_dir(data_cfg: Any) -> Path:
-    return Path(cfg_get(data_cfg, 'data_dir', '') or DEFAULT_DATA_DIR
-                ).expanduser()
+def data_dir(data_cfg: DataConfig) -> Path:
+    return Path(data_cfg.data_dir or DEFAULT_DATA_DIR).expanduser()
 
 
-def manual_dir(data_cfg: Any) -> Path:
-    given = cfg_get(data_cfg, 'manual_dir', '')
-    return (Path(given).expanduser() if given
+def manual_dir(data_cfg: DataConfig) -> Path:
+    return (Path(data_cfg.manual_dir).expanduser() if data_cfg.manual_dir
             else data_dir(data_cfg) / 'downloads' / 'manual')
 
 
-def make_builder(data_cfg: Any) -> _MemjaxTextBuilder:
+def make_builder(data_cfg: DataConfig) -> _MemjaxTextBuilder:
     """The TFDS builder for data.name, configured from data_cfg."""
-    name = cfg_get(data_cfg, 'name', '')
+    name = data_cfg.name
     if name not in _BUILDERS:
         raise errors.DataError(f'Unknown data.name {name!r}; expected one of '
                                f'{sorted(_BUILDERS)}.')
     cls = _BUILDERS[name]
     config = None
     if name == 'text':
-        config = _text_config(cfg_get(data_cfg, 'text_path', ''))
+        config = _text_config(data_cfg.text_path)
     elif issubclass(cls, _SingleFileBuilder):
-        held = int(cfg_get(data_cfg, 'heldout_size', STANDARD_HELDOUT))
+        held = data_cfg.heldout_size
         if held != STANDARD_HELDOUT:
             config = HeldoutConfig(name=f'heldout{held}', heldout_size=held)
     return cls(data_dir=str(data_dir(data_cfg)), config=config,
@@ -478,7 +475,7 @@ def _is_prepared(builder: _MemjaxTextBuilder) -> bool:
         absl_logger.setLevel(level)
 
 
-def prepare(data_cfg: Any) -> _MemjaxTextBuilder:
+def prepare(data_cfg: DataConfig) -> _MemjaxTextBuilder:
     """Prepares data.name in data.data_dir unless done; returns the builder."""
     builder = make_builder(data_cfg)
     if _is_prepared(builder):
@@ -524,7 +521,7 @@ def iter_documents(builder: _MemjaxTextBuilder, split: str) -> Iterator[str]:
     yield b''.join(parts).decode('utf-8', 'surrogateescape')
 
 
-def run_documents(data_cfg: Any, builder: _MemjaxTextBuilder, split: str) -> Iterator[str]:
+def run_documents(data_cfg: DataConfig, builder: _MemjaxTextBuilder, split: str) -> Iterator[str]:
     """The documents a run reads from a prepared split: all of them, or the first
     data.train_documents of the train split (a subset is a choice of the run, not of the prepared
     data, so one preparation serves both)."""
@@ -533,9 +530,9 @@ def run_documents(data_cfg: Any, builder: _MemjaxTextBuilder, split: str) -> Ite
     return itertools.islice(documents, limit) if limit else documents
 
 
-def train_documents(data_cfg: Any, split: str) -> int:
+def train_documents(data_cfg: DataConfig, split: str) -> int:
     """How many leading documents of `split` a run reads (0: all)."""
-    return int(cfg_get(data_cfg, 'train_documents', 0)) if canonical_split(split) == 'train' else 0
+    return data_cfg.train_documents if canonical_split(split) == 'train' else 0
 
 
 def read_documents(builder: _MemjaxTextBuilder, split: str) -> List[str]:

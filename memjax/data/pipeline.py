@@ -10,21 +10,20 @@ state a single batch index (exact, JSON-serialisable) and lets every process
 slice the same global layout.
 """
 
-import abc
 import dataclasses
 import hashlib
 import heapq
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from absl import logging
-import grain
 import numpy as np
 
 from memjax import errors
 from memjax.data import builders
-from memjax.config_lib import cfg_get
+from memjax.data.config import DataConfig
+from memjax.data.streams import BatchedStreams
 from memjax.data.tokenizers import Tokenizer
 
 
@@ -108,14 +107,14 @@ def document_layout(doc_offsets: np.ndarray, batch_size: int,
     return _stack(streams)
 
 
-def _cache_paths(data_cfg: Any, builder, split: str, tokenizer: Tokenizer,
+def _cache_paths(data_cfg: DataConfig, builder, split: str, tokenizer: Tokenizer,
                  cache_dir: Optional[os.PathLike]) -> Tuple[Path, Path]:
     limit = builders.train_documents(data_cfg, split)
     subset = f'\0first{limit}' if limit else ''  # Whole splits keep the keys they always had.
     key = hashlib.sha256(
         (builders.dataset_fingerprint(builder, split) + tokenizer.fingerprint + subset
          ).encode()).hexdigest()[:24]
-    folder = Path(cache_dir or cfg_get(data_cfg, 'cache_dir', '')
+    folder = Path(cache_dir or data_cfg.cache_dir
                   or builders.data_dir(data_cfg) / 'memjax_token_cache')
     stem = folder.expanduser() / f'{builder.name}-{split}-{key}'
     return Path(f'{stem}.tokens.npy'), Path(f'{stem}.docs.npy')
@@ -156,7 +155,8 @@ def _load_cache(tokens_path: Path, docs_path: Path, vocab_size: int
     return tokens, offsets
 
 
-def data_fingerprint(data_cfg: Any, split: str, tokens: np.ndarray, doc_offsets: np.ndarray) -> Dict[str, str]:
+def data_fingerprint(data_cfg: DataConfig, split: str, tokens: np.ndarray,
+                     doc_offsets: np.ndarray) -> Dict[str, str]:
     """{'source': the prepared dataset's name (for data.name='text' it changes with the files' sizes
     and times) and the documents read, 'tokens': SHA-256 of the token ids and document offsets}."""
     digest = hashlib.sha256(np.ascontiguousarray(tokens).data)
@@ -166,7 +166,7 @@ def data_fingerprint(data_cfg: Any, split: str, tokens: np.ndarray, doc_offsets:
             'tokens': digest.hexdigest()[:16]}
 
 
-def load_token_ids(data_cfg: Any, split: str, tokenizer: Tokenizer,
+def load_token_ids(data_cfg: DataConfig, split: str, tokenizer: Tokenizer,
                    cache_dir: Optional[os.PathLike] = None
                    ) -> Tuple[np.ndarray, np.ndarray]:
     """Token ids of a split (documents concatenated) and document offsets.
@@ -205,31 +205,6 @@ def load_token_ids(data_cfg: Any, split: str, tokenizer: Tokenizer,
     return cached
 
 
-class BatchedStreams(abc.ABC):
-    """A pass of `num_batches` batches (`batch(index)`), repeated forever with `repeat`, read with
-    grain: next() gives batches; get_state()/set_state() resume exactly."""
-
-    num_batches: int
-    repeat: bool
-    # What the streams read, for a resumed run to notice other data (None: generated from the
-    # config alone): {'source': the prepared dataset, 'tokens': a hash of the token ids}.
-    fingerprint: Optional[Dict[str, str]] = None
-
-    @abc.abstractmethod
-    def batch(self, index: int) -> Dict[str, np.ndarray]:
-        """Batch `index` (0 <= index < num_batches) of a pass."""
-
-    def dataset(self) -> grain.MapDataset:
-        ds = grain.MapDataset.range(self.num_batches)
-        if self.repeat:
-            ds = ds.repeat(None)
-        return ds.map(self.batch)
-
-    def iterator(self) -> grain.DatasetIterator:
-        options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
-        return iter(self.dataset().to_iter_dataset(options))
-
-
 class LMStreams(BatchedStreams):
     """Batches of B streams x S consecutive segments of T tokens for a split.
 
@@ -245,7 +220,7 @@ class LMStreams(BatchedStreams):
     never depends on P.
     """
 
-    def __init__(self, data_cfg: Any, split: str, tokenizer: Tokenizer, *,
+    def __init__(self, data_cfg: DataConfig, split: str, tokenizer: Tokenizer, *,
                  batch_size: int, tgt_len: int, segments_per_batch: int = 1,
                  repeat: bool = False, process_index: int = 0,
                  process_count: int = 1,
@@ -265,11 +240,10 @@ class LMStreams(BatchedStreams):
         self.split = builders.canonical_split(split)
         self.batch_size, self.tgt_len = batch_size, tgt_len
         self.segments_per_batch, self.repeat = segments_per_batch, repeat
-        self.reset_at_doc_boundary = bool(
-            cfg_get(data_cfg, 'reset_at_doc_boundary', False))
+        self.reset_at_doc_boundary = data_cfg.reset_at_doc_boundary
         self.tokens, self.doc_offsets = load_token_ids(
             data_cfg, self.split, tokenizer, cache_dir)
-        self._check_length(cfg_get(data_cfg, 'name', ''))
+        self._check_length(data_cfg.name)
         self.fingerprint = data_fingerprint(data_cfg, self.split, self.tokens, self.doc_offsets)
         if self.reset_at_doc_boundary:
             layout = document_layout(self.doc_offsets, batch_size, tgt_len)
@@ -320,15 +294,3 @@ class LMStreams(BatchedStreams):
             'mask': valid.astype(np.float32),
             'reset': self._reset[:, ks].T.copy(),
         }
-
-
-
-def make_streams(data_cfg: Any, split: str, tokenizer: Tokenizer, **kwargs) -> Any:
-    """The split's batches: LMStreams over a text corpus, or the generated sorting task
-    (data.name='sorting', no corpus; its sequences follow from `seed`)."""
-    seed = kwargs.pop('seed', 0)
-    if cfg_get(data_cfg, 'name', '') == 'sorting':
-        from memjax.data import sorting  # pylint: disable=import-outside-toplevel (imports tokenizers)
-        kwargs.pop('cache_dir', None)
-        return sorting.SortingStreams(data_cfg, builders.canonical_split(split), seed=seed, **kwargs)
-    return LMStreams(data_cfg, split, tokenizer, **kwargs)

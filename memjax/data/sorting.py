@@ -16,20 +16,19 @@ is a pure function of (seed, split, i), so every pass, process and resume sees t
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable
+from typing import Dict, Iterable
 
 import numpy as np
 
 from memjax import errors
-from memjax.config_lib import cfg_get
-from memjax.data import pipeline, tokenizers
+from memjax.data.config import DataConfig
+from memjax.data.streams import BatchedStreams
+from memjax.data.tokenizers import Tokenizer
 
 SYMBOLS = 20
 SEP, PAD = SYMBOLS, SYMBOLS + 1
 VOCAB_SIZE = SYMBOLS + 2
 _SPLIT_IDS = {'train': 0, 'validation': 1, 'test': 2}
-# Sequences per split in the paper: 8,000 / 800 / 800.
-DEFAULT_SEQUENCES = {'train': 8000, 'validation': 800, 'test': 800}
 
 
 def sorted_by_count(symbols: np.ndarray) -> np.ndarray:
@@ -62,7 +61,7 @@ def _check_fits_in_memory(length: int, streams: int) -> None:
             'paper uses 4,000 to 16,000).')
 
 
-class SortingTokenizer(tokenizers.Tokenizer):
+class SortingTokenizer(Tokenizer):
     """Symbols '0'..'19', '<sep>', '<pad>' as space-separated text (for generation and reading)."""
 
     kind = 'sorting'
@@ -86,20 +85,21 @@ class SortingTokenizer(tokenizers.Tokenizer):
         return {'kind': self.kind}
 
 
-class SortingStreams(pipeline.BatchedStreams):
+class SortingStreams(BatchedStreams):
     """LMStreams' interface over generated sorting sequences: batches of inputs / targets / mask
     [S, B_local, T] and reset [S, B_local]; B streams each read whole sequences of K segments."""
 
-    def __init__(self, data_cfg: Any, split: str, *, batch_size: int, tgt_len: int,
+    def __init__(self, data_cfg: DataConfig, split: str, *, batch_size: int, tgt_len: int,
                  segments_per_batch: int = 1, repeat: bool = False, process_index: int = 0,
                  process_count: int = 1, seed: int = 0):
         if split not in _SPLIT_IDS:
             raise errors.DataError(f'sorting has splits {sorted(_SPLIT_IDS)}, not {split!r}.')
         self.split, self.batch_size, self.tgt_len = split, batch_size, tgt_len
         self.segments_per_batch, self.repeat, self.seed = segments_per_batch, repeat, seed
-        self.length = int(cfg_get(data_cfg, 'sort_length', 4000))
+        self.length = data_cfg.sort_length
         _check_fits_in_memory(self.length, -(-batch_size // process_count))
-        sequences = int(cfg_get(data_cfg, f'sort_{split}_sequences', DEFAULT_SEQUENCES[split]))
+        sequences = {'train': data_cfg.sort_train_sequences, 'validation': data_cfg.sort_validation_sequences,
+                     'test': data_cfg.sort_test_sequences}[split]
         if sequences < batch_size:
             raise errors.DataError(f'sorting {split}: {sequences} sequences for {batch_size} streams; '
                                    f'raise data.sort_{split}_sequences or lower the batch size.')

@@ -2,7 +2,8 @@
 
 All map text to np.int32 ids in [0, vocab_size). Vocabularies are saved as
 JSON (sentencepiece: its own .model protobuf) next to the run, never pickled,
-so evaluation and generation reuse exactly the training vocabulary.
+so evaluation and generation reuse exactly the training vocabulary. The sorting
+task's symbols are `sorting.SortingTokenizer`; `factory` picks one of them by name.
 """
 
 import abc
@@ -16,8 +17,6 @@ from typing import Any, Iterable, List, Optional, Sequence
 import numpy as np
 
 from memjax import errors
-from memjax import config_lib
-from memjax.config_lib import cfg_get
 
 TOKENIZER_FILE = 'tokenizer.json'
 SENTENCEPIECE_FILE = 'tokenizer.model'
@@ -25,9 +24,6 @@ EOS = '<eos>'
 UNK = '<unk>'
 # Written for characters outside the char vocabulary.
 UNK_CHAR = '\ufffd'
-KINDS = config_lib.TOKENIZERS
-# Tokenizers whose vocabulary does not depend on the data.
-FIXED_VOCABULARIES = ('byte', 'sorting')
 # GPT-2's byte-level BPE files (data.vocab_path: the folder holding them, e.g. an HF gpt2 download).
 GPT2_FILES = ('vocab.json', 'merges.txt')
 # Bounds sentencepiece's training input; lines beyond it are subsampled.
@@ -379,114 +375,3 @@ class GPT2BPETokenizer(Tokenizer):
 
     def to_json(self) -> dict:
         return {'kind': self.kind, 'vocab': self.vocab, 'merges': self.merges}
-
-
-def load_tokenizer(path: os.PathLike) -> Tokenizer:
-    """Loads a tokenizer.json (or its folder) or a sentencepiece .model file."""
-    path = Path(path).expanduser()
-    if path.is_dir() and not (path / TOKENIZER_FILE).exists() and (path / GPT2_FILES[0]).exists():
-        return GPT2BPETokenizer.from_folder(path)
-    if path.is_dir():
-        path = path / TOKENIZER_FILE
-    if not path.exists():
-        raise errors.MissingFileError(
-            f'Tokenizer file {path} does not exist; point data.vocab_path at a '
-            f'{TOKENIZER_FILE} written by memjax or at a sentencepiece .model.')
-    if path.suffix == '.model':
-        return SentencePieceTokenizer.load(path)
-    try:
-        spec = json.loads(path.read_text())
-        kind = spec['kind']
-    except (ValueError, KeyError, TypeError) as e:
-        raise errors.DataError(f'{path} is not a memjax tokenizer file '
-                               f'(JSON with a "kind" field): {e}') from e
-    try:
-        if kind == 'byte':
-            return ByteTokenizer()
-        if kind == 'char':
-            return CharTokenizer(spec['chars'])
-        if kind == 'word':
-            return WordTokenizer(spec['tokens'])
-        if kind == 'gpt2_bpe':
-            return GPT2BPETokenizer(spec['vocab'], spec['merges'])
-        if kind == 'sorting':
-            from memjax.data import sorting  # pylint: disable=import-outside-toplevel (imports this module)
-            return sorting.SortingTokenizer()
-        if kind == 'sentencepiece':
-            model_path = path.parent / spec['model_file']
-            if not model_path.is_file():
-                raise errors.MissingFileError(
-                    f'{model_path}, named by {path}, does not exist; keep the two files '
-                    'together.')
-            model = SentencePieceTokenizer.load(model_path)
-            if model.to_json()['model_sha256'] != spec.get('model_sha256'):
-                raise errors.DataError(f'{model_path} does not match the model hash '
-                                       f'recorded in {path}; the pair was mixed up.')
-            return model
-    except (KeyError, TypeError) as e:
-        raise errors.DataError(f'{path} is a damaged memjax tokenizer file (no valid {e} for '
-                               f'kind {kind!r}); restore it from a backup, or delete it to build '
-                               'it again from the same data (the build is deterministic).') from e
-    raise errors.DataError(f'{path}: unknown tokenizer kind {kind!r}; expected one '
-                           f'of {KINDS}.')
-
-
-def train_tokenizer(kind: str, train_documents: Iterable[str],
-                    data_cfg: Any = None) -> Tokenizer:
-    """Builds a new tokenizer of `kind` from the train split's documents."""
-    if kind == 'byte':
-        return ByteTokenizer()
-    if kind == 'sorting':
-        from memjax.data import sorting  # pylint: disable=import-outside-toplevel (imports this module)
-        return sorting.SortingTokenizer()
-    if kind == 'char':
-        return CharTokenizer.from_documents(train_documents)
-    if kind == 'word':
-        max_size = cfg_get(data_cfg, 'word_max_size', 0)
-        return WordTokenizer.from_documents(
-            train_documents, min_freq=cfg_get(data_cfg, 'word_min_freq', 1),
-            max_size=max_size if max_size > 0 else None)
-    if kind == 'sentencepiece':
-        return SentencePieceTokenizer.train(
-            train_documents, cfg_get(data_cfg, 'sp_vocab_size', 8000))
-    if kind == 'gpt2_bpe':
-        raise errors.MissingFileError(
-            f'data.tokenizer=gpt2_bpe is not trained: set data.vocab_path to a folder with GPT-2\'s '
-            f'{list(GPT2_FILES)} (e.g. an HF gpt2 download).')
-    raise errors.DataError(f'Unknown data.tokenizer {kind!r}; expected one of '
-                           f'{KINDS}.')
-
-
-def build_tokenizer(data_cfg: Any,
-                    workdir: Optional[os.PathLike] = None,
-                    save: bool = True) -> Tokenizer:
-    """Loads the run's tokenizer, or builds it from the train split once.
-
-    Order: `workdir`/tokenizer.json if present (resumed run, evaluation),
-    else data.vocab_path, else trained on the train split of data.name. With
-    `save` the result is saved into `workdir` so later commands reuse the
-    same ids.
-    """
-    kind = cfg_get(data_cfg, 'tokenizer', 'byte')
-    if kind not in KINDS:
-        raise errors.DataError(f'Unknown data.tokenizer {kind!r}; expected one of '
-                               f'{KINDS}.')
-    saved = Path(workdir).expanduser() / TOKENIZER_FILE if workdir else None
-    vocab_path = cfg_get(data_cfg, 'vocab_path', '')
-    if saved is not None and saved.exists():
-        tok, origin = load_tokenizer(saved), str(saved)
-    elif vocab_path:
-        tok, origin = load_tokenizer(vocab_path), f'data.vocab_path={vocab_path}'
-    elif kind in FIXED_VOCABULARIES:
-        tok, origin = train_tokenizer(kind, ()), 'its fixed vocabulary'
-    else:
-        from memjax.data import builders  # Deferred: pulls in TFDS.
-        docs = builders.run_documents(data_cfg, builders.prepare(data_cfg), 'train')
-        tok, origin = train_tokenizer(kind, docs, data_cfg), 'train split'
-    if tok.kind != kind:
-        raise errors.DataError(
-            f'data.tokenizer is {kind!r} but {origin} holds a {tok.kind!r} '
-            'tokenizer; use a fresh workdir or the matching data.tokenizer.')
-    if save and saved is not None and not saved.exists():
-        tok.save(saved.parent)
-    return tok

@@ -199,17 +199,14 @@ class ModelConfig:
     def from_config_dict(cls, cfg: Mapping[str, Any], vocab_size: int | None = None,
                          segment_len: int | None = None) -> ModelConfig:
         """Builds from an ml_collections ConfigDict (or dict); `vocab_size=-1` there takes
-        `vocab_size`, `segment_len=-1` takes `segment_len` (the data's tgt_len)."""
+        `vocab_size` (when given), `segment_len=-1` takes `segment_len` (the data's tgt_len)."""
         fields = dict(cfg.to_dict() if hasattr(cfg, 'to_dict') else cfg)
         known = set(_field_defaults())
         unknown = sorted(set(fields) - known)
         if unknown:
             raise ValueError(f'config.model has unknown fields {unknown}; known fields: {sorted(known)}.')
         if fields.get('vocab_size', -1) in (-1, None):
-            if vocab_size is None:
-                raise ValueError('config.model.vocab_size is -1 (take it from the tokenizer) but no '
-                                 'tokenizer vocabulary size was given.')
-            fields['vocab_size'] = vocab_size
+            fields['vocab_size'] = -1 if vocab_size is None else vocab_size
         elif vocab_size is not None and fields['vocab_size'] != vocab_size:
             raise ValueError(f'config.model.vocab_size={fields["vocab_size"]} but the tokenizer has '
                              f'{vocab_size} tokens; set config.model.vocab_size=-1 to take it from the tokenizer.')

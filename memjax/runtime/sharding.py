@@ -14,16 +14,13 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import flax.linen as nn
 import jax
-import ml_collections
 import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from memjax import config_lib
+from memjax.config_lib import MESH_AXES, MeshConfig
+from memjax.errors import ConfigError
 from memjax import model as model_lib
-from memjax.training import step as train_step_lib
-
-MESH_AXES = config_lib.MESH_AXES
 
 DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     # fsdp is data parallelism for activations: the streams split over both data axes.
@@ -61,21 +58,20 @@ def logical_rules(overrides: Sequence[Sequence[Any]] = ()) -> tuple[tuple[str, A
     replaced = {}
     for name, axes in overrides:
         if name not in known:
-            raise config_lib.ConfigError(
+            raise ConfigError(
                 f'config.mesh.rules names unknown logical axis {name!r}; known axes: '
                 f'{sorted(known)}.')
         replaced[name] = tuple(axes) if isinstance(axes, list) else axes
     return tuple((name, replaced.get(name, axes)) for name, axes in DEFAULT_RULES)
 
 
-def make_mesh(mesh_cfg: ml_collections.ConfigDict,
-              devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+def make_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
     """The ('data', 'fsdp', 'tensor') mesh over `devices` (default: all devices of all processes)."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = config_lib.resolve_mesh_shape(mesh_cfg, len(devices))
+    sizes = mesh_cfg.shape(len(devices))
     shape = tuple(sizes[name] for name in MESH_AXES)
     if math.prod(shape) != len(devices):
-        raise config_lib.ConfigError(
+        raise ConfigError(
             f'config.mesh {sizes} needs {math.prod(shape)} devices but {len(devices)} are present.')
     # Auto axes: the SPMD partitioner propagates shardings between the annotated arrays.
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
@@ -97,9 +93,8 @@ class Partitioner:
     rules: tuple[tuple[str, Any], ...]
 
     @classmethod
-    def from_config(cls, config: ml_collections.ConfigDict,
-                    devices: Optional[Sequence[jax.Device]] = None) -> 'Partitioner':
-        return cls(make_mesh(config.mesh, devices), logical_rules(config.mesh.rules))
+    def from_config(cls, mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = None) -> 'Partitioner':
+        return cls(make_mesh(mesh_cfg, devices), logical_rules(mesh_cfg.rules))
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
@@ -135,7 +130,7 @@ class Partitioner:
                     problems.append(f'{what}{jax.tree_util.keystr(path)}: dimension {dim} '
                                     f'({name!r} -> {axes}) is not divisible by {size}')
         if problems:
-            raise config_lib.ConfigError(
+            raise ConfigError(
                 'these arrays cannot be split as config.mesh / config.mesh.rules ask:\n  '
                 + '\n  '.join(problems) + '\nChange the mesh sizes, or map the logical axis to '
                 'None in config.mesh.rules, e.g. (("vocab", None),).')
@@ -149,15 +144,14 @@ class Partitioner:
         abstract = jax.eval_shape(lambda: model_lib.init_memory(mcfg, batch_size))
         return self._checked('memory', abstract, model_lib.memory_logical_axes(mcfg))
 
-    def train_state(self, mcfg: model_lib.ModelConfig, tx: optax.GradientTransformation) -> Any:
-        """TrainState of shardings; optimizer moments are sharded exactly like their params."""
+    def params_and_optimizer(self, mcfg: model_lib.ModelConfig, tx: optax.GradientTransformation) -> tuple[Any, Any]:
+        """Shardings of the params and of `tx`'s state: moments are sharded exactly like their params."""
         params = self.params(mcfg)
         opt_state = optax.tree_map_params(
             tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, _abstract_params(mcfg)),
             params,
             transform_non_params=lambda _: self.replicated)
-        return train_step_lib.TrainState(step=self.replicated, params=params,
-                                         opt_state=opt_state, rng=self.replicated)
+        return params, opt_state
 
     def jit(self, fn: Callable, in_shardings: Any, out_shardings: Any,
             donate_argnums: tuple[int, ...] = ()) -> Callable:
@@ -178,7 +172,7 @@ class Partitioner:
     def global_batch(self, local: dict) -> dict:
         """Global [S, B, ...] arrays from this process's [S, B / process_count, ...] share."""
         out = {}
-        for key in train_step_lib.BATCH_KEYS:
+        for key in local:
             value = np.asarray(local[key])
             shape = (value.shape[0], value.shape[1] * jax.process_count()) + value.shape[2:]
             out[key] = jax.make_array_from_process_local_data(self.batch, value, shape)

@@ -8,11 +8,11 @@ exact sum of NLL over those tokens divided by their count (no per-batch averagin
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
-import ml_collections
 import numpy as np
 
 from memjax import config_lib
 from memjax import model as model_lib
+from memjax.data import factory as data_factory
 from memjax.data import pipeline
 
 
@@ -30,24 +30,21 @@ class EvalResult(NamedTuple):
         return self.nll_sum / max(self.num_tokens, 1)
 
 
-def eval_streams(config: ml_collections.ConfigDict, tokenizer: Any,
-                 split: str) -> pipeline.LMStreams:
-    return pipeline.make_streams(
-        config.data, split, tokenizer, seed=config.seed,
-        batch_size=config_lib.eval_setting(config, 'batch_size'),
-        tgt_len=config_lib.eval_setting(config, 'tgt_len'),
-        segments_per_batch=config.train.segments_per_step, repeat=False,
+def eval_streams(run: config_lib.RunConfig, tokenizer: Any, split: str) -> pipeline.LMStreams:
+    return data_factory.make_streams(
+        run.data, split, tokenizer, seed=run.seed, batch_size=run.eval.batch_size, tgt_len=run.eval.tgt_len,
+        segments_per_batch=run.train.segments_per_step, repeat=False,
         process_index=jax.process_index(), process_count=jax.process_count())
 
 
-def eval_key(config: ml_collections.ConfigDict) -> jax.Array:
+def eval_key(run: config_lib.RunConfig) -> jax.Array:
     """The key of a memory kind's random streams at evaluation: from the seed, the same for
     every evaluation of the run."""
-    return jax.random.fold_in(jax.random.PRNGKey(config.seed), 1)
+    return jax.random.fold_in(jax.random.PRNGKey(run.seed), 1)
 
 
-def local_eval_batch(config: ml_collections.ConfigDict) -> int:
-    return config_lib.eval_setting(config, 'batch_size') // jax.process_count()
+def local_eval_batch(run: config_lib.RunConfig) -> int:
+    return run.eval.batch_size // jax.process_count()
 
 
 def evaluate_streams(eval_step: Callable, params: Any, eval_mcfg: model_lib.ModelConfig,

@@ -28,6 +28,7 @@ from memjax.training import optim
 from memjax.training import preemption
 from memjax.runtime import sharding
 from memjax.training import step as train_step_lib
+from memjax.data import factory as data_factory
 from memjax.data import pipeline
 from memjax.data import tokenizers
 from memjax.convert import hf_gpt2
@@ -35,13 +36,11 @@ from memjax.convert import hf_gpt2
 
 @dataclasses.dataclass
 class Experiment:
-    """Everything derived from the config before any compilation."""
-    config: ml_collections.ConfigDict  # With model.vocab_size resolved.
+    """Everything derived from the resolved run before any compilation."""
+    run: config_lib.RunConfig  # With the tokenizer's vocabulary size.
     tokenizer: Any
-    mcfg: model_lib.ModelConfig
-    eval_mcfg: model_lib.ModelConfig  # config.eval.model merged over mcfg.
     model: model_lib.MemoryLM  # Phase 0; make_train_step builds the others.
-    eval_model: model_lib.MemoryLM  # Same parameters, run with eval_mcfg.
+    eval_model: model_lib.MemoryLM  # Same parameters, run with run.eval_model.
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     local_batch: int
@@ -50,26 +49,32 @@ class Experiment:
     memory_sharding: Any  # Of the global training memory.
 
     @property
+    def mcfg(self) -> model_lib.ModelConfig:
+        return self.run.model
+
+    @property
+    def eval_mcfg(self) -> model_lib.ModelConfig:
+        return self.run.eval_model
+
+    @property
+    def config(self) -> ml_collections.ConfigDict:
+        """The run's config as the workdir saves it (vocabulary size filled in)."""
+        return self.run.as_config_dict()
+
+    @property
     def unit(self) -> str:
         return self.tokenizer.unit
 
 
-def resolve_model_configs(config: ml_collections.ConfigDict, vocab_size: int) -> tuple[Any, Any]:
-    """Training and evaluation model configs; model field errors become ConfigErrors."""
-    try:
-        mcfg = model_lib.ModelConfig.from_config_dict(config.model, vocab_size=vocab_size,
-                                                      segment_len=config.train.tgt_len)
-    except ValueError as error:
-        raise config_lib.ConfigError(f'invalid config.model: {error}') from error
-    try:
-        eval_mcfg = config_lib.eval_model_config(mcfg, config)
-    except ValueError as error:
-        raise config_lib.ConfigError(f'invalid config.eval.model: {error}') from error
-    return mcfg, eval_mcfg
+def resolved(config: ml_collections.ConfigDict | config_lib.RunConfig, device_count: int) -> config_lib.RunConfig:
+    """A library caller's config resolved here (the commands resolve theirs at the entry)."""
+    if isinstance(config, config_lib.RunConfig):
+        return config
+    return config_lib.resolve(config, jax.process_count(), device_count)
 
 
-def check_saved_config(config: ml_collections.ConfigDict, workdir: str, training: bool) -> None:
-    """Compares `config` with the one the workdir's newest readable checkpoint was saved with.
+def check_saved_config(run: config_lib.RunConfig, workdir: str, training: bool) -> None:
+    """Compares `run` with the one the workdir's newest readable checkpoint was saved with.
 
     Training refuses changes to fields that shape the saved state or the data stream;
     evaluation refuses changes that shape the parameters (memjax/training/resume.py). Runs before
@@ -86,9 +91,9 @@ def check_saved_config(config: ml_collections.ConfigDict, workdir: str, training
     if saved is None:
         return
     if training:
-        resume.check_resume(saved, config, workdir, source=ckpt.step_dir(step))
+        resume.check_resume(saved, run.source, workdir, source=ckpt.step_dir(step))
     else:
-        resume.check_same_params(saved, config, ckpt.step_dir(step), 'Evaluation')
+        resume.check_same_params(saved, run.source, ckpt.step_dir(step), 'Evaluation')
 
 
 def _saved_config(ckpt: checkpointing.Checkpointer,
@@ -105,34 +110,32 @@ def _saved_config(ckpt: checkpointing.Checkpointer,
         os.path.join(os.path.dirname(ckpt.directory), CONFIG_FILE))
 
 
-def setup(config: ml_collections.ConfigDict, workdir: str,
+def setup(config: ml_collections.ConfigDict | config_lib.RunConfig, workdir: str,
           devices: Optional[list[jax.Device]] = None, training: bool = True) -> Experiment:
-    """Validates the config and the workdir against its saved run, builds (or loads) the
-    tokenizer and the model; compiles nothing.
+    """Checks the run against the workdir's saved one, builds (or loads) the tokenizer and the
+    model; compiles nothing.
 
     The mesh spans `devices` (default: every device of every process). For evaluation
     (`training=False`) the workdir must exist and nothing is written into it.
     """
     devices = jax.devices() if devices is None else devices
-    config_lib.validate_config(config, jax.process_count(), len(devices))
+    run = resolved(config, len(devices))
     workdir_lib.check(workdir, create=training)
-    check_saved_config(config, workdir, training)
+    check_saved_config(run, workdir, training)
     with distributed.primary_first('tokenizer'):
-        tokenizer = tokenizers.build_tokenizer(config.data, workdir, save=training)
+        tokenizer = data_factory.build_tokenizer(run.data, workdir, save=training)
     distributed.assert_same_on_all_processes(tokenizer.fingerprint, 'the tokenizer')
-    mcfg, eval_mcfg = resolve_model_configs(config, tokenizer.vocab_size)
-    config = ml_collections.ConfigDict(config.to_dict())
-    config.model.vocab_size = mcfg.vocab_size
-    tx = optim.make_optimizer(config.train)
+    run = run.with_vocab_size(tokenizer.vocab_size)
+    tx = optim.make_optimizer(run.train)
     # Built once; deriving the shardings here rejects splits that do not divide before compiling.
-    partitioner = sharding.Partitioner.from_config(config, devices)
+    partitioner = sharding.Partitioner.from_config(run.mesh, devices)
     return Experiment(
-        config=config, tokenizer=tokenizer, mcfg=mcfg, eval_mcfg=eval_mcfg,
-        model=model_lib.build_model(mcfg), eval_model=model_lib.build_model(eval_mcfg),
-        tx=tx, schedule=optim.learning_rate_schedule(config.train),
-        local_batch=config.train.batch_size // jax.process_count(), partitioner=partitioner,
-        state_sharding=partitioner.train_state(mcfg, tx),
-        memory_sharding=partitioner.memory(mcfg, config.train.batch_size))
+        run=run, tokenizer=tokenizer,
+        model=model_lib.build_model(run.model), eval_model=model_lib.build_model(run.eval_model),
+        tx=tx, schedule=optim.learning_rate_schedule(run.train),
+        local_batch=run.train.batch_size // jax.process_count(), partitioner=partitioner,
+        state_sharding=train_step_lib.state_shardings(partitioner, run.model, tx),
+        memory_sharding=partitioner.memory(run.model, run.train.batch_size))
 
 
 def init_state(exp: Experiment, params: Any = None) -> tuple[train_step_lib.TrainState, Any]:
@@ -140,7 +143,7 @@ def init_state(exp: Experiment, params: Any = None) -> tuple[train_step_lib.Trai
     memory, created in their shards."""
 
     def create(params):
-        init_key, dropout_key = jax.random.split(jax.random.PRNGKey(exp.config.seed))
+        init_key, dropout_key = jax.random.split(jax.random.PRNGKey(exp.run.seed))
         if params is None:
             params = model_lib.init_params(exp.mcfg, init_key)
         return train_step_lib.TrainState(
@@ -148,7 +151,7 @@ def init_state(exp: Experiment, params: Any = None) -> tuple[train_step_lib.Trai
             rng=dropout_key)
 
     state = jax.jit(create, out_shardings=exp.state_sharding)(params)
-    memory = exp.partitioner.init_memory(exp.mcfg, exp.config.train.batch_size)
+    memory = exp.partitioner.init_memory(exp.mcfg, exp.run.train.batch_size)
     # bf16 compute must not leak into the master weights or Adam's moments.
     wrong = [leaf.dtype for leaf in jax.tree_util.tree_leaves((state.params, state.opt_state))
              if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != jnp.float32]
@@ -178,7 +181,7 @@ def make_train_step(exp: Experiment, phase: int = 0) -> Callable:
     return p.jit(
         train_step_lib.train_step_fn(model_lib.build_model(exp.mcfg, phase), exp.tx, exp.schedule,
                                      train_step_lib.memory_batch_axes(exp.mcfg),
-                                     exp.config.train.grad_accum_steps),
+                                     exp.run.train.grad_accum_steps),
         in_shardings=(exp.state_sharding, exp.memory_sharding, p.batch),
         out_shardings=(exp.state_sharding, exp.memory_sharding, p.replicated),
         donate_argnums=(0, 1))
@@ -187,9 +190,9 @@ def make_train_step(exp: Experiment, phase: int = 0) -> Callable:
 def make_eval_step(exp: Experiment) -> Callable:
     """`(params, memory, batch, key) -> (memory, metrics)` jitted over the mesh."""
     p = exp.partitioner
-    eval_memory = p.memory(exp.eval_mcfg, config_lib.eval_setting(exp.config, 'batch_size'))
+    eval_memory = p.memory(exp.eval_mcfg, exp.run.eval.batch_size)
     return p.jit(
-        train_step_lib.eval_step_fn(exp.eval_model, accuracy=exp.config.eval.get('accuracy', False)),
+        train_step_lib.eval_step_fn(exp.eval_model, accuracy=exp.run.eval.accuracy),
         in_shardings=(exp.state_sharding.params, eval_memory, p.batch, p.replicated),
         out_shardings=(eval_memory, p.replicated), donate_argnums=(1,))
 
@@ -284,7 +287,7 @@ def _diverged(what: str, step: int, limit: float, last_checkpoint: Optional[str]
 def _log_interval(exp: Experiment, interval: _Interval, values: dict, step: int,
                   writer: metrics_lib.MetricWriter) -> float:
     """Writes the interval's train scalars and the progress line; returns its token count."""
-    tcfg = exp.config.train
+    tcfg = exp.run.train
     seconds = max(time.time() - interval.start_time, 1e-9)
     tokens = float(values['num_tokens'].sum())  # Global: summed over the sharded batch.
     mean_nll = float(values['nll_sum'].sum() / max(values['num_tokens'].sum(), 1.0))
@@ -308,8 +311,8 @@ def _validate(exp: Experiment, eval_step: Callable, params: Any, streams: pipeli
               max_batches: int, step: int, writer: metrics_lib.MetricWriter) -> dict:
     """Scores the validation streams and reports them under the 'valid' prefix."""
     result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams,
-                                         evaluation.local_eval_batch(exp.config), max_batches,
-                                         exp.partitioner, evaluation.eval_key(exp.config))
+                                         evaluation.local_eval_batch(exp.run), max_batches,
+                                         exp.partitioner, evaluation.eval_key(exp.run))
     name = metrics_lib.metric_name(exp.unit)
     scalars = {'loss': result.mean_nll, name: metrics_lib.metric_value(result.mean_nll, exp.unit),
                'num_tokens': result.num_tokens}
@@ -327,7 +330,7 @@ def _init_from(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
     The data stream and the memory start afresh, so the batch size, the segment length, the
     data or the memory length may differ from the source run; the parameters must fit.
     """
-    tcfg = exp.config.train
+    tcfg = exp.run.train
     if hf_gpt2.is_checkpoint_dir(tcfg.init_from):
         return _init_from_gpt2(exp)
     source, step = _init_from_dir(tcfg.init_from)
@@ -345,7 +348,7 @@ def _init_from(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
             raise errors.CheckpointError(f'config.train.init_from={tcfg.init_from}: no readable '
                                          'checkpoint there.')
         if saved is not None:
-            resume.check_same_params(saved, exp.config, ckpt.step_dir(step),
+            resume.check_same_params(saved, exp.run.source, ckpt.step_dir(step),
                                      'config.train.init_from')
         keep_optimizer = tcfg.init_from_state == 'params_and_optimizer'
         abstract = abstract_state(exp)[0]
@@ -365,7 +368,7 @@ def _init_from(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
 def _init_from_gpt2(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
     """A fresh start from pretrained HF GPT-2 weights: every parameter GPT-2 has is taken from it,
     the memory kind's own (the infinity-former's LTM) start from their initialisation."""
-    path = exp.config.train.init_from
+    path = exp.run.train.init_from
     try:
         gpt2_config, pretrained = hf_gpt2.load_hf_checkpoint(os.path.expanduser(path))
     except hf_gpt2.CheckpointError as error:
@@ -377,12 +380,12 @@ def _init_from_gpt2(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
     if differ:
         raise errors.CheckpointError(f'config.train.init_from={path} is a GPT-2 with {", ".join(differ)}: '
                                      'set config.model to match it.')
-    fresh = model_lib.init_params(exp.mcfg, jax.random.split(jax.random.PRNGKey(exp.config.seed))[0])
+    fresh = model_lib.init_params(exp.mcfg, jax.random.split(jax.random.PRNGKey(exp.run.seed))[0])
     pretrained = model_lib.convert_layer_layout(
         model_lib.convert_layer_layout(pretrained, scan_layers=False), exp.mcfg.scan_layers)
     params = hf_gpt2.extend(fresh, pretrained)
     logging.info('Started from the GPT-2 weights in %s; the memory\'s own parameters are new.', path)
-    return init_state(exp, params)[0], exp.partitioner.init_memory(exp.mcfg, exp.config.train.batch_size)
+    return init_state(exp, params)[0], exp.partitioner.init_memory(exp.mcfg, exp.run.train.batch_size)
 
 
 def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer, iterator: Any,
@@ -392,16 +395,16 @@ def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer, iterator
     restored = ckpt.restore_latest(*abstract_state(exp), quarantine=True)
     if restored is None:
         _refuse_to_start_over(ckpt)
-        if exp.config.train.init_from:
+        if exp.run.train.init_from:
             return *_init_from(exp), None
         return *init_state(exp), None
-    _check_same_data(restored.data, data, ckpt.step_dir(restored.step), exp.config.data)
+    _check_same_data(restored.data, data, ckpt.step_dir(restored.step), exp.run.data.accept_changed_data)
     iterator.set_state(restored.data_state)
     logging.info('Resumed from %s (step %d).', ckpt.step_dir(restored.step), restored.step)
     return restored.state, restored.memory, ckpt.step_dir(restored.step)
 
 
-def _check_same_data(saved: Optional[dict], now: Optional[dict], source: str, data_cfg: Any) -> None:
+def _check_same_data(saved: Optional[dict], now: Optional[dict], source: str, accept_changed_data: bool) -> None:
     """A resumed run reads the data it was trained on: other token ids are refused like another
     config (its data position and memory belong to the old text), unless
     config.data.accept_changed_data says the change is intended."""
@@ -414,7 +417,7 @@ def _check_same_data(saved: Optional[dict], now: Optional[dict], source: str, da
         return
     change = (f'its training data changed since {source} was saved ({saved["source"]}, tokens '
               f'{saved["tokens"]} -> {now["source"]}, tokens {now["tokens"]})')
-    if data_cfg.accept_changed_data:
+    if accept_changed_data:
         logging.warning('Resuming although %s: config.data.accept_changed_data=True; the run continues '
                         'at its position in the new data.', change)
         return
@@ -429,8 +432,8 @@ def _refuse_to_start_over(ckpt: checkpointing.Checkpointer) -> None:
     must be the user's decision, so the run stops (this time and every next time) until the
     damaged steps are moved away."""
     folder = ckpt.quarantine_dir
-    moved = sorted(os.listdir(folder), key=lambda n: [int(p) for p in n.split('.') if p.isdigit()]) \
-        if os.path.isdir(folder) else []
+    moved = (sorted(os.listdir(folder), key=lambda n: [int(p) for p in n.split('.') if p.isdigit()])
+             if os.path.isdir(folder) else [])
     if not moved:
         return
     what = (f'steps {", ".join(map(str, sorted(ckpt.damaged)))} are damaged (the warnings above say how) and '
@@ -442,7 +445,7 @@ def _refuse_to_start_over(ckpt: checkpointing.Checkpointer) -> None:
         'the same command again.')
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.RunConfig, workdir: str) -> dict:
     """Trains (resuming from the newest intact checkpoint in workdir) and validates.
 
     Returns the final summary (also written to `<workdir>/train_summary.json`). On a
@@ -451,13 +454,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     without the final validation, which the resumed run does.
     """
     # A refused config leaves no trace: checked before the workdir is created.
-    config_lib.validate_config(config, jax.process_count(), jax.device_count())
+    run = resolved(config, jax.device_count())
     workdir_lib.check(workdir, create=True)
     with metrics_lib.log_to_workdir(workdir, jax.process_index()):
-        return _train_locked(config, workdir)
+        return _train_locked(run, workdir)
 
 
-def _train_locked(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def _train_locked(run: config_lib.RunConfig, workdir: str) -> dict:
     # One training run per workdir: process 0 holds the lock for all processes of a run, and
     # all of them stop when it cannot (the others would wait for it at the next barrier).
     lock = workdir_lib.RunLock(workdir) if jax.process_index() == 0 else None
@@ -482,8 +485,8 @@ def _train_locked(config: ml_collections.ConfigDict, workdir: str) -> dict:
                                                   'see its log.')
             if refused is not None:
                 raise refused
-            _adopt_tokenizer(config, workdir)
-            return _train(config, workdir)
+            _adopt_tokenizer(run.train.init_from, workdir)
+            return _train(run, workdir)
         finally:
             release()
 
@@ -498,12 +501,12 @@ def _init_from_dir(init_from: str) -> tuple[str, Optional[int]]:
     return source, None
 
 
-def _adopt_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> None:
+def _adopt_tokenizer(init_from: str, workdir: str) -> None:
     """A run started with init_from takes the source run's tokenizer: a tokenizer built afresh
     could give the same vocabulary size with other ids, and the parameters would still load."""
-    if not config.train.init_from or hf_gpt2.is_checkpoint_dir(config.train.init_from):
+    if not init_from or hf_gpt2.is_checkpoint_dir(init_from):
         return  # The same on every process: the barrier below is reached by all or by none.
-    source = os.path.dirname(_init_from_dir(config.train.init_from)[0])
+    source = os.path.dirname(_init_from_dir(init_from)[0])
     if (jax.process_index() == 0 and not checkpointing.has_checkpoints(checkpoint_dir(workdir))
             and not os.path.exists(os.path.join(workdir, tokenizers.TOKENIZER_FILE))
             and os.path.exists(os.path.join(source, tokenizers.TOKENIZER_FILE))):
@@ -518,19 +521,19 @@ def _adopt_tokenizer(config: ml_collections.ConfigDict, workdir: str) -> None:
     distributed.barrier('init_from tokenizer')
 
 
-def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
+def _train(run: config_lib.RunConfig, workdir: str) -> dict:
     wall_start = time.time()
-    exp = setup(config, workdir)
-    tcfg = exp.config.train
-    saved_config = resume.to_plain(exp.config)
+    exp = setup(run, workdir)
+    tcfg = exp.run.train
+    saved_config = exp.run.source
     write_json(os.path.join(workdir, CONFIG_FILE), saved_config)
 
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
-        train_streams = pipeline.make_streams(
-            exp.config.data, 'train', exp.tokenizer, seed=exp.config.seed, batch_size=tcfg.batch_size,
+        train_streams = data_factory.make_streams(
+            exp.run.data, 'train', exp.tokenizer, seed=exp.run.seed, batch_size=tcfg.batch_size,
             tgt_len=tcfg.tgt_len, segments_per_batch=tcfg.segments_per_step, repeat=True,
             process_index=jax.process_index(), process_count=jax.process_count())
-        valid_streams = evaluation.eval_streams(exp.config, exp.tokenizer, 'validation')
+        valid_streams = evaluation.eval_streams(exp.run, exp.tokenizer, 'validation')
     iterator = train_streams.iterator()
 
     ckpt = checkpointing.Checkpointer(checkpoint_dir(workdir), tcfg.keep_checkpoints)
@@ -544,7 +547,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str) -> dict:
     interval = _Interval(step)
     # Throughput counts neither the compiling first dispatch nor periodic validation.
     logged_tokens, compile_tokens, steady_start, eval_seconds = 0.0, 0.0, None, 0.0
-    diverged_loss = config_lib.diverged_loss(tcfg, exp.mcfg.vocab_size)
+    diverged_loss = tcfg.diverged_limit(exp.mcfg.vocab_size)
     watch, preempted = preemption.PreemptionWatch(), False
     try:
         while step < tcfg.num_steps:

@@ -4,11 +4,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
+from memjax import config_lib
 
-def learning_rate_schedule(train_cfg: ml_collections.ConfigDict, peak: float | None = None) -> optax.Schedule:
+
+def learning_rate_schedule(train_cfg: config_lib.TrainConfig, peak: float | None = None) -> optax.Schedule:
     """Linear warmup to `learning_rate`, then cosine decay to `min_lr_ratio * learning_rate`.
 
     `step` counts updates already applied, so the first update uses lr / warmup_steps rather
@@ -40,7 +41,7 @@ def _memory_label(params):
         lambda path, _: 'memory' if any(getattr(k, 'key', None) == 'memory' for k in path) else 'model', params)
 
 
-def make_optimizer(train_cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(train_cfg: config_lib.TrainConfig) -> optax.GradientTransformation:
     """Global-norm clipping, Adam, optional decoupled weight decay, scheduled step size.
 
     `memory_learning_rate` > 0 gives the memory kind's own parameters (the infinity-former's LTM)
@@ -53,7 +54,7 @@ def make_optimizer(train_cfg: ml_collections.ConfigDict) -> optax.GradientTransf
     if train_cfg.weight_decay > 0:
         parts.append(optax.add_decayed_weights(train_cfg.weight_decay, mask=_decay_mask))
     step_size = optax.scale_by_learning_rate(learning_rate_schedule(train_cfg))
-    memory_lr = train_cfg.get('memory_learning_rate', -1)
+    memory_lr = train_cfg.memory_learning_rate
     if memory_lr > 0:
         step_size = optax.multi_transform(
             {'model': step_size,

@@ -32,6 +32,12 @@ class TrainState:
     rng: jax.Array  # Base key; each update's dropout key folds in `step`, so resumes replay it.
 
 
+def state_shardings(partitioner: Any, mcfg: model_lib.ModelConfig, tx: optax.GradientTransformation) -> TrainState:
+    """TrainState of the shardings `partitioner` (a runtime.sharding.Partitioner) gives its parts."""
+    params, opt_state = partitioner.params_and_optimizer(mcfg, tx)
+    return TrainState(step=partitioner.replicated, params=params, opt_state=opt_state, rng=partitioner.replicated)
+
+
 def memory_batch_axes(mcfg: model_lib.ModelConfig) -> Any:
     """Per memory leaf, the index of its 'activation_batch' axis (NO_BATCH_AXIS when it has none):
     gradient accumulation splits the memory along it with the batch's streams."""

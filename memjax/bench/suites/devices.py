@@ -30,20 +30,22 @@ def measure_on_all_devices(request: dict[str, Any]) -> dict[str, Any]:
     import ml_collections
     from jax.sharding import PartitionSpec as P
 
+    from memjax import config_lib
     from memjax.runtime import sharding
     from memjax.bench import harness
     from memjax.bench import workload
 
     config = ml_collections.ConfigDict(request['config'])
     config.mesh.update(data=-1, fsdp=1, tensor=1)  # Pure data parallelism over all devices.
+    run = config_lib.resolve(config)
     ctx = harness.Context(size=request['size'], warmup=request['warmup'], repeats=request['repeats'])
-    mcfg = workload.model_config(config, mem_len=request['seq'], **request['shape'])
-    work = workload.build(mcfg, request['batch'], request['seq'], config)
-    partitioner = sharding.Partitioner.from_config(config)
-    state = partitioner.train_state(mcfg, work.tx)
+    mcfg = workload.model_config(run, mem_len=request['seq'], **request['shape'])
+    work = workload.build(mcfg, request['batch'], request['seq'], run)
+    partitioner = sharding.Partitioner.from_config(run.mesh)
+    params, opt_state = partitioner.params_and_optimizer(mcfg, work.tx)
     memory = partitioner.memory(mcfg, work.batch_size)
     batch = {k: partitioner.shardings(P('batch', None)) for k in work.batch}
-    in_shardings = (state.params, state.opt_state, memory, batch, partitioner.replicated)
+    in_shardings = (params, opt_state, memory, batch, partitioner.replicated)
     placed = jax.device_put(work.args(), in_shardings)
     work = workload.TrainWorkload(**{**work.__dict__, **dict(zip(
         ('params', 'opt_state', 'memory', 'batch', 'key'), placed))})
@@ -79,7 +81,7 @@ def _suite():
     @harness.register('devices')
     def run(ctx: harness.Context) -> harness.SuiteResult:
         setting = TINY if ctx.tiny else FULL
-        request = {'config': workload.base_config(ctx.config).to_dict(), 'size': ctx.size,
+        request = {'config': workload.run_config(ctx.config).source, 'size': ctx.size,
                    'warmup': ctx.warmup, 'repeats': ctx.repeats, **setting}
         rows = []
         for count in DEVICE_COUNTS:

@@ -1,0 +1,67 @@
+"""config.data as a typed, frozen section: every field the data package reads, with its default.
+
+`config_lib.base_config` builds config.data from these defaults, so a field added here can be
+set from any config file and from the command line (--config.data.<field>=...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text', 'sorting')
+TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece', 'gpt2_bpe', 'sorting')
+# The names config.eval.split accepts ('valid' reads 'validation').
+SPLITS = ('train', 'validation', 'valid', 'test')
+DEFAULT_DATA_DIR = '~/tensorflow_datasets'
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """What a run reads and how it is tokenised."""
+
+    name: str = 'embedded'
+    data_dir: str = DEFAULT_DATA_DIR  # '': the same.
+    manual_dir: str = ''  # '': <data_dir>/downloads/manual.
+    text_path: str = ''
+    tokenizer: str = 'byte'
+    vocab_path: str = ''
+    sp_vocab_size: int = 8000
+    word_min_freq: int = 1  # words seen fewer times in train become <unk>.
+    word_max_size: int = 0  # 0: no cap on the word vocabulary (specials included).
+    heldout_size: int = 5_000_000  # enwik8 / text8: bytes or characters of validation and of test.
+    cache_dir: str = ''  # '': <data_dir>/memjax_token_cache.
+    reset_at_doc_boundary: bool = False
+    # > 0: only the first N documents of the train split, in the prepared order (PG-19: by book
+    # id); the infinity-former fine-tunes on PG-19's first 2,000 books.
+    train_documents: int = 0
+    # A resumed run whose training data reads as other token ids than it was trained on stops;
+    # True: it continues on the new data, with a warning.
+    accept_changed_data: bool = False
+    # name='sorting': symbols per sequence, and sequences per split (the paper's 8,000 / 800 / 800).
+    sort_length: int = 4000
+    sort_train_sequences: int = 8000
+    sort_validation_sequences: int = 800
+    sort_test_sequences: int = 800
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any]) -> DataConfig:
+        """From config.data (an ml_collections ConfigDict) or a dict; absent fields keep their
+        defaults."""
+        values = dict(fields)
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f'config.data has unknown fields {unknown}; known fields: {known}.')
+        return cls(**values)
+
+    def problems(self) -> list[str]:
+        """One line per unusable value, for `config_lib.validate_config` to report with the rest."""
+        checks = [
+            (self.name in DATA_NAMES, f'config.data.name={self.name!r} must be one of {DATA_NAMES}.'),
+            (self.tokenizer in TOKENIZERS,
+             f'config.data.tokenizer={self.tokenizer!r} must be one of {TOKENIZERS}.'),
+            (self.train_documents >= 0,
+             f'config.data.train_documents={self.train_documents} must be >= 0 (0: every document).'),
+        ]
+        return [message for ok, message in checks if not ok]

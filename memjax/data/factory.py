@@ -1,0 +1,134 @@
+"""Choices by name: the tokenizer that data.tokenizer or a saved tokenizer file names, and the
+streams of data.name. The one module that imports every concrete tokenizer and stream class, so
+that their own modules need not import each other."""
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Optional
+
+from memjax import errors
+from memjax.data import builders, pipeline, sorting
+from memjax.data.config import TOKENIZERS, DataConfig
+from memjax.data.streams import BatchedStreams
+from memjax.data.tokenizers import (GPT2_FILES, TOKENIZER_FILE, ByteTokenizer, CharTokenizer,
+                                    GPT2BPETokenizer, SentencePieceTokenizer, Tokenizer,
+                                    WordTokenizer)
+
+# Tokenizers whose vocabulary does not depend on the data.
+FIXED_VOCABULARIES = ('byte', 'sorting')
+
+
+def load_tokenizer(path: os.PathLike) -> Tokenizer:
+    """Loads a tokenizer.json (or its folder) or a sentencepiece .model file."""
+    path = Path(path).expanduser()
+    if path.is_dir() and not (path / TOKENIZER_FILE).exists() and (path / GPT2_FILES[0]).exists():
+        return GPT2BPETokenizer.from_folder(path)
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.exists():
+        raise errors.MissingFileError(
+            f'Tokenizer file {path} does not exist; point data.vocab_path at a '
+            f'{TOKENIZER_FILE} written by memjax or at a sentencepiece .model.')
+    if path.suffix == '.model':
+        return SentencePieceTokenizer.load(path)
+    try:
+        spec = json.loads(path.read_text())
+        kind = spec['kind']
+    except (ValueError, KeyError, TypeError) as e:
+        raise errors.DataError(f'{path} is not a memjax tokenizer file '
+                               f'(JSON with a "kind" field): {e}') from e
+    try:
+        if kind == 'byte':
+            return ByteTokenizer()
+        if kind == 'char':
+            return CharTokenizer(spec['chars'])
+        if kind == 'word':
+            return WordTokenizer(spec['tokens'])
+        if kind == 'gpt2_bpe':
+            return GPT2BPETokenizer(spec['vocab'], spec['merges'])
+        if kind == 'sorting':
+            return sorting.SortingTokenizer()
+        if kind == 'sentencepiece':
+            model_path = path.parent / spec['model_file']
+            if not model_path.is_file():
+                raise errors.MissingFileError(
+                    f'{model_path}, named by {path}, does not exist; keep the two files '
+                    'together.')
+            model = SentencePieceTokenizer.load(model_path)
+            if model.to_json()['model_sha256'] != spec.get('model_sha256'):
+                raise errors.DataError(f'{model_path} does not match the model hash '
+                                       f'recorded in {path}; the pair was mixed up.')
+            return model
+    except (KeyError, TypeError) as e:
+        raise errors.DataError(f'{path} is a damaged memjax tokenizer file (no valid {e} for '
+                               f'kind {kind!r}); restore it from a backup, or delete it to build '
+                               'it again from the same data (the build is deterministic).') from e
+    raise errors.DataError(f'{path}: unknown tokenizer kind {kind!r}; expected one '
+                           f'of {TOKENIZERS}.')
+
+
+def train_tokenizer(data_cfg: DataConfig, train_documents: Iterable[str]) -> Tokenizer:
+    """Builds a new tokenizer of data.tokenizer from the train split's documents."""
+    kind = data_cfg.tokenizer
+    if kind == 'byte':
+        return ByteTokenizer()
+    if kind == 'sorting':
+        return sorting.SortingTokenizer()
+    if kind == 'char':
+        return CharTokenizer.from_documents(train_documents)
+    if kind == 'word':
+        return WordTokenizer.from_documents(
+            train_documents, min_freq=data_cfg.word_min_freq,
+            max_size=data_cfg.word_max_size if data_cfg.word_max_size > 0 else None)
+    if kind == 'sentencepiece':
+        return SentencePieceTokenizer.train(train_documents, data_cfg.sp_vocab_size)
+    if kind == 'gpt2_bpe':
+        raise errors.MissingFileError(
+            f'data.tokenizer=gpt2_bpe is not trained: set data.vocab_path to a folder with GPT-2\'s '
+            f'{list(GPT2_FILES)} (e.g. an HF gpt2 download).')
+    raise errors.DataError(f'Unknown data.tokenizer {kind!r}; expected one of '
+                           f'{TOKENIZERS}.')
+
+
+def build_tokenizer(data_cfg: DataConfig,
+                    workdir: Optional[os.PathLike] = None,
+                    save: bool = True) -> Tokenizer:
+    """Loads the run's tokenizer, or builds it from the train split once.
+
+    Order: `workdir`/tokenizer.json if present (resumed run, evaluation),
+    else data.vocab_path, else trained on the train split of data.name. With
+    `save` the result is saved into `workdir` so later commands reuse the
+    same ids.
+    """
+    kind = data_cfg.tokenizer
+    if kind not in TOKENIZERS:
+        raise errors.DataError(f'Unknown data.tokenizer {kind!r}; expected one of '
+                               f'{TOKENIZERS}.')
+    saved = Path(workdir).expanduser() / TOKENIZER_FILE if workdir else None
+    if saved is not None and saved.exists():
+        tok, origin = load_tokenizer(saved), str(saved)
+    elif data_cfg.vocab_path:
+        tok, origin = load_tokenizer(data_cfg.vocab_path), f'data.vocab_path={data_cfg.vocab_path}'
+    elif kind in FIXED_VOCABULARIES:
+        tok, origin = train_tokenizer(data_cfg, ()), 'its fixed vocabulary'
+    else:
+        docs = builders.run_documents(data_cfg, builders.prepare(data_cfg), 'train')
+        tok, origin = train_tokenizer(data_cfg, docs), 'train split'
+    if tok.kind != kind:
+        raise errors.DataError(
+            f'data.tokenizer is {kind!r} but {origin} holds a {tok.kind!r} '
+            'tokenizer; use a fresh workdir or the matching data.tokenizer.')
+    if save and saved is not None and not saved.exists():
+        tok.save(saved.parent)
+    return tok
+
+
+def make_streams(data_cfg: DataConfig, split: str, tokenizer: Tokenizer, **kwargs) -> BatchedStreams:
+    """The split's batches: LMStreams over a text corpus, or the generated sorting task
+    (data.name='sorting', no corpus; its sequences follow from `seed`)."""
+    seed = kwargs.pop('seed', 0)
+    if data_cfg.name == 'sorting':
+        kwargs.pop('cache_dir', None)
+        return sorting.SortingStreams(data_cfg, builders.canonical_split(split), seed=seed, **kwargs)
+    return pipeline.LMStreams(data_cfg, split, tokenizer, **kwargs)
