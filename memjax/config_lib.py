@@ -23,7 +23,7 @@ from ml_collections import config_dict
 from memjax.data.config import SPLITS, DataConfig
 from memjax.errors import ConfigError  # re-exported: config_lib.ConfigError is public
 from memjax.model import memories
-from memjax.model.config import RUN_TIME_FIELDS, TRAINING_FIELDS, ModelConfig
+from memjax.model.config import ModelConfig
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 INIT_FROM_STATES = ('params', 'params_and_optimizer')
@@ -191,7 +191,8 @@ class MeshConfig:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A resolved experiment: typed sections, every default and -1 placeholder filled, except
-    the vocabulary size of a config that takes it from the tokenizer (`with_vocab_size`)."""
+    those that wait for the tokenizer's vocabulary size (`with_vocab_size`: the model's, and the
+    divergence limit)."""
 
     seed: int
     model: ModelConfig
@@ -214,7 +215,8 @@ class RunConfig:
         except ValueError as error:
             raise ConfigError(f'invalid config.model: {error}') from None
         source = {**self.source, 'model': {**self.source['model'], 'vocab_size': vocab_size}}
-        return dataclasses.replace(self, model=model, eval_model=eval_model, source=source)
+        train = dataclasses.replace(self.train, diverged_loss=self.train.diverged_limit(vocab_size))
+        return dataclasses.replace(self, model=model, eval_model=eval_model, train=train, source=source)
 
     def as_config_dict(self) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(self.source)
@@ -251,13 +253,7 @@ def eval_model_placeholders() -> ml_collections.ConfigDict:
     defaults = model_defaults()
     # 'memory': a kind that runs on the trained kind's parameters (MemoryKind.runs_on), e.g. 'trams'.
     return ml_collections.ConfigDict(
-        {name: config_dict.placeholder(type(defaults[name])) for name in ('memory',) + run_time_fields()})
-
-
-def run_time_fields(memory: str | None = None) -> tuple[str, ...]:
-    """Model fields evaluation may override: every kind's (`memory` None) or one kind's."""
-    kinds = [memories.kind_class(memory)] if memory else [memories.kind_class(n) for n in memories.names()]
-    return tuple(dict.fromkeys(RUN_TIME_FIELDS + sum((k.run_time_fields for k in kinds), ())))
+        {name: config_dict.placeholder(type(defaults[name])) for name in ('memory',) + memories.run_time_fields()})
 
 
 def eval_model_overrides(config: ml_collections.ConfigDict) -> dict:
@@ -397,7 +393,8 @@ def _resolve_models(config: ml_collections.ConfigDict, train: TrainConfig, evalu
         errors.append(f'config.model: {error}')
         return None, None
     try:
-        eval_model = eval_model_config(model, config, evaluation.tgt_len)
+        eval_model = memories.evaluation_config(model, eval_model_overrides(config),
+                                                evaluation.tgt_len if config.model.segment_len == -1 else None)
     except ValueError as error:
         errors.append(f'config.eval.model: {error}')
         return model, None
@@ -407,33 +404,3 @@ def _resolve_models(config: ml_collections.ConfigDict, train: TrainConfig, evalu
     errors.extend(_problems((not late, f'memory={model.memory!r} changes its training phase at steps {late}: '
                                        f'config.train.segments_per_step={steps} must divide them.')))
     return model, eval_model
-
-
-def eval_model_config(mcfg: ModelConfig, config: ml_collections.ConfigDict, tgt_len: int) -> ModelConfig:
-    """The model config evaluation runs: config.eval.model's set fields over `mcfg`, with
-    segments of `tgt_len` (evaluation's).
-
-    Raises ValueError for a field that would change the parameters (not a run-time field of
-    the memory kind) and for invalid values.
-    """
-    overrides = eval_model_overrides(config)
-    memory = overrides.get('memory', mcfg.memory)
-    if memory != mcfg.memory:
-        runs_on = memories.kind_class(memory).runs_on if memory in memories.names() else ()
-        if mcfg.memory not in runs_on:
-            users = [n for n in memories.names() if mcfg.memory in memories.kind_class(n).runs_on]
-            raise ValueError(f'memory={memory!r} cannot run on parameters trained as memory={mcfg.memory!r}; '
-                             f'evaluation may switch to {users or "no other kind"} for them.')
-    allowed = run_time_fields(memory)
-    refused = sorted(set(overrides) - set(allowed) - {'memory'})
-    if refused:
-        hint = [n for n in memories.names() if mcfg.memory in memories.kind_class(n).runs_on
-                and set(refused) <= set(run_time_fields(n))]
-        raise ValueError(f'{refused} cannot differ at evaluation for memory={memory!r}: only {list(allowed)} '
-                         'shape no parameter' + (f'; they are fields of memory={hint[0]!r}: add '
-                                                 f'--config.eval.model.memory={hint[0]}.' if hint else '.'))
-    if config.model.segment_len == -1:
-        overrides['segment_len'] = tgt_len
-    # Evaluation never skips layers nor permutes heads.
-    defaults = {name: ModelConfig.defaults()[name] for name in TRAINING_FIELDS}
-    return mcfg.replace(**overrides, **defaults)

@@ -17,6 +17,7 @@ from memjax import cli
 from memjax import config_lib
 from memjax.runtime import distributed
 from memjax import errors
+from memjax.model import memories
 from memjax.training import evaluation
 from memjax.training import metrics as metrics_lib
 from memjax.training import loop as trainer
@@ -75,7 +76,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig
         'num_target_tokens_of_split': int(streams.num_target_tokens),
         'settings': {'memory': exp.eval_mcfg.memory,
                      **{k: getattr(exp.run.eval, k) for k in ('batch_size', 'tgt_len')},
-                     **{k: getattr(exp.eval_mcfg, k) for k in config_lib.run_time_fields(exp.eval_mcfg.memory)}},
+                     **{k: getattr(exp.eval_mcfg, k) for k in memories.run_time_fields(exp.eval_mcfg.memory)}},
     }
     metrics_lib.log_eval(step, split, result.mean_nll, result.num_tokens, exp.unit)
     trainer.write_json(out_path, summary)

@@ -50,7 +50,7 @@ def test_every_config_is_valid(path):
     # Evaluation overrides must not change the parameter shapes of the trained model: the same
     # fields but run-time ones, or a kind that runs on the trained one's parameters.
     assert eval_mcfg.memory == mcfg.memory or mcfg.memory in memories.kind_class(eval_mcfg.memory).runs_on
-    dropped = config_lib.run_time_fields(mcfg.memory) + config_lib.run_time_fields(eval_mcfg.memory)
+    dropped = memories.run_time_fields(mcfg.memory) + memories.run_time_fields(eval_mcfg.memory)
     assert dataclasses_without(mcfg, dropped) == dataclasses_without(eval_mcfg, dropped)
 
 

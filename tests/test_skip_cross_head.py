@@ -170,8 +170,7 @@ def test_evaluation_never_skips_nor_permutes(params, tokens, tmp_path):
     assert not any(jax.tree.leaves(s) for s in sown)  # No permutation drawn.
     corpus = training_fixtures.write_text_corpus(str(tmp_path))
     config = training_fixtures.tiny_config(corpus, model__skip_rule='linear', model__sch_beta=0.1)
-    mcfg = model_lib.ModelConfig.from_config_dict(config.model, vocab_size=256, segment_len=8)
-    eval_mcfg = config_lib.eval_model_config(mcfg, config, tgt_len=8)
+    eval_mcfg = config_lib.resolve(config).eval_model
     assert (eval_mcfg.skip_rule, eval_mcfg.sch_beta) == ('none', 0.0)
 
 

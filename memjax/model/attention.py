@@ -101,6 +101,8 @@ class LayerMaps:
     position: Optional[Callable[[jax.Array], jax.Array]]  # [R, d_model] -> [R, H, Dh] (W_r); None: absolute.
     query_kernel: jax.Array  # [d_model, H, Dh] W_Q (its bias, if the block has one, is not in it).
     key_kernel: jax.Array  # [d_model, H, Dh] W_K
+    value_kernel: jax.Array  # [d_model, H, Dh] W_V
+    output_kernel: jax.Array  # [H, Dh, d_model] W_O
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +139,11 @@ class Attended:
     notes: Any = None
 
 
+def _kernel(proj: nn.Module) -> jax.Array:
+    """A projection's kernel as a plain array, for products that do not go through the projection."""
+    return nn.meta.unbox(proj.variables['params']['kernel'])
+
+
 def _contiguous_tail(blocks: Sequence[KeyBlock]) -> int:
     """Index of the first block of the trailing contiguous run; checks nothing contiguous precedes
     an explicit or lagging block (its distances would be undefined)."""
@@ -157,6 +164,14 @@ def _gather_rows(scores: jax.Array, distances: jax.Array) -> jax.Array:
     return jnp.take_along_axis(scores, index, axis=-1)
 
 
+def _last_rows(query_v, pos_key, every_row, width: int) -> jax.Array:
+    """Scores [B, H, T, width] of the table's newest `width` distance rows: sliced from `every_row`
+    when the explicit blocks had the whole table scored, so no row is scored twice."""
+    if every_row is not None:
+        return every_row[..., every_row.shape[-1] - width:]
+    return position_scores(query_v, pos_key[pos_key.shape[0] - width:])
+
+
 def _lagging_block(query_v, shifted_pos_key, block: KeyBlock, offset) -> jax.Array:
     """[B, H, T, N]: the block and the queries as one span over the table shifted by `offset`."""
     shifted = position_scores(query_v, shifted_pos_key(block.length + query_v.shape[1], offset))
@@ -170,18 +185,71 @@ def _lagging_then_span(query_v, pos_key, shifted_pos_key, block: KeyBlock, span:
     span are one span scored by one `rel_shift`, as without lagging; only when it lags is the block
     scored over the distance table shifted by its offset and the span over its own rows (a branch
     of `lax.cond`: the other is not computed)."""
-    rows = pos_key.shape[0]
-    span_rows = lambda width: (every_row[..., every_row.shape[-1] - width:] if every_row is not None
-                               else position_scores(query_v, pos_key[rows - width:]))
 
     def lagging(offset):
-        return jnp.concatenate([_lagging_block(query_v, shifted_pos_key, block, offset), rel_shift(span_rows(span))],
-                               axis=-1)
+        return jnp.concatenate([_lagging_block(query_v, shifted_pos_key, block, offset),
+                                rel_shift(_last_rows(query_v, pos_key, every_row, span))], axis=-1)
 
-    if rows < block.length + span:
+    def together(_):
+        return rel_shift(_last_rows(query_v, pos_key, every_row, block.length + span))
+
+    if pos_key.shape[0] < block.length + span:
         return lagging(block.offset)
-    return jax.lax.cond(block.offset == 0, lambda _: rel_shift(span_rows(block.length + span)), lagging,
-                        block.offset)
+    return jax.lax.cond(block.offset == 0, together, lagging, block.offset)
+
+
+def _explicit_scores(query_v, every_row, shifted_pos_key, block: KeyBlock) -> jax.Array:
+    """Positional scores [B, H, T, N] of a block the span's `rel_shift` cannot align: explicit keys
+    are gathered at their distances, a lagging block is scored over its shifted table."""
+    if block.distances is not None:
+        return _gather_rows(every_row, block.distances)
+    return _lagging_block(query_v, shifted_pos_key, block, block.offset)
+
+
+def _span_scores(query_v, pos_key, shifted_pos_key, adjacent_lag, span: int, every_row) -> jax.Array:
+    """Positional scores [B, H, T, (N +) span] of the contiguous span, with the lagging block right
+    before it (`adjacent_lag`, or None): one `rel_shift` in the steps it does not lag."""
+    if adjacent_lag is not None:
+        return _lagging_then_span(query_v, pos_key, shifted_pos_key, adjacent_lag, span, every_row)
+    return rel_shift(_last_rows(query_v, pos_key, every_row, span))
+
+
+def _in_window(keys, queries, window: int) -> jax.Array:
+    """`same_length`: every query sees as many keys, the newest `window` in attended order."""
+    return keys > queries - window
+
+
+def _explicit_mask(block: KeyBlock, first: int, query, first_query: int, same_length: bool,
+                   window: int) -> jax.Array:
+    """[B, H or 1, T, N] keys a query sees in a block outside the span, its first key at `first`
+    and query t (`query` [T, 1]) at `first_query + t` in attended order."""
+    if block.distances is not None:
+        visible = block.distances >= 0  # A negative distance: the key is in the query's future.
+    else:
+        visible = jnp.ones((query.shape[0], block.length), bool)  # Lagging: all in the past.
+    if same_length:
+        visible &= _in_window(first + jnp.arange(block.length)[None, :], first_query + query, window)
+    return block.valid & visible
+
+
+def _span_mask(contiguous: Sequence[KeyBlock], batch: int, query, span: int, same_length: bool,
+               window: int) -> jax.Array:
+    """[B, H or 1, T, span] keys a query sees in the span (the contiguous blocks, then the
+    segment): causal, as query t (`query` [T, 1]) is its key span - T + t."""
+    qlen = query.shape[0]
+    keys = jnp.arange(span)[None, :]
+    visible = keys <= span - qlen + query
+    if same_length:
+        visible &= _in_window(keys, span - qlen + query, window)
+    valid = [b.valid for b in contiguous] + [jnp.ones((batch, 1, 1, qlen), bool)]
+    return _side_by_side(valid) & visible
+
+
+def _side_by_side(masks: Sequence[jax.Array]) -> jax.Array:
+    """Masks of consecutive key blocks as one [B, H or 1, T or 1, K]: a block may mask per head
+    or per query while another masks all alike, so each is broadcast to the largest."""
+    lead = tuple(max(m.shape[axis] for m in masks) for axis in range(3))
+    return jnp.concatenate([jnp.broadcast_to(m, lead + m.shape[-1:]) for m in masks], axis=-1)
 
 
 def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window, shifted_pos_key=None):
@@ -190,56 +258,31 @@ def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window, shifte
     [rows, H, Dh] positional keys of distances offset + rows-1 ... offset, for lagging blocks (a
     pure function: it may run inside `lax.cond`)."""
     tail = _contiguous_tail(blocks)
-    span = sum(b.length for b in blocks[tail:]) + qlen
+    explicit, contiguous = blocks[:tail], blocks[tail:]
+    span = sum(b.length for b in contiguous) + qlen
     total = sum(b.length for b in blocks) + qlen
     relative = pos_key is not None
     if relative and pos_key.shape[0] < span:
         raise ValueError(f'{pos_key.shape[0]} distance rows for a contiguous span of {span} keys: '
                          'the memory kind must ask for at least that many (position_rows).')
-    scores, masks = [], []
-    explicit = blocks[:tail]
-    i = jnp.arange(qlen)[:, None]
-    every_row = None
+    query = jnp.arange(qlen)[:, None]  # The segment's queries are the last keys attended.
+    every_row = None  # Explicit distances may be any row of the table: it is scored once, whole.
     if relative and any(b.distances is not None for b in explicit):
         every_row = position_scores(query_v, pos_key)
-    first = 0  # Index of the block's first key in the attended order.
-    adjacent_lag = None  # A lagging block right before the span: scored with it.
-    for index, b in enumerate(explicit):
-        if b.distances is not None:
-            if relative:
-                scores.append(_gather_rows(every_row, b.distances))
-            visible = b.distances >= 0
-        else:  # Lagging: the block and the queries as one span over a table shifted by the lag.
-            if relative and index == len(explicit) - 1:
-                adjacent_lag = b
-            elif relative:
-                scores.append(_lagging_block(query_v, shifted_pos_key, b, b.offset))
-            visible = jnp.ones((qlen, b.length), bool)  # All in the past.
-        if same_length:  # The newest `window` keys in attended order; query i is key total-T+i.
-            visible &= first + jnp.arange(b.length)[None, :] > total - qlen + i - window
-        masks.append(b.valid & visible)
+    scores = None
+    if relative:
+        # A lagging block right before the span is scored with it: most steps it does not lag.
+        adjacent_lag = explicit[-1] if explicit and explicit[-1].distances is None else None
+        alone = explicit[:-1] if adjacent_lag is not None else explicit
+        scores = jnp.concatenate(
+            [_explicit_scores(query_v, every_row, shifted_pos_key, b) for b in alone]
+            + [_span_scores(query_v, pos_key, shifted_pos_key, adjacent_lag, span, every_row)], axis=-1)
+    masks, first = [], 0
+    for b in explicit:
+        masks.append(_explicit_mask(b, first, query, total - qlen, same_length, window))
         first += b.length
-    if relative and adjacent_lag is not None:
-        scores.append(_lagging_then_span(query_v, pos_key, shifted_pos_key, adjacent_lag, span, every_row))
-    elif relative:  # With explicit blocks, the span's distance rows are already scored: the table's last.
-        rows = every_row[..., every_row.shape[-1] - span:] if every_row is not None else position_scores(
-            query_v, pos_key[pos_key.shape[0] - span:])
-        scores.append(rel_shift(rows))
-    j = jnp.arange(span)[None, :]
-    visible = j <= span - qlen + i
-    if same_length:
-        visible &= j > span - qlen + i - window
-    batch = query_v.shape[0]
-    valid = [b.valid for b in blocks[tail:]] + [jnp.ones((batch, 1, 1, qlen), bool)]
-    lead = (batch, max(v.shape[1] for v in valid), max(v.shape[2] for v in valid))
-    valid = jnp.concatenate([jnp.broadcast_to(v, lead + v.shape[-1:]) for v in valid], axis=-1)
-    masks.append(valid & visible)
-    score = None if not relative else scores[0] if len(scores) == 1 else jnp.concatenate(scores, axis=-1)
-    if len(masks) == 1:
-        return score, masks[0]
-    heads = max(m.shape[1] for m in masks)
-    masks = [jnp.broadcast_to(m, (batch, heads, qlen, m.shape[-1])) for m in masks]
-    return score, jnp.concatenate(masks, axis=-1)
+    masks.append(_span_mask(contiguous, query_v.shape[0], query, span, same_length, window))
+    return scores, _side_by_side(masks)
 
 
 def dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
@@ -283,18 +326,32 @@ class RelativeAttention(nn.Module):
         segment_key, segment_value = key_proj(segment), value_proj(segment)
         out_proj = projection(cfg, cfg.d_model, 'out', ('heads', 'kv', 'embed'), in_dims=2, bias=bias)
         pos_proj = projection(cfg, heads, 'pos', in_axes) if ctx.positions is not None else None
+        if self.is_initializing():
+            # The output map is applied last, to the attention's output: its kernel is created now
+            # so that the maps hold it before any score.
+            out_proj(jnp.zeros(heads, cfg.dtype))
+
+        def after_norm(proj):
+            # A kind's rows are layer inputs, like the segment: normed first when pre-LN.
+            return lambda x: proj(norm(x))
+
         maps = LayerMaps(
-            jnp.asarray(index, jnp.int32), lambda x: query_proj(norm(x)), lambda x: key_proj(norm(x)),
-            lambda x: value_proj(norm(x)), out_proj,
-            None if pos_proj is None else lambda x: pos_proj(x.astype(cfg.dtype)),
-            *(nn.meta.unbox(p.variables['params']['kernel']) for p in (query_proj, key_proj)))
+            index=jnp.asarray(index, jnp.int32),
+            query=after_norm(query_proj), key=after_norm(key_proj), value=after_norm(value_proj),
+            output=out_proj,
+            position=None if pos_proj is None else lambda x: pos_proj(x.astype(cfg.dtype)),
+            query_kernel=_kernel(query_proj), key_kernel=_kernel(key_proj),
+            value_kernel=_kernel(value_proj), output_kernel=_kernel(out_proj))
         blocks = list(blocks(maps) if callable(blocks) else blocks) + ([rows] if rows is not None else [])
-        # Memory rows are projected apart from the segment's: they carry no gradient, and one
-        # projection of [memory; segment] makes the backward compute (and then drop) their input
-        # gradient, ~4% of a step's matmul FLOPs.
-        projected = lambda b, proj, given: given if b.rows is None else proj(norm(b.rows.astype(h.dtype)))
-        key = constrain(jnp.concatenate([projected(b, key_proj, b.keys) for b in blocks] + [segment_key], axis=1))
-        value = constrain(jnp.concatenate([projected(b, value_proj, b.values) for b in blocks] + [segment_value],
+
+        def projected(given, block_rows, layer_map):
+            # Memory rows are projected apart from the segment's: they carry no gradient, and one
+            # projection of [memory; segment] makes the backward compute (and then drop) their
+            # input gradient, ~4% of a step's matmul FLOPs.
+            return given if block_rows is None else layer_map(block_rows.astype(h.dtype))
+
+        key = constrain(jnp.concatenate([projected(b.keys, b.rows, maps.key) for b in blocks] + [segment_key], axis=1))
+        value = constrain(jnp.concatenate([projected(b.values, b.rows, maps.value) for b in blocks] + [segment_value],
                                           axis=1))  # [B, K, H, Dh]
 
         # Stochastic Cross-Head attention (training): query head h reads head perm[h]'s keys,
@@ -317,10 +374,11 @@ class RelativeAttention(nn.Module):
                 # drawn here, for the largest table.
                 table_rows = ctx.positions.shape[0]
                 kept = Dropout(cfg.dropout)(jnp.ones((table_rows, cfg.d_model), cfg.dtype), deterministic)
-                pos_kernel = nn.meta.unbox(pos_proj.variables['params']['kernel']).astype(cfg.dtype)
-                shifted_pos_key = lambda rows, offset: permute(jnp.tensordot(
-                    POSITIONS[cfg.positions](rows, cfg.d_model, cfg.clamp_len, offset).astype(cfg.dtype)
-                    * kept[table_rows - rows:], pos_kernel, axes=1), 1)
+                pos_kernel = _kernel(pos_proj).astype(cfg.dtype)
+
+                def shifted_pos_key(rows, offset):
+                    table = POSITIONS[cfg.positions](rows, cfg.d_model, cfg.clamp_len, offset).astype(cfg.dtype)
+                    return permute(jnp.tensordot(table * kept[table_rows - rows:], pos_kernel, axes=1), 1)
             content_query, position_query = query + u_bias.astype(cfg.dtype), query + v_bias.astype(cfg.dtype)
         else:
             content_query = position_query = query
@@ -337,8 +395,10 @@ class RelativeAttention(nn.Module):
         out = out_proj(attended)
         result = Attended()
         if attend is not None:
-            result = attend(AttentionView(query, key, value, maps, scores, attended, ctx.positions, u_bias, v_bias,
-                                          biases or {}, None if rows is None else rows.rows, deterministic))
+            view = AttentionView(query=query, key=key, value=value, maps=maps, scores=scores, attended=attended,
+                                 positions=ctx.positions, u_bias=u_bias, v_bias=v_bias, biases=biases or {},
+                                 rows=None if rows is None else rows.rows, deterministic=deterministic)
+            result = attend(view)
             if result.extra is not None:
                 out = out + result.extra.astype(out.dtype)
         if rows is not None:

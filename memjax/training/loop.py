@@ -547,7 +547,7 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
     interval = _Interval(step)
     # Throughput counts neither the compiling first dispatch nor periodic validation.
     logged_tokens, compile_tokens, steady_start, eval_seconds = 0.0, 0.0, None, 0.0
-    diverged_loss = tcfg.diverged_limit(exp.mcfg.vocab_size)
+    diverged_loss = tcfg.diverged_loss  # Resolved with the vocabulary size: inf when off.
     watch, preempted = preemption.PreemptionWatch(), False
     try:
         while step < tcfg.num_steps:

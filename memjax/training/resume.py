@@ -18,7 +18,6 @@ from typing import Any, Iterable
 from absl import logging
 import ml_collections
 
-from memjax import config_lib
 from memjax import errors
 from memjax.model import memories
 from memjax.model.config import TRAINING_FIELDS
@@ -57,7 +56,7 @@ ON_OFF = ('train.clip_norm', 'train.weight_decay')
 # Model fields that change what the model computes but not its parameters; the run-time ones
 # among them evaluation may override (config.eval.model).
 NOT_PARAMS = ('model.dropout', 'model.dropatt', 'model.compute_dtype', 'model.remat') + tuple(
-    'model.' + name for name in config_lib.run_time_fields() + TRAINING_FIELDS)
+    'model.' + name for name in memories.run_time_fields() + TRAINING_FIELDS)
 # Fields whose default computes something else than memjax did before they existed: a saved run of
 # that memory kind without the field ran with this value.
 ADDED_WITH_NEW_DEFAULT = {'model.ltm_padding': ('infinity', 'even')}

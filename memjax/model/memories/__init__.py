@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import Attended, AttentionView, KeyBlock, LayerMaps
 from memjax.model import stochastic
-from memjax.model.config import KindFields, ModelConfig, add_check, declare_fields
+from memjax.model.config import RUN_TIME_FIELDS, TRAINING_FIELDS, KindFields, ModelConfig, add_check, declare_fields
 
 BATCH_AXIS = 'activation_batch'
 
@@ -222,6 +222,37 @@ def kind_class(name: str) -> type[MemoryKind]:
 
 def get(config: ModelConfig) -> MemoryKind:
     return kind_class(config.memory)(config)
+
+
+def run_time_fields(memory: Optional[str] = None) -> tuple[str, ...]:
+    """Model fields evaluation may override: every kind's (`memory` None) or one kind's."""
+    kinds = [kind_class(memory)] if memory else [kind_class(n) for n in names()]
+    return tuple(dict.fromkeys(RUN_TIME_FIELDS + sum((k.run_time_fields for k in kinds), ())))
+
+
+def evaluation_config(trained: ModelConfig, overrides: dict[str, Any],
+                      segment_len: Optional[int] = None) -> ModelConfig:
+    """The model evaluation runs: `overrides` (config.eval.model's set fields) over the `trained`
+    one, with segments of `segment_len` (None: as trained) and the training switches off.
+
+    Raises ValueError for a kind that cannot run on the trained parameters, for a field that would
+    change them (not a run-time field of the kind), and for invalid values.
+    """
+    memory = overrides.get('memory', trained.memory)
+    users = [n for n in names() if trained.memory in kind_class(n).runs_on]
+    if memory != trained.memory and memory not in users:
+        raise ValueError(f'memory={memory!r} cannot run on parameters trained as memory={trained.memory!r}; '
+                         f'evaluation may switch to {users or "no other kind"} for them.')
+    allowed = run_time_fields(memory)
+    refused = sorted(set(overrides) - set(allowed) - {'memory'})
+    if refused:
+        hint = [n for n in users if set(refused) <= set(run_time_fields(n))]
+        raise ValueError(f'{refused} cannot differ at evaluation for memory={memory!r}: only {list(allowed)} '
+                         'shape no parameter' + (f'; they are fields of memory={hint[0]!r}: add '
+                                                 f'--config.eval.model.memory={hint[0]}.' if hint else '.'))
+    # Evaluation never skips layers nor permutes heads.
+    switches_off = {name: ModelConfig.defaults()[name] for name in TRAINING_FIELDS}
+    return trained.replace(**overrides, **switches_off, **({} if segment_len is None else {'segment_len': segment_len}))
 
 
 @register
