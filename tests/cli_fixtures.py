@@ -10,18 +10,20 @@ import sys
 import time
 from typing import Optional, Sequence
 
+import conftest
 import training_fixtures
 
 # Generous: compilation on a loaded 2-core machine takes many times its usual seconds.
 RUN_TIMEOUT_S = 240
 
 
-def cpu_env(device_count: int, compilation_cache: str) -> dict:
+def cpu_env(device_count: int, compilation_cache: Optional[str] = None) -> dict:
     """The environment of a CPU-only JAX process with `device_count` simulated devices.
 
-    Runs given the same `compilation_cache` folder reuse each other's compiled steps
-    (a resumed run compiles exactly what the interrupted one did).
+    Runs given the same `compilation_cache` folder (default: the test run's, tests/conftest.py)
+    reuse each other's compiled steps (a resumed run compiles exactly what the interrupted one did).
     """
+    compilation_cache = compilation_cache or os.environ[conftest.CACHE_VARIABLE]
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(('MEMJAX_', 'JAX_', 'SLURM_', 'OMPI_'))}
     env.update(JAX_PLATFORMS='cpu', PYTHONPATH=training_fixtures.REPO, PYTHONUNBUFFERED='1',

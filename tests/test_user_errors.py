@@ -32,8 +32,8 @@ def trained(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
-def env(tmp_path_factory):
-    return cli_fixtures.cpu_env(1, str(tmp_path_factory.mktemp('compilation_cache')))
+def env():
+    return cli_fixtures.cpu_env(1)
 
 
 def run(command, env, **kwargs):

@@ -1,0 +1,28 @@
+"""Suite-wide settings: one persistent JAX compilation cache for the whole run.
+
+Many tests compile the same small programs (the tiny config's train and eval steps, in this
+process, in the other pytest-xdist worker and in the command-line subprocesses): the first
+compilation is written to the cache and the others load it. The folder is made once per run by
+the first process that imports this file and handed to the others through the environment, so
+it never outlives the run nor leaks compiled code between runs.
+"""
+
+import os
+import shutil
+import tempfile
+
+import jax
+
+CACHE_VARIABLE = 'MEMJAX_TEST_COMPILATION_CACHE'
+_MADE_HERE = CACHE_VARIABLE not in os.environ
+COMPILATION_CACHE = os.environ.setdefault(CACHE_VARIABLE, tempfile.mkdtemp(prefix='memjax-test-jax-cache-'))
+
+jax.config.update('jax_compilation_cache_dir', COMPILATION_CACHE)
+# Every program, however small or fast to compile: the suite's are all small.
+jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+
+
+def pytest_unconfigure(config):  # pylint: disable=unused-argument
+    if _MADE_HERE:  # The process that made the folder ends last (pytest-xdist's controller).
+        shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
