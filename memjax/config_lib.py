@@ -329,10 +329,7 @@ def resolve(config: ml_collections.ConfigDict, process_count: int = 1,
     if missing:
         raise ConfigError(f'config lacks section(s) {missing}: start from '
                           'memjax.config_lib.base_config().')
-    try:
-        data = DataConfig.from_dict(config.data)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    data = _from_mapping(DataConfig, 'data', config.data)
     train = _from_mapping(TrainConfig, 'train', config.train)
     evaluation = _from_mapping(EvalConfig, 'eval', {k: v for k, v in config.eval.items() if k != 'model'})
     mesh = _from_mapping(MeshConfig, 'mesh', config.mesh)

@@ -297,7 +297,7 @@ def test_init_from_takes_the_source_tokenizer_and_reads_numbered_workdirs(config
     new = training_fixtures.tiny_config(config.data.text_path, train__init_from=baseline[0])
     workdir = str(tmp_path / 'new')
     os.makedirs(workdir)
-    trainer._adopt_tokenizer(new, workdir)
+    trainer._adopt_tokenizer(new.train.init_from, workdir)
     with open(os.path.join(workdir, 'tokenizer.json')) as a, \
             open(os.path.join(baseline[0], 'tokenizer.json')) as b:
         assert a.read() == b.read()

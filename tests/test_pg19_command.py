@@ -10,7 +10,6 @@ import numpy as np
 
 from memjax import config_lib
 from memjax.data import pipeline, tokenizers
-from memjax.data.config import DataConfig
 from memjax.training import loop as trainer
 import training_fixtures
 
@@ -68,6 +67,6 @@ def test_pg19_config_trains_and_validates_on_the_first_books(tmp_path):
     # Validation scores every target of its books; training read books 4 and 30, not 100.
     assert summary['valid_tokens'] == sum(len(tok.encode(text)) - 1 for text in books['validation'].values())
     assert summary['valid_loss'] < math.log(vocab_size) - 1  # It learns (10 words, 260 ids).
-    tokens, offsets = pipeline.load_token_ids(DataConfig.from_dict(config.data), 'train', tok)
+    tokens, offsets = pipeline.load_token_ids(config_lib.resolve(config).data, 'train', tok)
     read = [tok.decode(tokens[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
     assert read == [books['train']['4'], books['train']['30']]

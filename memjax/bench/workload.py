@@ -29,11 +29,12 @@ def run_config(run: Optional[config_lib.RunConfig]) -> config_lib.RunConfig:
 
 
 def model_config(run: Optional[config_lib.RunConfig], **overrides: Any) -> model_lib.ModelConfig:
-    """The run's model (default: base_config's) with `overrides`; a tokenizer-sized vocabulary -> bytes.
-    The segment length is the suite's (`segment_len` among the overrides), not the run's."""
-    model = run_config(run).model
-    vocab_size = BYTE_VOCAB if model.vocab_size == -1 else model.vocab_size
-    return model.replace(**{'vocab_size': vocab_size, 'segment_len': -1, **overrides})
+    """config.model of the run (default: base_config's) with `overrides`, from the fields as the
+    config gives them (-1: derived from the overrides); a tokenizer-sized vocabulary -> bytes."""
+    fields = {**run_config(run).source['model'], **overrides}
+    if fields.get('vocab_size', -1) in (-1, None):
+        fields['vocab_size'] = BYTE_VOCAB
+    return model_lib.ModelConfig.from_config_dict(fields)
 
 
 def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation) -> Callable:

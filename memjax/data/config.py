@@ -1,13 +1,13 @@
 """config.data as a typed, frozen section: every field the data package reads, with its default.
 
 `config_lib.base_config` builds config.data from these defaults, so a field added here can be
-set from any config file and from the command line (--config.data.<field>=...).
+set from any config file and from the command line (--config.data.<field>=...); `config_lib.resolve`
+builds the section from config.data.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
 
 DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text', 'sorting')
 TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece', 'gpt2_bpe', 'sorting')
@@ -43,17 +43,6 @@ class DataConfig:
     sort_train_sequences: int = 8000
     sort_validation_sequences: int = 800
     sort_test_sequences: int = 800
-
-    @classmethod
-    def from_dict(cls, fields: Mapping[str, Any]) -> DataConfig:
-        """From config.data (an ml_collections ConfigDict) or a dict; absent fields keep their
-        defaults."""
-        values = dict(fields)
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f'config.data has unknown fields {unknown}; known fields: {known}.')
-        return cls(**values)
 
     def problems(self) -> list[str]:
         """One line per unusable value, for `config_lib.validate_config` to report with the rest."""
