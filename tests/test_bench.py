@@ -6,11 +6,14 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from memjax.bench import flops
 from memjax.bench import harness
 from memjax.bench import workload
+from memjax.bench.suites import programs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,6 +145,29 @@ def _check_compile(report):
     assert all(r['compile_s'] > 0 and r['lower_s'] > 0 for r in report['rows'])
 
 
+def _check_programs(report):
+    found = {(r['case'], r['step']): r['fingerprint'] for r in report['rows']}
+    assert set(found) == {(c, s) for c in programs.CASES for s in ('train', 'eval')}
+    # Evaluation switches Skip-Retain and cross-head attention off: the very program of plain XL.
+    assert found[('xl_skip_cross_head', 'eval')] == found[('xl', 'eval')]
+    trains = [found[(c, 'train')] for c in programs.CASES]
+    assert len(set(trains)) == len(trains)
+
+
+def test_program_fingerprints_ignore_source_locations_and_see_every_op():
+    """The same computation written on other lines hashes alike; one more op does not."""
+    x = jnp.ones((4, 4))
+    first = jax.jit(lambda a: jnp.tanh(a @ a) + 1.0).lower(x).compile()
+
+    second = jax.jit(  # Only the source locations differ: other lines, other columns.
+        lambda a:
+        jnp.tanh(a @ a) + 1.0).lower(x).compile()
+    third = jax.jit(lambda a: jnp.tanh(a @ a) + 2.0).lower(x).compile()
+    assert first.as_text() != second.as_text()
+    assert programs.program_text(first) == programs.program_text(second)
+    assert programs.program_text(first) != programs.program_text(third)
+
+
 def _check_memory(report):
     cases = {(r['remat'], r['scan_layers']) for r in report['rows']}
     assert cases == {(p, s) for p in ('none', 'full', 'dots_saveable') for s in (False, True)}
@@ -234,7 +260,7 @@ def _check_trams(report):
 
 
 CHECKS = {'trams': _check_trams, 'infinity': _check_infinity, 'lamemo': _check_lamemo, 'skip': _check_skip, 'peak': _check_peak, 'adaptive-softmax': _check_adaptive_softmax, 'train': _check_train, 'compile': _check_compile,
-          'memory': _check_memory, 'devices': _check_devices}
+          'memory': _check_memory, 'devices': _check_devices, 'programs': _check_programs}
 
 
 @pytest.mark.parametrize('suite', sorted(CHECKS))

@@ -154,16 +154,10 @@ class Partitioner:
         return params, opt_state
 
     def jit(self, fn: Callable, in_shardings: Any, out_shardings: Any,
-            donate_argnums: tuple[int, ...] = ()) -> Callable:
+            donate_argnums: tuple[int, ...] = ()) -> 'MeshJitted':
         """`jax.jit` with explicit shardings, traced (and run) inside `context()`."""
-        jitted = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                         donate_argnums=donate_argnums)
-
-        def call(*args):
-            with self.context():
-                return jitted(*args)
-
-        return call
+        return MeshJitted(self, jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                                        donate_argnums=donate_argnums))
 
     def init_memory(self, mcfg: model_lib.ModelConfig, batch_size: int) -> Any:
         """A fresh memory for `batch_size` global streams, created directly in its shards."""
@@ -177,6 +171,22 @@ class Partitioner:
             shape = (value.shape[0], value.shape[1] * jax.process_count()) + value.shape[2:]
             out[key] = jax.make_array_from_process_local_data(self.batch, value, shape)
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshJitted:
+    """A jitted function that traces and runs under its partitioner's mesh and rules."""
+    partitioner: Partitioner
+    jitted: Any
+
+    def __call__(self, *args):
+        with self.partitioner.context():
+            return self.jitted(*args)
+
+    def lower(self, *args) -> Any:
+        """The program for arguments of these shapes (arrays or ShapeDtypeStructs), to inspect."""
+        with self.partitioner.context():
+            return self.jitted.lower(*args)
 
 
 @functools.lru_cache(maxsize=None)
