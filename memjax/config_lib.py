@@ -21,11 +21,11 @@ import ml_collections
 from ml_collections import config_dict
 
 from memjax.data.config import SPLITS, DataConfig
-from memjax.errors import ConfigError  # re-exported: config_lib.ConfigError is public
+from memjax.errors import ConfigError, failed  # ConfigError re-exported: config_lib.ConfigError is public
 from memjax.model import memories
 from memjax.model.config import ModelConfig
+from memjax.runtime.mesh import MeshConfig
 
-MESH_AXES = ('data', 'fsdp', 'tensor')
 INIT_FROM_STATES = ('params', 'params_and_optimizer')
 SECTIONS = ('model', 'data', 'train', 'eval', 'mesh')
 
@@ -38,10 +38,6 @@ def _from_mapping(cls: type, section: str, fields: Mapping[str, Any]) -> Any:
     if unknown:
         raise ConfigError(f'config.{section} has unknown fields {unknown}; known fields: {known}.')
     return cls(**values)
-
-
-def _problems(*checks: tuple[bool, str]) -> list[str]:
-    return [message for ok, message in checks if not ok]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +88,12 @@ class TrainConfig:
         for name in ('log_every', 'eval_every', 'checkpoint_every'):
             value = getattr(self, name)
             # The host only sees the state between dispatches of segments_per_step updates.
-            found += _problems((value >= 0, f'config.train.{name}={value} must be >= 0.'),
-                               (value <= 0 or steps < 1 or value % steps == 0,
-                                f'config.train.{name}={value} must be a multiple of '
-                                f'config.train.segments_per_step={steps} (or 0).'))
+            found += failed((value >= 0, f'config.train.{name}={value} must be >= 0.'),
+                            (value <= 0 or steps < 1 or value % steps == 0,
+                             f'config.train.{name}={value} must be a multiple of '
+                             f'config.train.segments_per_step={steps} (or 0).'))
         per_process = self.grad_accum_steps * process_count
-        return found + _problems(
+        return found + failed(
             (steps < 1 or self.num_steps % steps == 0,
              f'config.train.num_steps={self.num_steps} must be a multiple of config.train.segments_per_step={steps}.'),
             (self.grad_accum_steps < 1 or self.batch_size < 1 or self.batch_size % per_process == 0,
@@ -132,60 +128,13 @@ class EvalConfig:
     tgt_len: int = -1
 
     def problems(self, process_count: int) -> list[str]:
-        return _problems(
+        return failed(
             (self.split in SPLITS, f'config.eval.split={self.split!r} must be one of {SPLITS}.'),
             (self.batch_size == -1 or (self.batch_size >= 1 and self.batch_size % process_count == 0),
              f'config.eval.batch_size={self.batch_size} must be -1 (as in training) or a positive '
              f'multiple of the process count ({process_count}).'),
             (self.tgt_len == -1 or self.tgt_len >= 1,
              f'config.eval.tgt_len={self.tgt_len} must be -1 (as in training) or >= 1.'))
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """config.mesh: the device mesh ('data', 'fsdp', 'tensor'); one size may be -1 (all remaining
-    devices). rules: ((logical_name, mesh_axes), ...) replacing entries of
-    memjax.runtime.sharding.DEFAULT_RULES, e.g. (('vocab', None),) to replicate the vocabulary."""
-
-    data: int = -1
-    fsdp: int = 1
-    tensor: int = 1
-    rules: tuple = ()
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in MESH_AXES}
-
-    def shape(self, device_count: int) -> dict[str, int]:
-        """Axis sizes with the -1 entry (if any) filled so that they multiply to device_count."""
-        fixed = math.prod(size for size in self.sizes.values() if size != -1)
-        return {name: device_count // fixed if size == -1 else size for name, size in self.sizes.items()}
-
-    def problems(self) -> list[str]:
-        bad = [f'config.mesh.{n}={v}' for n, v in self.sizes.items() if not isinstance(v, int) or (v != -1 and v < 1)]
-        found = _problems((not bad, f'{", ".join(bad)}: mesh sizes must be positive ints or -1.'),
-                          (list(self.sizes.values()).count(-1) <= 1,
-                           f'config.mesh {self.sizes}: at most one size may be -1 (the remaining devices).'))
-        for rule in self.rules:
-            ok = (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
-                  and all(axis in MESH_AXES for axis in
-                          ((rule[1],) if rule[1] is None or isinstance(rule[1], str) else rule[1]) if axis is not None))
-            found += _problems((ok, f'config.mesh.rules entry {rule!r} must be (logical_name, mesh_axes) '
-                                f'with mesh_axes None, one of {MESH_AXES} or a tuple of them.'))
-        return found
-
-    def device_problems(self, device_count: int) -> list[str]:
-        """Whether the sizes fit `device_count` devices (after `problems` found none)."""
-        sizes = self.sizes
-        fixed = math.prod(size for size in sizes.values() if size != -1)
-        if -1 in sizes.values() and device_count % fixed:
-            return [f'config.mesh {sizes}: the fixed sizes multiply to {fixed}, which does not '
-                    f'divide the {device_count} devices.']
-        if -1 not in sizes.values() and fixed != device_count:
-            shape = 'x'.join(f'{n}={v}' for n, v in self.shape(device_count).items())
-            return [f'config.mesh {shape} has {fixed} devices but {device_count} are present: '
-                    'make the sizes multiply to the device count or set one of them to -1.']
-        return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +282,7 @@ def resolve(config: ml_collections.ConfigDict, process_count: int = 1,
     train = _from_mapping(TrainConfig, 'train', config.train)
     evaluation = _from_mapping(EvalConfig, 'eval', {k: v for k, v in config.eval.items() if k != 'model'})
     mesh = _from_mapping(MeshConfig, 'mesh', config.mesh)
-    errors = _problems((isinstance(config.seed, int), f'config.seed={config.seed!r} must be an int.'))
+    errors = failed((isinstance(config.seed, int), f'config.seed={config.seed!r} must be an int.'))
     errors += data.problems() + train.problems(process_count) + evaluation.problems(process_count)
     evaluation = dataclasses.replace(
         evaluation, batch_size=train.batch_size if evaluation.batch_size == -1 else evaluation.batch_size,
@@ -362,7 +311,7 @@ def _mesh_fits_batches(mesh: MeshConfig, train: TrainConfig, evaluation: EvalCon
     shape = mesh.shape(device_count)
     data_parallel = shape['data'] * shape['fsdp']
     per_update = data_parallel * train.grad_accum_steps
-    return _problems(
+    return failed(
         (train.batch_size % per_update == 0,
          f'config.train.batch_size={train.batch_size} must be divisible by config.mesh data x fsdp '
          f'({data_parallel}) x config.train.grad_accum_steps ({train.grad_accum_steps}) = {per_update}.'),
@@ -398,6 +347,6 @@ def _resolve_models(config: ml_collections.ConfigDict, train: TrainConfig, evalu
     # A dispatch runs segments_per_step updates in one compiled step, so with one phase.
     steps = train.segments_per_step
     late = [s for s in memories.get(model).phase_starts if steps >= 1 and s % steps]
-    errors.extend(_problems((not late, f'memory={model.memory!r} changes its training phase at steps {late}: '
-                                       f'config.train.segments_per_step={steps} must divide them.')))
+    errors.extend(failed((not late, f'memory={model.memory!r} changes its training phase at steps {late}: '
+                                    f'config.train.segments_per_step={steps} must divide them.')))
     return model, eval_model

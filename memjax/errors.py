@@ -5,6 +5,11 @@ exit status tells a scheduler or a script which kind of problem ended the run: a
 usage error will fail again on a retry, a runtime error may not.
 """
 
+def failed(*checks: tuple[bool, str]) -> list[str]:
+    """The messages of the (ok, message) checks that fail: a config section lists them all at once."""
+    return [message for ok, message in checks if not ok]
+
+
 EXIT_USAGE = 2  # The command line or the config: fix it and run again.
 EXIT_RUNTIME = 3  # Data, workdir, checkpoints, diverged training: the message says what to do.
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from memjax.errors import failed
+
 DATA_NAMES = ('embedded', 'wikitext103', 'enwik8', 'text8', 'pg19', 'text', 'sorting')
 TOKENIZERS = ('byte', 'char', 'word', 'sentencepiece', 'gpt2_bpe', 'sorting')
 # The names config.eval.split accepts ('valid' reads 'validation').
@@ -46,11 +48,9 @@ class DataConfig:
 
     def problems(self) -> list[str]:
         """One line per unusable value, for `config_lib.validate_config` to report with the rest."""
-        checks = [
+        return failed(
             (self.name in DATA_NAMES, f'config.data.name={self.name!r} must be one of {DATA_NAMES}.'),
             (self.tokenizer in TOKENIZERS,
              f'config.data.tokenizer={self.tokenizer!r} must be one of {TOKENIZERS}.'),
             (self.train_documents >= 0,
-             f'config.data.train_documents={self.train_documents} must be >= 0 (0: every document).'),
-        ]
-        return [message for ok, message in checks if not ok]
+             f'config.data.train_documents={self.train_documents} must be >= 0 (0: every document).'))

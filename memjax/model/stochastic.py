@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memjax.errors import failed
 from memjax.model.config import ModelConfig, add_check
 
 
@@ -52,13 +53,12 @@ SKIP_RULES: dict[str, Callable[[int, float], np.ndarray]] = {
 
 @add_check
 def _valid_switches(cfg: ModelConfig) -> list[str]:
-    checks = (
+    return failed(
         (cfg.skip_rule == 'none' or cfg.skip_rule in SKIP_RULES,
          f"skip_rule={cfg.skip_rule!r} must be 'none' or one of {tuple(SKIP_RULES)}."),
         (0.0 <= cfg.skip_p < 1.0, f'skip_p={cfg.skip_p} must be in [0, 1).'),
         (cfg.skip_until >= -1, f'skip_until={cfg.skip_until} must be a training step, or -1 (skip all run).'),
         (0.0 <= cfg.sch_beta <= 1.0, f'sch_beta={cfg.sch_beta} must be in [0, 1].'))
-    return [message for ok, message in checks if not ok]
 
 
 def skip_probabilities(skip_rule: str, n_layer: int, skip_p: float) -> np.ndarray:

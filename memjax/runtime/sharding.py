@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from memjax.config_lib import MESH_AXES, MeshConfig
+from memjax.runtime.mesh import MESH_AXES, MeshConfig
 from memjax.errors import ConfigError
 from memjax import model as model_lib
 
