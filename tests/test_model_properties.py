@@ -215,6 +215,15 @@ def test_invalid_config_is_named(overrides, message):
         ModelConfig(**{**BASE, **overrides})
 
 
+def test_replace_lets_derived_fields_follow_what_they_derive_from():
+    cfg = ModelConfig(**BASE)
+    wider = cfg.replace(d_model=2 * cfg.d_model, cutoffs=(10, 20))
+    assert wider.d_embed == wider.d_model and wider.tie_projs == (False, False, False)
+    assert cfg.replace(d_embed=4).replace(d_model=64).d_embed == 4  # Set on purpose: kept.
+    tied = cfg.replace(cutoffs=(10,), tie_projs=(False, True))
+    assert tied.replace(dropout=0.0).tie_projs == (False, True)
+
+
 def test_config_dict_vocab_from_tokenizer_and_unknown_fields():
     assert ModelConfig.from_config_dict({**BASE, 'vocab_size': -1}, vocab_size=77).vocab_size == 77
     with pytest.raises(ValueError, match='unknown fields'):

@@ -215,7 +215,14 @@ class ModelConfig:
         return cls(**fields)
 
     def replace(self, **changes) -> ModelConfig:
-        return ModelConfig(**{**self.as_dict(), **changes})
+        """A copy with `changes`. A field derived from another (d_embed from d_model, tie_projs
+        from cutoffs) follows it when it held the derived value and is not changed itself."""
+        fields = self.as_dict()
+        if 'd_embed' not in changes and self.d_embed == self.d_model:
+            fields['d_embed'] = -1
+        if 'tie_projs' not in changes and not any(self.tie_projs):
+            fields['tie_projs'] = ()
+        return ModelConfig(**{**fields, **changes})
 
     @property
     def dtype(self):
