@@ -289,7 +289,8 @@ def resolve(config: ml_collections.ConfigDict, process_count: int = 1,
         tgt_len=train.tgt_len if evaluation.tgt_len == -1 else evaluation.tgt_len)
     mesh_problems = mesh.problems()
     errors += mesh_problems
-    if not mesh_problems and device_count is not None:
+    # The batch checks divide by the sizes: only once those are known to be >= 1.
+    if not mesh_problems and train.grad_accum_steps >= 1 and device_count is not None:
         errors += mesh.device_problems(device_count) or _mesh_fits_batches(mesh, train, evaluation, process_count,
                                                                            device_count)
     model, eval_model = _resolve_models(config, train, evaluation, errors)

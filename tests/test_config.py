@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from absl import flags
+import jax
 from ml_collections import config_flags
 import pytest
 
@@ -216,6 +217,21 @@ def test_all_problems_are_reported_at_once():
         config_lib.validate_config(config)
     assert 'config.train.b1=1.5' in str(error.value)
     assert 'config.train.eps=0' in str(error.value)
+
+
+def test_zero_sizes_are_named_not_divided_by():
+    """Sizes the mesh checks divide by are refused in the same one-line way, with devices known."""
+    config = parse([f'--config={TINY}', '--config.train.grad_accum_steps=0'])
+    with pytest.raises(config_lib.ConfigError, match=r'config.train.grad_accum_steps=0 must be >= 1'):
+        config_lib.validate_config(config, device_count=1)
+
+
+def test_a_model_without_its_vocabulary_size_is_not_built():
+    run = config_lib.resolve(parse([f'--config={TINY}']))
+    assert run.model.vocab_size == -1
+    with pytest.raises(ValueError, match='vocabulary size is not known yet'):
+        model_lib.init_params(run.model, jax.random.PRNGKey(0))
+    assert model_lib.build_model(run.with_vocab_size(256).model).config.vocab_size == 256
 
 
 def test_batch_must_split_over_processes():

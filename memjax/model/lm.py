@@ -162,6 +162,9 @@ class MemoryLM(nn.Module):
 
 def build_model(config: ModelConfig, phase: int = 0) -> MemoryLM:
     """The model `config` describes (its memory kind, positions and block style)."""
+    if config.vocab_size == -1:
+        raise ValueError('vocab_size=-1: the vocabulary size is not known yet; build the model from a '
+                         'config with the tokenizer\'s (RunConfig.with_vocab_size, or set vocab_size).')
     return MemoryLM(config, phase)
 
 
