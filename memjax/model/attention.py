@@ -87,6 +87,31 @@ class AttentionContext:
     biases: dict = struct.field(default_factory=dict)
 
 
+@struct.dataclass
+class LayerCache:
+    """One layer's keys while a segment is decoded token by token (memjax/generation).
+
+    Recorded when the segment's first token is run (`RelativeAttention(..., record=True)`): every
+    key the segment's queries attend, the memory kind's blocks and stack rows first and then the
+    segment's own T slots, which each token step fills at its position. A query at segment
+    position p sees key k where `valid` holds, `distance + p` >= 0 (not in its future) and, with
+    `same_length`, k is among the newest `window` keys before it, as in the whole segment.
+    """
+
+    keys: jax.Array  # [B, K, H, Dh]
+    values: jax.Array  # [B, K, H, Dh]
+    valid: jax.Array  # [B, H, K] bool; the segment's slots hold.
+    distance: jax.Array  # [B, H, K] int32: the distance from the segment's first query to each key.
+    pos_key: Optional[jax.Array]  # [R, H, Dh] positional keys of the whole distance table; None: absolute.
+    kind: Any = None  # What the memory kind's `attend` kept for its token steps (`Attended.cache`).
+    segment_len: int = struct.field(pytree_node=False, default=0)  # T, the segment's slots (the last keys).
+
+    @property
+    def first_slot(self) -> int:
+        """Index of the segment's first slot among the keys."""
+        return self.keys.shape[1] - self.segment_len
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerMaps:
     """One layer's attention maps, handed to its memory kind before any score is computed (`blocks`)
@@ -122,6 +147,9 @@ class AttentionView:
     biases: dict
     rows: Optional[jax.Array]  # [B, R, d_model] the kind's stack rows at this layer, or None.
     deterministic: bool  # No dropout (evaluation).
+    # In a token step of decoding (memjax/generation): what this kind's `attend` kept in
+    # `Attended.cache` when the segment was recorded; None otherwise.
+    cached: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +160,14 @@ class Attended:
     rows:  [B, R, d_model] the output of the kind's own query rows (`rows` of the attention), after
            the output map; required when the attention has rows.
     notes: anything, handed to the kind's `write`.
+    cache: what the kind's token steps need when the segment is decoded token by token and that
+           depends only on the state (`AttentionView.cached` there), or None.
     """
 
     extra: Optional[jax.Array] = None
     rows: Optional[jax.Array] = None
     notes: Any = None
+    cache: Any = None
 
 
 def _kernel(proj: nn.Module) -> jax.Array:
@@ -285,6 +316,52 @@ def _scores_and_mask(query_v, pos_key, blocks, qlen, same_length, window, shifte
     return scores, _side_by_side(masks)
 
 
+def _recorded(blocks: Sequence[KeyBlock], key, value, pos_key, qlen: int, n_head: int, kind_cache) -> LayerCache:
+    """The LayerCache of a segment run whole: its keys, and each key's validity and distance from
+    the segment's first query."""
+    tail = _contiguous_tail(blocks)
+    lead = (key.shape[0], n_head)
+    per_key = lambda x: jnp.broadcast_to(x, lead + x.shape[-1:])  # [B or 1, H or 1, N] -> [B, H, N]
+    distances = []
+    for b in blocks[:tail]:
+        if b.distances is None:
+            raise ValueError('a lagging key block (offset) cannot be decoded token by token: decode with the '
+                             'evaluation model, whose layers are never skipped.')
+        distances.append(per_key(b.distances[:, :, 0, :]))
+    span = sum(b.length for b in blocks[tail:]) + qlen
+    distances.append(per_key((span - qlen - jnp.arange(span, dtype=jnp.int32))[None, None, :]))
+    if any(b.valid.shape[2] != 1 for b in blocks):
+        raise ValueError('a key block whose validity differs per query cannot be decoded token by token.')
+    valid = [per_key(b.valid[:, :, 0, :]) for b in blocks] + [jnp.ones(lead + (qlen,), bool)]
+    return LayerCache(keys=key, values=value, valid=jnp.concatenate(valid, axis=-1),
+                      distance=jnp.concatenate(distances, axis=-1), pos_key=pos_key, kind=kind_cache,
+                      segment_len=qlen)
+
+
+def _token_attention(cfg: ModelConfig, query, key, value, cache: LayerCache, position, u_bias, v_bias,
+                     window: int):
+    """One token at segment `position` against the segment's cache: (attended [B, 1, H, Dh],
+    scores [B, H, 1, K] as `AttentionView.scores`, the cache holding the token's key and value).
+    The same scores as the whole segment's row `position`: positional ones are gathered at each
+    key's distance instead of lined up by `rel_shift`."""
+    slot = cache.first_slot + position
+    keys = jax.lax.dynamic_update_slice_in_dim(cache.keys, key.astype(cache.keys.dtype), slot, axis=1)
+    values = jax.lax.dynamic_update_slice_in_dim(cache.values, value.astype(cache.values.dtype), slot, axis=1)
+    distance = (cache.distance + position)[:, :, None, :]  # [B, H, 1, K]
+    visible = cache.valid[:, :, None, :] & (distance >= 0)
+    if cfg.same_length:
+        visible &= _in_window(jnp.arange(keys.shape[1]), slot, window)
+    content_query = position_query = query
+    if cache.pos_key is not None:
+        content_query, position_query = query + u_bias.astype(cfg.dtype), query + v_bias.astype(cfg.dtype)
+    scores = jnp.einsum('bthd,bkhd->bhtk', content_query, keys, preferred_element_type=jnp.float32)
+    if cache.pos_key is not None:
+        scores += _gather_rows(position_scores(position_query, cache.pos_key), distance)
+    scores = jnp.where(visible, scores * (cfg.d_head ** -0.5), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
+    return jnp.einsum('bhtk,bkhd->bthd', probs, values), scores, cache.replace(keys=keys, values=values)
+
+
 def dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
     """Closes a sub-block: dropout on the branch, residual add, LayerNorm when post-LN."""
     out = h + Dropout(cfg.dropout)(branch, deterministic=deterministic)
@@ -304,6 +381,11 @@ class RelativeAttention(nn.Module):
     `rows` (a KeyBlock, or None) are a kind's rows that travel up the stack with the segment: keys
     right before the segment, and queries whose output the kind's `attend` computes (`Attended.rows`).
     They share the residual and LayerNorm: the output is then [B, R + T, d_model], rows first.
+
+    Decoding token by token (memjax/generation): `record=True` also returns the segment's
+    `LayerCache`; given a `cache`, `h` [B, 1, d_model] is the token at segment `position`, which
+    attends the cache (the kind's blocks are not asked again, `attend` sees `view.cached`), and
+    the cache comes back with its key and value: `(out, notes, cache)` either way.
     """
 
     config: ModelConfig
@@ -311,8 +393,10 @@ class RelativeAttention(nn.Module):
     @nn.compact
     def __call__(self, h, blocks: Sequence[KeyBlock] | Callable[[LayerMaps], Sequence[KeyBlock]],
                  ctx: AttentionContext, u_bias, v_bias, deterministic: bool, attend: Optional[Callable] = None,
-                 rows: Optional[KeyBlock] = None, biases: Optional[dict] = None, index=0):
+                 rows: Optional[KeyBlock] = None, biases: Optional[dict] = None, index=0,
+                 record: bool = False, cache: Optional[LayerCache] = None, position=None):
         cfg = self.config
+        qlen = h.shape[1]
         heads = (cfg.n_head, cfg.d_head)
         in_axes = ('embed', 'heads', 'kv')
         bias = BLOCKS[cfg.block].bias
@@ -342,6 +426,18 @@ class RelativeAttention(nn.Module):
             position=None if pos_proj is None else lambda x: pos_proj(x.astype(cfg.dtype)),
             query_kernel=_kernel(query_proj), key_kernel=_kernel(key_proj),
             value_kernel=_kernel(value_proj), output_kernel=_kernel(out_proj))
+        if cache is not None:  # A token step: every earlier key is in the cache.
+            attended, scores, cache = _token_attention(cfg, query, segment_key, segment_value, cache, position,
+                                                       u_bias, v_bias, ctx.window)
+            out = out_proj(attended)
+            if attend is not None:
+                view = AttentionView(query=query, key=cache.keys, value=cache.values, maps=maps, scores=scores,
+                                     attended=attended, positions=ctx.positions, u_bias=u_bias, v_bias=v_bias,
+                                     biases=biases or {}, rows=None, deterministic=deterministic, cached=cache.kind)
+                extra = attend(view).extra
+                if extra is not None:
+                    out = out + extra.astype(out.dtype)
+            return dropout_residual_norm(cfg, h, out, deterministic), None, cache
         blocks = list(blocks(maps) if callable(blocks) else blocks) + ([rows] if rows is not None else [])
 
         def projected(given, block_rows, layer_map):
@@ -383,7 +479,7 @@ class RelativeAttention(nn.Module):
         else:
             content_query = position_query = query
         scores = jnp.einsum('bthd,bkhd->bhtk', content_query, key, preferred_element_type=jnp.float32)
-        position, mask = _scores_and_mask(position_query, pos_key, blocks, h.shape[1], cfg.same_length,
+        position, mask = _scores_and_mask(position_query, pos_key, blocks, qlen, cfg.same_length,
                                           ctx.window, shifted_pos_key)
         if position is not None:
             scores = scores + position
@@ -404,4 +500,8 @@ class RelativeAttention(nn.Module):
         if rows is not None:
             h = jnp.concatenate([rows.rows.astype(h.dtype), h], axis=1)
             out = jnp.concatenate([result.rows.astype(out.dtype), out], axis=1)
-        return dropout_residual_norm(cfg, h, out, deterministic), result.notes
+        out = dropout_residual_norm(cfg, h, out, deterministic)
+        if record:
+            table = None if ctx.positions is None else maps.position(ctx.positions)
+            return out, result.notes, _recorded(blocks, key, value, table, qlen, cfg.n_head, result.cache)
+        return out, result.notes

@@ -110,23 +110,31 @@ class MemoryLM(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array, memory: memories.MemoryState, targets: Optional[jax.Array] = None,
                  reset: Optional[jax.Array] = None, deterministic: bool = True,
-                 skip: Optional[jax.Array] = None):
+                 skip: Optional[jax.Array] = None, record: bool = False, caches=None, position=None):
         """tokens, targets: [B, T] int32; reset: [B] bool, starts those rows' memory afresh first;
         skip: [n_layer] bool, layers not run this step (default in training: the kind's
-        `skip_layers`; evaluation never skips)."""
+        `skip_layers`; evaluation never skips).
+
+        Decoding token by token (memjax/generation): `record=True` also returns every layer's
+        `LayerCache` of the segment (stacked on [n_layer]); given those `caches`, `tokens` [B, 1]
+        is the token at segment `position` (int32 scalar): it attends the caches, the memory is
+        returned unchanged and the caches hold its keys. Both return `(output, memory, caches)`.
+        """
         cfg, kind = self.config, self.kind
         _check_layer_layout(self, cfg)
         _check_memory(kind, memory, tokens.shape[0])
         if reset is not None:
             memory = kind.reset(memory, reset)
         check_ids(tokens, cfg.vocab_size, 'tokens')
+        stepping = caches is not None
         qlen = tokens.shape[1]
         h = self.io.embed(tokens)
         if not self.relative:
             if qlen > cfg.n_positions:
                 raise ValueError(f'segments of {qlen} tokens but the learned position table has '
                                  f'n_positions={cfg.n_positions} rows: shorten tgt_len or raise n_positions.')
-            h = h + self.position_table[:qlen].astype(h.dtype)
+            table = self.position_table.astype(h.dtype)
+            h = h + (jax.lax.dynamic_slice_in_dim(table, position, 1) if stepping else table[:qlen])
         h = jnp.where(ids_in_range(tokens, cfg.vocab_size)[..., None], h, jnp.nan)
         h = self.dropout(h, deterministic=deterministic)
         h = nn.with_logical_constraint(h, BTE)
@@ -134,26 +142,31 @@ class MemoryLM(nn.Module):
         positions = u_bias = v_bias = None
         biases = {}
         if self.relative:
-            positions = POSITIONS[cfg.positions](kind.position_rows(qlen), cfg.d_model, cfg.clamp_len)
-            positions = self.dropout(positions, deterministic=deterministic)
+            if not stepping:  # A token step has the positional keys in its caches.
+                positions = POSITIONS[cfg.positions](kind.position_rows(qlen), cfg.d_model, cfg.clamp_len)
+                positions = self.dropout(positions, deterministic=deterministic)
             if not cfg.untie_r:
                 u_bias, v_bias, biases = self.u_bias, self.v_bias, self.kind_biases
         ctx = AttentionContext(positions, u_bias, v_bias, window=kind.window, biases=biases)
         if skip is None and 'skip' in kind.streams and not deterministic and not self.is_initializing():
             skip = kind.skip_layers(self.make_rng('skip'), self.phase)
 
-        h, layers, losses = layer_stack(cfg, kind, deterministic)(
-            h, memory.layers, memory.shared, ctx, skip)
+        decoding = 'step' if stepping else 'record' if record else None
+        h, layers, losses, *caches = layer_stack(cfg, kind, deterministic, decoding)(
+            h, memory.layers, memory.shared, ctx, skip, caches, position)
         # GPT-2 closes with a LayerNorm; Transformer-XL with dropout before the softmax.
         h = self.final_norm(h) if BLOCKS[cfg.block].final_norm else self.dropout(h, deterministic=deterministic)
 
+        if stepping:
+            return ModelOutput(hidden=h), memory, caches[0]
         new_memory = memories.MemoryState(layers=layers, shared=kind.advance(memory.shared, embedded))
         logprobs = None
         if targets is not None:
             check_ids(targets, cfg.vocab_size, 'targets')
             logprobs = jnp.where(ids_in_range(targets, cfg.vocab_size),
                                  self.io.target_logprobs(h, targets), jnp.nan)
-        return ModelOutput(hidden=h, target_logprobs=logprobs, losses=losses), new_memory
+        output = ModelOutput(hidden=h, target_logprobs=logprobs, losses=losses)
+        return (output, new_memory, caches[0]) if record else (output, new_memory)
 
     def logprobs(self, hidden: jax.Array) -> jax.Array:
         """Full-vocabulary log-probabilities from `ModelOutput.hidden`; use with `method=`."""

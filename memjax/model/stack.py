@@ -8,6 +8,8 @@ axis). Random streams are split per layer either way, and a layer can be skipped
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -51,18 +53,23 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     kind: MemoryKind
     deterministic: bool = True
+    # Decoding token by token (memjax/generation): 'record' runs the segment whole and also returns
+    # its LayerCache; 'step' runs one token at `position` against `cache`, the state unchanged.
+    decoding: Optional[str] = None
 
-    def __call__(self, carry, state, shared, ctx: AttentionContext, skip, index):
+    def __call__(self, carry, state, shared, ctx: AttentionContext, skip, index, cache=None, position=None):
         if skip is None or self.is_initializing():
-            return self.compute(carry, state, shared, ctx, index)
+            return self.compute(carry, state, shared, ctx, index, cache, position)
         return nn.cond(skip, DecoderLayer.skip, DecoderLayer.compute, self, carry, state, shared, ctx, index)
 
+    def _no_losses(self):
+        return {name: jnp.zeros((), jnp.float32) for name in self.kind.loss_weights}
+
     def skip(self, carry, state, shared, ctx, index):
-        losses = {name: jnp.zeros((), jnp.float32) for name in self.kind.loss_weights}
-        return carry, (self.memory.skipped(state, shared, carry[1]), losses)
+        return carry, (self.memory.skipped(state, shared, carry[1]), self._no_losses())
 
     @nn.compact
-    def compute(self, carry, state, shared, ctx, index):
+    def compute(self, carry, state, shared, ctx, index, cache=None, position=None):
         cfg = self.config
         rows, h = carry
         u_bias, v_bias, biases = ctx.u_bias, ctx.v_bias, ctx.biases
@@ -71,24 +78,32 @@ class DecoderLayer(nn.Module):
             u_bias, v_bias = bias('u_bias'), bias('v_bias')
             biases = {name: bias(name) for name in self.kind.bias_names}
         memory = self.memory
+        attention = RelativeAttention(cfg, name='attention')
+        if self.decoding == 'step':  # The memory's keys and the kind's stack rows' are in the cache.
+            out, _, cache = attention(h, [], ctx, u_bias, v_bias, self.deterministic,
+                                      attend=lambda view: memory.attend_token(state, shared, view),
+                                      biases=biases, index=index, cache=cache, position=position)
+            out = FeedForward(cfg, name='feed_forward')(out, self.deterministic)
+            return (None, out), (state, self._no_losses(), cache)
         row_block = None
         if rows is not None:
             row_block = self.kind.stack_rows(shared).replace(rows=rows)
-        out, notes = RelativeAttention(cfg, name='attention')(
+        out, notes, *recorded = attention(
             h, lambda maps: memory.blocks(state, shared, h, maps), ctx, u_bias, v_bias, self.deterministic,
-            attend=lambda view: memory.attend(state, shared, view), rows=row_block, biases=biases, index=index)
+            attend=lambda view: memory.attend(state, shared, view), rows=row_block, biases=biases, index=index,
+            record=self.decoding == 'record')
         out = FeedForward(cfg, name='feed_forward')(out, self.deterministic)
         written = memory.write(state, shared, h, notes)
         if rows is not None:  # The rows leave with their output, refreshed for the next layer.
             rows, out = out[:, :rows.shape[1]], out[:, rows.shape[1]:]
-        return (rows, nn.with_logical_constraint(out, BTE)), written
+        return (rows, nn.with_logical_constraint(out, BTE)), written + tuple(recorded)
 
     def setup(self):
         self.memory = self.kind.layer(self.config, name='memory')
 
 
-def _stack_rows(kind: MemoryKind, shared, h):
-    block = kind.stack_rows(shared)
+def _stack_rows(kind: MemoryKind, shared, h, decoding: Optional[str]):
+    block = None if decoding == 'step' else kind.stack_rows(shared)
     return None if block is None else block.rows.astype(h.dtype)
 
 
@@ -100,13 +115,17 @@ def _known_remat(cfg: ModelConfig) -> list[str]:
     return [] if cfg.remat in REMAT_POLICIES else [f'remat={cfg.remat!r} must be one of {tuple(REMAT_POLICIES)}.']
 
 
-def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool):
+def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool, decoding: Optional[str] = None):
     """The layers as one callable `(h, layers, shared, ctx, skip) -> (h, next layers, losses)`,
     created in the calling module's scope (parameter names 'layer_{i}' or 'layers').
 
     layers: the memory state's per-layer pytree; skip: [n_layer] bool or None; losses: summed over
     layers. Besides 'dropout', the kind's random streams are split per layer. The kind's stack rows
     (`MemoryKind.stack_rows`) go up with h and are dropped after the last layer.
+
+    With `decoding` (DecoderLayer.decoding) the callable also takes and returns the layers'
+    LayerCaches, stacked on a leading [n_layer] axis: `(h, layers, shared, ctx, skip, caches,
+    position) -> (h, next layers, losses, caches)`.
     """
     layer_cls = DecoderLayer
     if cfg.remat != 'none':
@@ -115,26 +134,30 @@ def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool):
         rngs = {'params': True, 'dropout': True, **{name: True for name in kind.streams}}
         # 'intermediates': values a memory sows for analysis, stacked over the layers.
         scanned = nn.scan(layer_cls, variable_axes={'params': 0, 'intermediates': 0}, split_rngs=rngs,
-                          in_axes=(0, nn.broadcast, nn.broadcast, 0, 0), length=cfg.n_layer,
-                          metadata_params={nn.PARTITION_NAME: 'layers'})(cfg, kind, deterministic, name='layers')
+                          in_axes=(0, nn.broadcast, nn.broadcast, 0, 0, 0, nn.broadcast), length=cfg.n_layer,
+                          metadata_params={nn.PARTITION_NAME: 'layers'})(cfg, kind, deterministic, decoding,
+                                                                         name='layers')
 
-        def scan(h, layers, shared, ctx, skip):
-            (_, h), (layers, losses) = scanned((_stack_rows(kind, shared, h), h), layers, shared, ctx, skip,
-                                               jnp.arange(cfg.n_layer, dtype=jnp.int32))
-            return h, layers, jax.tree.map(lambda x: x.sum(0), losses)
+        def scan(h, layers, shared, ctx, skip, caches=None, position=None):
+            (_, h), (layers, losses, *caches) = scanned(
+                (_stack_rows(kind, shared, h, decoding), h), layers, shared, ctx, skip,
+                jnp.arange(cfg.n_layer, dtype=jnp.int32), caches, position)
+            return (h, layers, jax.tree.map(lambda x: x.sum(0), losses), *caches)
 
         return scan
-    stack = [layer_cls(cfg, kind, deterministic, name=f'layer_{i}') for i in range(cfg.n_layer)]
+    stack = [layer_cls(cfg, kind, deterministic, decoding, name=f'layer_{i}') for i in range(cfg.n_layer)]
 
-    def loop(h, layers, shared, ctx, skip):
-        written, losses = [], []
-        carry = (_stack_rows(kind, shared, h), h)
+    def loop(h, layers, shared, ctx, skip, caches=None, position=None):
+        outputs = []
+        carry = (_stack_rows(kind, shared, h, decoding), h)
         for i, layer in enumerate(stack):
-            carry, (state, loss) = layer(carry, jax.tree.map(lambda x: x[i], layers), shared, ctx,
-                                         None if skip is None else skip[i], jnp.int32(i))
-            written.append(state)
-            losses.append(loss)
-        h = carry[1]
-        return h, jax.tree.map(lambda *xs: jnp.stack(xs), *written), jax.tree.map(lambda *xs: sum(xs), *losses)
+            layer_slice = lambda tree: jax.tree.map(lambda x: x[i], tree)
+            carry, output = layer(carry, layer_slice(layers), shared, ctx, None if skip is None else skip[i],
+                                  jnp.int32(i), layer_slice(caches), position)
+            outputs.append(output)
+        written, losses, *caches = zip(*outputs)
+        stacked = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+        return (carry[1], stacked(written), jax.tree.map(lambda *xs: sum(xs), *losses),
+                *(stacked(c) for c in caches))
 
     return loop

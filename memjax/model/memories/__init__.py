@@ -10,6 +10,8 @@ A memory kind is one class (registered under the name `config.model.memory` take
 - `layer` (a flax module class, `LayerMemory`), run inside every layer: which `KeyBlock`s it offers
   the attention (`blocks`), what it adds to or reads from the attention (`attend`), and how the
   layer's input and notes become its next state (`write`, with any auxiliary losses).
+- optionally `attend_token`: `attend` for one token when a segment is decoded token by token
+  (a kind whose `attend` adds an output to the segment's).
 - `advance(shared, embedded)`: the shared state after the whole stack (`embedded`: the segment as
   the first layer saw it).
 - optionally `stack_rows(shared)`: rows that go up the stack with the segment, refreshed by every
@@ -66,6 +68,13 @@ class LayerMemory(nn.Module):
     def attend(self, state: Any, shared: Any, view: AttentionView) -> Attended:
         """What the kind adds to the attention (an extra output, its rows' output) and notes for
         `write`; `view` is the layer's attention after its softmax."""
+        return Attended()
+
+    def attend_token(self, state: Any, shared: Any, view: AttentionView) -> Attended:
+        """`attend` for one token of a segment decoded token by token (memjax/generation): only
+        `extra` counts. `view.cached` holds what `attend` put in `Attended.cache` when the segment
+        was recorded; the kind's blocks and stack rows are already among `view.key`. The default
+        adds nothing."""
         return Attended()
 
     def write(self, state: Any, shared: Any, layer_input: jax.Array, notes: Any) -> tuple[Any, dict]:

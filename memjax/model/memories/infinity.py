@@ -282,17 +282,26 @@ class InfinityLayerMemory(LayerMemory):
         cfg = self.config
         used = shared['valid'][:, 0]  # The waiting rows exist: the LTM holds something this step.
         coefficients = self._refit(state, shared)
-        keys, values = self.key(coefficients), self.value(coefficients)  # [B, N, H, Dh]
-        scores = jnp.einsum('bthd,bnhd->bhtn', view.query, keys,
+        ltm = {'keys': self.key(coefficients), 'values': self.value(coefficients), 'used': used}  # [B, N, H, Dh]
+        extra, mu, sigma2 = self._read(ltm, view.query)
+        kl = (kl_to_prior(mu, sigma2, cfg.ltm_kl_sigma, cfg.ltm_kl_mu0).mean(axis=1).sum(axis=-1) * used).sum()
+        return Attended(extra, notes={'coefficients': coefficients, 'mu': mu, 'sigma2': sigma2, 'used': used,
+                                      'kl': kl}, cache=ltm)
+
+    def attend_token(self, state, shared, view):
+        return Attended(self._read(view.cached, view.query)[0])
+
+    def _read(self, ltm, query):
+        """The continuous attention of queries [B, T, H, Dh] over the LTM's keys and values:
+        (its output [B, T, d_model], mu and sigma^2 [B, H, T]); each query alone."""
+        cfg = self.config
+        scores = jnp.einsum('bthd,bnhd->bhtn', query, ltm['keys'],
                             preferred_element_type=jnp.float32) * cfg.d_head ** -0.5
         mu = nn.sigmoid(self.mu(scores)[..., 0].astype(jnp.float32))  # [B, H, T]
         sigma2 = jnp.maximum(nn.softplus(self.sigma(scores)[..., 0].astype(jnp.float32)), cfg.ltm_min_variance)
         density = expected_basis(mu, sigma2, cfg.ltm_basis, cfg.ltm_widths)  # [B, H, T, N]
-        context = jnp.einsum('bhtn,bnhd->bthd', density.astype(cfg.dtype), values)
-        extra = self.out(context) * used[:, None, None].astype(cfg.dtype)
-        kl = (kl_to_prior(mu, sigma2, cfg.ltm_kl_sigma, cfg.ltm_kl_mu0).mean(axis=1).sum(axis=-1) * used).sum()
-        return Attended(extra, notes={'coefficients': coefficients, 'mu': mu, 'sigma2': sigma2, 'used': used,
-                                      'kl': kl})
+        context = jnp.einsum('bhtn,bnhd->bthd', density.astype(cfg.dtype), ltm['values'])
+        return self.out(context) * ltm['used'][:, None, None].astype(cfg.dtype), mu, sigma2
 
     def write(self, state, shared, layer_input, notes):
         keep = state['hidden'].shape[1]
