@@ -12,7 +12,6 @@ from absl import flags
 import ml_collections
 from ml_collections import config_flags
 
-from memjax.training import checkpoints as checkpointing
 from memjax import cli
 from memjax import config_lib
 from memjax.runtime import distributed
@@ -44,22 +43,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig
     out_path = out_path or os.path.join(workdir, f'eval_{exp.run.eval.split}.json')
     if distributed.is_primary():
         workdir_lib.check_writable_file(out_path)  # Before spending the evaluation.
-    directory = trainer.checkpoint_dir(workdir)
-    found = None
-    if checkpointing.has_checkpoints(directory):
-        # Only the parameters: the memory and optimizer state may have other shapes here
-        # (another batch size or mem_len for evaluation) and are not needed.
-        wanted = {'state': {'params': trainer.abstract_state(exp)[0].params}}
-        ckpt = checkpointing.Checkpointer(directory, keep=1, read_only=True)
-        try:
-            found = ckpt.latest_intact(
-                lambda step: (step, ckpt.restore_part(step, wanted)['state']['params']))
-        finally:
-            ckpt.close()
-    if found is None:
-        raise errors.CheckpointError(f'no readable checkpoint in {directory}: train first with '
-                                     f'python -m memjax.train --workdir={workdir} ...')
-    step, params = found
+    step, params = trainer.newest_params(exp, workdir)
     split = exp.run.eval.split
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         streams = evaluation.eval_streams(exp.run, exp.tokenizer, split)

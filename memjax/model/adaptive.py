@@ -212,13 +212,17 @@ class AdaptiveIO(nn.Module):
             picked = jnp.where(inside, head[..., shortlist + i - 1] + tail_lp, picked)
         return picked
 
+    def cluster_logprobs(self, hidden: jax.Array, i: int) -> jax.Array:
+        """Cluster 0: log p [..., V_0 + n_tail] of its tokens and of each tail cluster, in order;
+        cluster i > 0: log p(token | cluster i) [..., V_i]."""
+        return jax.nn.log_softmax(self._cluster_logits(hidden, i), axis=-1)
+
     def logprobs(self, hidden: jax.Array) -> jax.Array:
         """Full-vocabulary log-probabilities [..., vocab_size] (for sampling and tests)."""
         bounds = self.config.cluster_bounds
         shortlist = bounds[1]
-        head = jax.nn.log_softmax(self._cluster_logits(hidden, 0), axis=-1)
+        head = self.cluster_logprobs(hidden, 0)
         parts = [head[..., :shortlist]]
         for i in range(1, len(bounds) - 1):
-            tail = jax.nn.log_softmax(self._cluster_logits(hidden, i), axis=-1)
-            parts.append(head[..., shortlist + i - 1:shortlist + i] + tail)
+            parts.append(head[..., shortlist + i - 1:shortlist + i] + self.cluster_logprobs(hidden, i))
         return jnp.concatenate(parts, axis=-1)

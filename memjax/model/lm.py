@@ -172,6 +172,11 @@ class MemoryLM(nn.Module):
         """Full-vocabulary log-probabilities from `ModelOutput.hidden`; use with `method=`."""
         return self.io.logprobs(hidden)
 
+    def cluster_logprobs(self, hidden: jax.Array, cluster: int) -> jax.Array:
+        """One adaptive-softmax cluster's log-probabilities (`AdaptiveIO.cluster_logprobs`), so a
+        sampler scores only the clusters it needs; use with `method=`."""
+        return self.io.cluster_logprobs(hidden, cluster)
+
 
 def build_model(config: ModelConfig, phase: int = 0) -> MemoryLM:
     """The model `config` describes (its memory kind, positions and block style)."""

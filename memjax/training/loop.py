@@ -171,6 +171,44 @@ def abstract_state(exp: Experiment) -> tuple[Any, Any]:
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
+def newest_params(exp: Experiment, workdir: str) -> tuple[int, Any]:
+    """(step, parameters) of the workdir's newest intact checkpoint, placed on the current mesh.
+
+    Only the parameters: the memory and optimizer state may have other shapes here (another batch
+    size or mem_len for evaluation) and are not needed.
+    """
+    directory = checkpoint_dir(workdir)
+    found = None
+    if checkpointing.has_checkpoints(directory):
+        wanted = {'state': {'params': abstract_state(exp)[0].params}}
+        ckpt = checkpointing.Checkpointer(directory, keep=1, read_only=True)
+        try:
+            found = ckpt.latest_intact(lambda step: (step, ckpt.restore_part(step, wanted)['state']['params']))
+        finally:
+            ckpt.close()
+    if found is None:
+        raise errors.CheckpointError(f'no readable checkpoint in {directory}: train first with '
+                                     f'python -m memjax.train --workdir={workdir} ...')
+    return found
+
+
+def saved_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config the workdir's newest readable checkpoint was saved with."""
+    workdir_lib.check(workdir, create=False)
+    directory = checkpoint_dir(workdir)
+    saved = None
+    if checkpointing.has_checkpoints(directory):
+        ckpt = checkpointing.Checkpointer(directory, keep=1, read_only=True)
+        try:
+            saved = _saved_config(ckpt)[1]
+        finally:
+            ckpt.close()
+    if saved is None:
+        raise errors.CheckpointError(f'no readable checkpoint with its config in {directory}: train first with '
+                                     f'python -m memjax.train --workdir={workdir} ..., or pass --config.')
+    return ml_collections.ConfigDict(saved)
+
+
 def make_train_step(exp: Experiment, phase: int = 0) -> Callable:
     """The train step of training phase `phase`, jitted over the mesh with explicit shardings.
 
