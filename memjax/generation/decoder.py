@@ -20,7 +20,6 @@ import functools
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from memjax.model import lm
@@ -32,16 +31,26 @@ def _advance(model: lm.MemoryLM, params, tokens, memory, key):
     return out.hidden, memory
 
 
-def _record(model: lm.MemoryLM, segment_len: int, params, token, memory, key):
-    tokens = jnp.zeros((token.shape[0], segment_len), token.dtype).at[:, :1].set(token)
+def _record(model: lm.MemoryLM, params, tokens, count, memory, key):
+    """The segment `tokens` [B, T] whose first `count` are real, run whole: (the hidden state of the
+    last real one, the caches). Causality hides the rest from them; their keys in the caches are
+    overwritten as the tokens arrive."""
     out, _, caches = model.apply({'params': params}, tokens, memory, record=True,
                                  rngs=stream_keys(key, model.kind, 0))
-    return out.hidden[:, 0], caches
+    return jax.lax.dynamic_index_in_dim(out.hidden, count - 1, axis=1, keepdims=False), caches
 
 
 def _step(model: lm.MemoryLM, params, token, position, memory, caches):
     out, _, caches = model.apply({'params': params}, token, memory, caches=caches, position=position)
     return out.hidden[:, 0], caches
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(model: lm.MemoryLM):
+    """The jitted advance, record and step of `model` (modules compare by value): decoders of one
+    model share their compiled programs. A step's caches are donated: it writes one slot of them."""
+    return (jax.jit(functools.partial(_advance, model)), jax.jit(functools.partial(_record, model)),
+            jax.jit(functools.partial(_step, model), donate_argnums=(4,)))
 
 
 class Decoder:
@@ -67,44 +76,48 @@ class Decoder:
         self.position = 0  # Tokens of the current segment fed so far.
         self.segments = 0  # Segments completed.
         self.caches = None
-        self._advance_fn = jax.jit(functools.partial(_advance, model))
-        self._record_fn = jax.jit(functools.partial(_record, model, self.segment_len))
-        self._step_fn = jax.jit(functools.partial(_step, model))
+        self._advance_fn, self._record_fn, self._step_fn = _programs(model)
 
     def _segment_key(self) -> jax.Array:
         return jax.random.fold_in(self.key, self.segments)
 
     def feed(self, tokens) -> jax.Array:
-        """tokens [B, n], n >= 1 -> hidden [B, d_model] after the last. Whole segments at a segment
-        boundary run at once; the rest token by token."""
+        """tokens [B, n], n >= 1 -> hidden [B, d_model] after the last. At a segment boundary whole
+        segments run at once, and the start of a segment in one `record`; the rest token by token."""
         tokens = np.asarray(tokens, np.int32)
         if tokens.ndim != 2 or tokens.shape[0] != self.batch_size or tokens.shape[1] == 0:
             raise ValueError(f'feed takes token ids [{self.batch_size}, n >= 1], not {tokens.shape}.')
         start, hidden = 0, None
         while start < tokens.shape[1]:
-            if self.position == 0 and tokens.shape[1] - start >= self.segment_len:
-                segment = tokens[:, start:start + self.segment_len]
-                out, self.memory = self._advance_fn(self.params, segment, self.memory, self._segment_key())
+            count = min(tokens.shape[1] - start, self.segment_len - self.position)
+            if self.position == 0 and count == self.segment_len:
+                out, self.memory = self._advance_fn(self.params, tokens[:, start:start + count], self.memory,
+                                                    self._segment_key())
                 hidden = out[:, -1]
                 self.segments += 1
-                start += self.segment_len
+            elif self.position == 0:
+                self.tokens[:, :count] = tokens[:, start:start + count]
+                hidden, self.caches = self._record_fn(self.params, self.tokens.copy(), np.int32(count), self.memory,
+                                                      self._segment_key())
+                self._moved(count)
             else:
-                hidden = self.feed_token(tokens[:, start])
-                start += 1
+                hidden, count = self.feed_token(tokens[:, start]), 1
+            start += count
         return hidden
 
     def feed_token(self, token) -> jax.Array:
         """token [B] -> hidden [B, d_model]: one token at the current position."""
-        token = np.asarray(token, np.int32).reshape(self.batch_size, 1)
         if self.position == 0:
-            hidden, self.caches = self._record_fn(self.params, token, self.memory, self._segment_key())
-        else:
-            hidden, self.caches = self._step_fn(self.params, token, np.int32(self.position), self.memory,
-                                                self.caches)
+            return self.feed(np.asarray(token).reshape(self.batch_size, 1))
+        token = np.asarray(token, np.int32).reshape(self.batch_size, 1)
+        hidden, self.caches = self._step_fn(self.params, token, np.int32(self.position), self.memory, self.caches)
         self.tokens[:, self.position] = token[:, 0]
-        self.position += 1
+        self._moved(1)
+        return hidden
+
+    def _moved(self, count: int) -> None:
+        self.position += count
         if self.position == self.segment_len:  # The segment becomes memory, as in training.
             _, self.memory = self._advance_fn(self.params, self.tokens.copy(), self.memory, self._segment_key())
             self.segments += 1
             self.position, self.caches = 0, None
-        return hidden

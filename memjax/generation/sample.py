@@ -41,6 +41,7 @@ def check_prompt(prompt: np.ndarray, vocab_size: int) -> np.ndarray:
     return prompt.astype(np.int32)
 
 
+@functools.lru_cache(maxsize=16)
 def _chooser(model: lm.MemoryLM, settings: Sampling) -> Callable:
     def next_token(params, hidden, key):
         scores = functools.partial(model.apply, {'params': params}, method=model.cluster_logprobs)

@@ -98,8 +98,9 @@ class LayerCache:
     `same_length`, k is among the newest `window` keys before it, as in the whole segment.
     """
 
-    keys: jax.Array  # [B, K, H, Dh]
-    values: jax.Array  # [B, K, H, Dh]
+    # Head-major, so that a token's scores and output read each head's keys in one contiguous run.
+    keys: jax.Array  # [B, H, K, Dh]
+    values: jax.Array  # [B, H, K, Dh]
     valid: jax.Array  # [B, H, K] bool; the segment's slots hold.
     distance: jax.Array  # [B, H, K] int32: the distance from the segment's first query to each key.
     pos_key: Optional[jax.Array]  # [R, H, Dh] positional keys of the whole distance table; None: absolute.
@@ -109,7 +110,7 @@ class LayerCache:
     @property
     def first_slot(self) -> int:
         """Index of the segment's first slot among the keys."""
-        return self.keys.shape[1] - self.segment_len
+        return self.keys.shape[2] - self.segment_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,7 +334,8 @@ def _recorded(blocks: Sequence[KeyBlock], key, value, pos_key, qlen: int, n_head
     if any(b.valid.shape[2] != 1 for b in blocks):
         raise ValueError('a key block whose validity differs per query cannot be decoded token by token.')
     valid = [per_key(b.valid[:, :, 0, :]) for b in blocks] + [jnp.ones(lead + (qlen,), bool)]
-    return LayerCache(keys=key, values=value, valid=jnp.concatenate(valid, axis=-1),
+    head_major = lambda x: x.transpose(0, 2, 1, 3)
+    return LayerCache(keys=head_major(key), values=head_major(value), valid=jnp.concatenate(valid, axis=-1),
                       distance=jnp.concatenate(distances, axis=-1), pos_key=pos_key, kind=kind_cache,
                       segment_len=qlen)
 
@@ -345,21 +347,25 @@ def _token_attention(cfg: ModelConfig, query, key, value, cache: LayerCache, pos
     The same scores as the whole segment's row `position`: positional ones are gathered at each
     key's distance instead of lined up by `rel_shift`."""
     slot = cache.first_slot + position
-    keys = jax.lax.dynamic_update_slice_in_dim(cache.keys, key.astype(cache.keys.dtype), slot, axis=1)
-    values = jax.lax.dynamic_update_slice_in_dim(cache.values, value.astype(cache.values.dtype), slot, axis=1)
+    written = lambda old, new: jax.lax.dynamic_update_slice_in_dim(old, new.transpose(0, 2, 1, 3).astype(old.dtype),
+                                                                   slot, axis=2)
+    keys, values = written(cache.keys, key), written(cache.values, value)
     distance = (cache.distance + position)[:, :, None, :]  # [B, H, 1, K]
     visible = cache.valid[:, :, None, :] & (distance >= 0)
     if cfg.same_length:
-        visible &= _in_window(jnp.arange(keys.shape[1]), slot, window)
+        visible &= _in_window(jnp.arange(keys.shape[2]), slot, window)
     content_query = position_query = query
     if cache.pos_key is not None:
         content_query, position_query = query + u_bias.astype(cfg.dtype), query + v_bias.astype(cfg.dtype)
-    scores = jnp.einsum('bthd,bkhd->bhtk', content_query, keys, preferred_element_type=jnp.float32)
+    scores = jnp.einsum('bthd,bhkd->bhtk', content_query, keys, preferred_element_type=jnp.float32)
     if cache.pos_key is not None:
-        scores += _gather_rows(position_scores(position_query, cache.pos_key), distance)
+        # One query: the plain product (position_scores broadcasts the table over the batch, which
+        # pays off for a segment's queries, not for one).
+        every_row = jnp.einsum('bthd,rhd->bhtr', position_query, cache.pos_key, preferred_element_type=jnp.float32)
+        scores += _gather_rows(every_row, distance)
     scores = jnp.where(visible, scores * (cfg.d_head ** -0.5), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-    return jnp.einsum('bhtk,bkhd->bthd', probs, values), scores, cache.replace(keys=keys, values=values)
+    return jnp.einsum('bhtk,bhkd->bthd', probs, values), scores, cache.replace(keys=keys, values=values)
 
 
 def dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
@@ -431,7 +437,8 @@ class RelativeAttention(nn.Module):
                                                        u_bias, v_bias, ctx.window)
             out = out_proj(attended)
             if attend is not None:
-                view = AttentionView(query=query, key=cache.keys, value=cache.values, maps=maps, scores=scores,
+                view = AttentionView(query=query, key=cache.keys.transpose(0, 2, 1, 3),
+                                     value=cache.values.transpose(0, 2, 1, 3), maps=maps, scores=scores,
                                      attended=attended, positions=ctx.positions, u_bias=u_bias, v_bias=v_bias,
                                      biases=biases or {}, rows=None, deterministic=deterministic, cached=cache.kind)
                 extra = attend(view).extra

@@ -116,7 +116,7 @@ class MemoryLM(nn.Module):
         `skip_layers`; evaluation never skips).
 
         Decoding token by token (memjax/generation): `record=True` also returns every layer's
-        `LayerCache` of the segment (stacked on [n_layer]); given those `caches`, `tokens` [B, 1]
+        `LayerCache` of the segment (`layer_stack`'s layout); given those `caches`, `tokens` [B, 1]
         is the token at segment `position` (int32 scalar): it attends the caches, the memory is
         returned unchanged and the caches hold its keys. Both return `(output, memory, caches)`.
         """

@@ -124,8 +124,10 @@ def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool, decodin
     (`MemoryKind.stack_rows`) go up with h and are dropped after the last layer.
 
     With `decoding` (DecoderLayer.decoding) the callable also takes and returns the layers'
-    LayerCaches, stacked on a leading [n_layer] axis: `(h, layers, shared, ctx, skip, caches,
-    position) -> (h, next layers, losses, caches)`.
+    LayerCaches: `(h, layers, shared, ctx, skip, caches, position) -> (h, next layers, losses,
+    caches)`, a tuple of one per layer (stacked on a leading [n_layer] axis with scan_layers). Not
+    stacked in the loop: a token step writes one slot of each, and slicing a stack apart and
+    putting it back together would copy every cache every token.
     """
     layer_cls = DecoderLayer
     if cfg.remat != 'none':
@@ -151,13 +153,12 @@ def layer_stack(cfg: ModelConfig, kind: MemoryKind, deterministic: bool, decodin
         outputs = []
         carry = (_stack_rows(kind, shared, h, decoding), h)
         for i, layer in enumerate(stack):
-            layer_slice = lambda tree: jax.tree.map(lambda x: x[i], tree)
-            carry, output = layer(carry, layer_slice(layers), shared, ctx, None if skip is None else skip[i],
-                                  jnp.int32(i), layer_slice(caches), position)
+            carry, output = layer(carry, jax.tree.map(lambda x: x[i], layers), shared, ctx,
+                                  None if skip is None else skip[i], jnp.int32(i),
+                                  None if caches is None else caches[i], position)
             outputs.append(output)
         written, losses, *caches = zip(*outputs)
-        stacked = lambda trees: jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
-        return (carry[1], stacked(written), jax.tree.map(lambda *xs: sum(xs), *losses),
-                *(stacked(c) for c in caches))
+        return (carry[1], jax.tree.map(lambda *xs: jnp.stack(xs), *written), jax.tree.map(lambda *xs: sum(xs), *losses),
+                *caches)
 
     return loop
