@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from memjax import generate as generate_cli
+from memjax.generation import text as generation_text
 from memjax.data.tokenizers import ByteTokenizer, WordTokenizer
 from memjax.generation import Sampling, sample
 from memjax.generation import sampling as sampling_lib
@@ -205,10 +205,10 @@ def test_prompts_out_of_the_vocabulary_or_empty_are_one_line_errors():
 
 def test_word_prompts_stop_mid_line_and_text_streams_whole_characters():
     words = WordTokenizer(['<eos>', '<unk>', 'in', 'the', 'beginning'])
-    assert words.decode(generate_cli.prompt_ids(words, 'in the')) == 'in the'
-    assert words.decode(generate_cli.prompt_ids(words, 'in the\n')) == 'in the\n'
+    assert words.decode(generation_text.prompt_ids(words, 'in the')) == 'in the'
+    assert words.decode(generation_text.prompt_ids(words, 'in the\n')) == 'in the\n'
     out = io.StringIO()
-    stream = generate_cli.TextStream(ByteTokenizer(), out)
+    stream = generation_text.TextStream(ByteTokenizer(), out)
     shown = []
     for byte in 'né à'.encode():  # Two-byte characters arrive one byte at a time.
         stream.add([byte])
@@ -229,10 +229,10 @@ def trained_workdir(tmp_path_factory):
 
 def test_the_command_continues_a_prompt_from_a_workdir_as_sample_does(trained_workdir):
     out = io.StringIO()
-    texts = generate_cli.generate(None, trained_workdir, 'In the', 12, Sampling(temperature=0), out=out)
+    texts = generation_text.generate(None, trained_workdir, 'In the', 12, Sampling(temperature=0), out=out)
     exp = trainer.setup(trainer.saved_config(trained_workdir), trained_workdir, training=False)
     _, params = trainer.newest_params(exp, trained_workdir)
-    prompt = generate_cli.prompt_ids(exp.tokenizer, 'In the')
+    prompt = generation_text.prompt_ids(exp.tokenizer, 'In the')
     expected = sample(exp.eval_model, params, prompt, 12, Sampling(temperature=0)).tokens[0]
     assert texts == [exp.tokenizer.decode(expected)]
     assert out.getvalue() == texts[0] + '\n'

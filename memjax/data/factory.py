@@ -40,7 +40,7 @@ def load_tokenizer(path: os.PathLike) -> Tokenizer:
                                f'(JSON with a "kind" field): {e}') from e
     try:
         if kind == 'byte':
-            return ByteTokenizer()
+            return ByteTokenizer(spec.get('order'), spec.get('dropped', ()))
         if kind == 'char':
             return CharTokenizer(spec['chars'])
         if kind == 'word':

@@ -92,25 +92,50 @@ class ByteTokenizer(Tokenizer):
 
     Invalid UTF-8 (e.g. a character cut by enwik8's byte split) is carried in
     the text as surrogate escapes, so the original bytes round-trip exactly.
+
+    `order` (imported vocabularies, memjax.convert.transfo_xl_original): the byte of each id, in id
+    order, for a model whose ids are not the byte values; `dropped`: bytes its preprocessing
+    removed (enwik8's line breaks in the original code), which encoding drops too. Any other byte
+    missing from `order` is an error.
     """
 
     kind = 'byte'
     unit = 'byte'
 
+    def __init__(self, order: Optional[Sequence[int]] = None, dropped: Sequence[int] = ()):
+        self.order = None if order is None else [int(b) for b in order]
+        self.dropped = sorted(int(b) for b in dropped)
+        self._ids = np.arange(256)
+        if self.order is not None:
+            if len(set(self.order)) != len(self.order) or not all(0 <= b < 256 for b in self.order):
+                raise errors.DataError('a byte vocabulary\'s order must list distinct bytes in [0, 256).')
+            self._ids = np.full(256, -1)
+            self._ids[self.order] = np.arange(len(self.order))
+
     @property
     def vocab_size(self) -> int:
-        return 256
+        return 256 if self.order is None else len(self.order)
 
     def encode(self, text: str) -> np.ndarray:
-        data = text.encode('utf-8', 'surrogateescape')
-        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+        data = np.frombuffer(text.encode('utf-8', 'surrogateescape'), dtype=np.uint8)
+        if self.order is None:
+            return data.astype(np.int32)
+        data = data[~np.isin(data, self.dropped)]
+        ids = self._ids[data]
+        if (ids < 0).any():
+            raise errors.DataError(f'bytes {sorted(set(data[ids < 0].tolist()))[:5]} are not in this imported byte '
+                                   'vocabulary: the model never saw them.')
+        return ids.astype(np.int32)
 
     def decode(self, ids: Iterable[int]) -> str:
-        data = self._check_ids(ids).astype(np.uint8).tobytes()
+        ids = self._check_ids(ids)
+        data = (ids if self.order is None else np.asarray(self.order, np.int64)[ids]).astype(np.uint8).tobytes()
         return data.decode('utf-8', 'surrogateescape')
 
     def to_json(self) -> dict:
-        return {'kind': self.kind}
+        if self.order is None:
+            return {'kind': self.kind}
+        return {'kind': self.kind, 'order': self.order, 'dropped': self.dropped}
 
 
 def _code_points(text: str) -> np.ndarray:
@@ -171,22 +196,24 @@ class WordTokenizer(Tokenizer):
     """Whitespace-split words with `<eos>` after every line (WikiText style).
 
     Ids: `<eos>` = 0, `<unk>` = 1, then words by decreasing train frequency
-    (ties by string) so adaptive-softmax cutoffs see frequent words first.
+    (ties by string) so adaptive-softmax cutoffs see frequent words first. An imported vocabulary
+    (memjax.convert.transfo_xl_original) keeps its own order: `<eos>` and `<unk>` may be anywhere.
     """
 
     kind = 'word'
     unit = 'word'
 
     def __init__(self, tokens: Sequence[str]):
-        if list(tokens[:2]) != [EOS, UNK]:
-            raise errors.DataError(f'Word vocabulary must start with {EOS!r}, '
-                                   f'{UNK!r}; got {list(tokens[:2])}.')
         self.tokens = list(tokens)
         self._index = {tok: i for i, tok in enumerate(self.tokens)}
         if len(self._index) != len(self.tokens):
             raise errors.DataError('Word vocabulary has duplicate tokens.')
-        self.eos_id = 0
-        self.unk_id = 1
+        missing = [special for special in (EOS, UNK) if special not in self._index]
+        if missing:
+            raise errors.DataError(f'Word vocabulary lacks {missing}: it needs {EOS!r} (line ends) and '
+                                   f'{UNK!r} (words outside it).')
+        self.eos_id = self._index[EOS]
+        self.unk_id = self._index[UNK]
 
     @classmethod
     def from_documents(cls, documents: Iterable[str], min_freq: int = 1,

@@ -209,6 +209,33 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(saved)
 
 
+def write_imported(model: model_lib.ModelConfig, params: Any, tokenizer: tokenizers.Tokenizer, workdir: str) -> None:
+    """A new workdir holding imported parameters as its step 0, with their tokenizer: evaluate and
+    generate read it as any other; training with config.train.init_from=<it> fine-tunes them.
+
+    Its config is the base config with this model, the tokenizer's kind and the model's segment
+    length; evaluation settings and data are given when evaluating.
+    """
+    if os.path.exists(workdir) and os.listdir(workdir):
+        raise errors.WorkdirError(f'{workdir} is not empty: import into a new workdir (nothing there is changed).')
+    config = config_lib.base_config()
+    config.model.update(model.as_dict())
+    config.data.tokenizer = tokenizer.kind
+    config.train.tgt_len = model.segment_len
+    workdir_lib.check(workdir, create=True)
+    tokenizer.save(workdir)  # Adopted by setup as the run's own.
+    with workdir_lib.RunLock(workdir):
+        exp = setup(config, workdir)
+        state, memory = init_state(exp, model_lib.convert_layer_layout(params, exp.mcfg.scan_layers))
+        write_json(os.path.join(workdir, CONFIG_FILE), exp.run.source)
+        ckpt = checkpointing.Checkpointer(checkpoint_dir(workdir), keep=1)
+        try:
+            ckpt.save(0, state, memory, None, exp.run.source)
+            ckpt.wait()
+        finally:
+            ckpt.close()
+
+
 def make_train_step(exp: Experiment, phase: int = 0) -> Callable:
     """The train step of training phase `phase`, jitted over the mesh with explicit shardings.
 

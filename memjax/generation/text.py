@@ -1,0 +1,79 @@
+"""Text in, text out: a prompt through the run's own tokenizer, the continuation streamed back
+(`memjax.generate` is its command line)."""
+
+import sys
+from typing import Optional, TextIO
+
+import ml_collections
+import numpy as np
+
+from memjax import errors
+from memjax.data.tokenizers import Tokenizer
+from memjax.generation.sample import sample
+from memjax.generation.sampling import Sampling
+from memjax.training import loop as trainer
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str) -> np.ndarray:
+    """The prompt's ids. Tokenizers that end every line with `<eos>` end the prompt's last line
+    only when the text does: a prompt stops mid-line, where the model is to go on."""
+    ids = tokenizer.encode(text)
+    eos = getattr(tokenizer, 'eos_id', None)
+    if eos is not None and len(ids) and ids[-1] == eos and not text.endswith('\n'):
+        ids = ids[:-1]
+    if not len(ids):
+        raise errors.UsageError('the prompt is empty: give --prompt="some text" or --prompt_file=F.')
+    return ids
+
+
+class TextStream:
+    """Writes the text of the ids seen so far as it grows: decoding the whole and writing what is
+    new keeps word spacing and byte sequences whole (a partial UTF-8 character waits)."""
+
+    def __init__(self, tokenizer: Tokenizer, out: TextIO):
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.shown = ''
+
+    def add(self, ids) -> None:
+        self.ids.extend(int(i) for i in ids)
+        self._show(self.tokenizer.decode(self.ids).rstrip(''.join(map(chr, range(0xDC80, 0xDD00)))))
+
+    def close(self) -> None:
+        self._show(self.tokenizer.decode(self.ids))
+        self.out.write('\n')
+        self.out.flush()
+
+    def _show(self, text: str) -> None:
+        if text.startswith(self.shown):
+            new = text[len(self.shown):]
+            self.out.write(new.encode('utf-8', 'replace').decode('utf-8'))
+            self.out.flush()
+            self.shown = text
+
+
+def generate(config: Optional[ml_collections.ConfigDict], workdir: str, text: str, max_new_tokens: int,
+             settings: Sampling, seed: int = 0, num_samples: int = 1, out: TextIO = sys.stdout) -> list[str]:
+    """Continues `text` `num_samples` times with the newest checkpoint of `workdir`; streams the first
+    continuation to `out` (or all, one after another, when there are several) and returns them."""
+    problems = settings.problems() + ([] if num_samples >= 1 else [f'num_samples={num_samples} must be >= 1.'])
+    if problems:
+        raise errors.UsageError(' '.join(problems))
+    if config is None:
+        config = trainer.saved_config(workdir)
+    exp = trainer.setup(config, workdir, training=False)
+    ids = prompt_ids(exp.tokenizer, text)
+    _, params = trainer.newest_params(exp, workdir)
+    stream = TextStream(exp.tokenizer, out) if num_samples == 1 else None
+    try:
+        result = sample(exp.eval_model, params, np.tile(ids, (num_samples, 1)), max_new_tokens, settings,
+                        seed=seed, on_token=None if stream is None else stream.add)
+    except ValueError as error:  # A prompt the model cannot read, a kind that cannot decode.
+        raise errors.UsageError(str(error)) from error
+    texts = [exp.tokenizer.decode(row) for row in result.tokens]
+    if stream is not None:
+        stream.close()
+    else:
+        for i, continuation in enumerate(texts):
+            out.write(f'--- sample {i + 1} ---\n{continuation}\n')
+    return texts
