@@ -165,3 +165,25 @@ def test_scaling_suite_json(tmp_path_factory):
     buffer_growth = (large - small) * model['n_layer'] * setup.batch_size * model['d_model'] * 4 / scaling.MIB
     assert train[large] - train[small] >= buffer_growth
     assert 'train_mem_len_us_per_token_vs_keys_slope' in report['figures']
+
+
+# ----------------------------------------------------------------------------------------------
+# generate: incremental generation, the re-run baseline and HF's generate on the same weights.
+
+
+def test_generate_suite_json(tmp_path_factory):
+    """The suite itself refuses to time implementations that chose different tokens (incremental vs
+    re-run, GPT-2 vs HF); here its report is checked for what it claims."""
+    from memjax.bench.suites import generate  # pylint: disable=g-import-not-at-top
+    report = run_and_reload('generate', tmp_path_factory)
+    setup = generate.SETUPS['tiny']
+    for row in report['rows']:
+        assert row['tokens_per_s'] == pytest.approx(row['batch'] * setup.new_tokens / row['timing']['median_s'])
+        if row['model'] == 'gpt2':
+            assert row['agree_with_hf'] == 1.0
+    for model in ('transformer_xl', 'gpt2'):
+        for batch in setup.batches:
+            rows = {r['impl']: r for r in report['rows'] if (r['model'], r['batch']) == (model, batch)}
+            assert set(rows) == {'memjax', 'memjax_rerun', 'hf'}
+            assert report['figures'][f'memjax_over_hf_{model}_batch{batch}'] == pytest.approx(
+                rows['memjax']['tokens_per_s'] / rows['hf']['tokens_per_s'])

@@ -213,3 +213,14 @@ def test_help_lists_the_flags_users_set(env):
         for flag in ('config', 'workdir', 'host_memory', 'verbose', 'coordinator_address',
                      'num_processes', 'process_id'):
             assert f'--{flag}:' in result.stdout or f'--[no]{flag}:' in result.stdout, (module, flag)
+
+
+def test_generate_errors_are_one_line(trained, env, tmp_path):
+    workdir, _ = trained
+    code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt='], env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, 'the prompt is empty')
+    code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt=a',
+                        '--top_k=-1'], env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, 'top_k=-1 must be >= 0')
+    code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={tmp_path}', '--prompt=a'], env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'no readable checkpoint')
