@@ -5,6 +5,7 @@
         --corpus=data/wikitext-103/cache.pt --workdir=runs/wt103_original
     python -m memjax.generate --workdir=runs/wt103_original --prompt="The castle"
     python -m memjax.evaluate --config=configs/transformer_xl_wt103_large.py --workdir=runs/wt103_original
+    (evaluate with a config of the same model shape, whose data and evaluation settings apply)
 
 `model.pt` is `torch.save(model)` of the whole `MemTransformerLM` and `cache.pt` is
 `torch.save(corpus)` of the data's `Corpus`: pickles of Python objects, which the general loader
@@ -24,7 +25,8 @@ What the original code does that memjax follows on import:
 
 The TensorFlow checkpoints (`tf/`, the released pretrained models) are TensorFlow variable bundles,
 which no reader outside TensorFlow parses: convert them with HF's
-`convert_transfo_xl_original_tf_checkpoint_to_pytorch` where TensorFlow is installed and import the
+`transformers.models.deprecated.transfo_xl.convert_transfo_xl_original_tf_checkpoint_to_pytorch`
+(transformers 4.37) where TensorFlow is installed and import the
 result with `python -m memjax.convert.hf_transfo_xl`.
 """
 
