@@ -23,6 +23,7 @@ from memjax import errors  # noqa: E402  pylint: disable=g-import-not-at-top
 from memjax import evaluate  # noqa: E402
 from memjax.generation import text as generation_text  # noqa: E402
 from memjax.bench.suites import peer  # noqa: E402
+from memjax import import_transfo_xl  # noqa: E402
 from memjax.convert import transfo_xl_original as original  # noqa: E402
 from memjax.generation import Sampling, sample  # noqa: E402
 from memjax.model import lm  # noqa: E402
@@ -180,7 +181,7 @@ def test_a_file_naming_any_other_callable_is_refused_and_never_run(tmp_path):
 def test_the_command_writes_a_workdir_that_generate_reads(files, tmp_path, capsys):
     _, model_path, corpus_path = files
     workdir = str(tmp_path / 'imported')
-    original.main([f'--model={model_path}', f'--corpus={corpus_path}', f'--workdir={workdir}'])
+    import_transfo_xl.main([f'--model={model_path}', f'--corpus={corpus_path}', f'--workdir={workdir}'])
     assert 'Imported' in capsys.readouterr().out
     out = io.StringIO()
     texts = generation_text.generate(None, workdir, 'the and', 8, Sampling(temperature=0), out=out)
@@ -192,7 +193,7 @@ def test_the_command_writes_a_workdir_that_generate_reads(files, tmp_path, capsy
     before = {path: os.stat(os.path.join(root, path)).st_mtime_ns
               for root, _, names in os.walk(workdir) for path in names}
     with pytest.raises(SystemExit):  # Never into a workdir that holds something.
-        original.main([f'--model={model_path}', f'--corpus={corpus_path}', f'--workdir={workdir}'])
+        import_transfo_xl.main([f'--model={model_path}', f'--corpus={corpus_path}', f'--workdir={workdir}'])
     assert 'is not empty' in capsys.readouterr().err
     assert before == {path: os.stat(os.path.join(root, path)).st_mtime_ns
                       for root, _, names in os.walk(workdir) for path in names}
@@ -203,7 +204,7 @@ def test_evaluate_scores_a_split_with_the_imported_model_as_a_segment_loop(files
     original model on the split, memory carried from an empty start as the original code does."""
     _, model_path, corpus_path = files
     workdir = str(tmp_path / 'imported')
-    original.main([f'--model={model_path}', f'--corpus={corpus_path}', f'--workdir={workdir}'])
+    import_transfo_xl.main([f'--model={model_path}', f'--corpus={corpus_path}', f'--workdir={workdir}'])
     rng = np.random.RandomState(0)
     vocabulary = ['the', 'and', 'zebra'] + [f'w{i}' for i in range(10)]  # zebra: <unk>.
     corpus = tmp_path / 'text'

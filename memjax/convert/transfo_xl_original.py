@@ -1,7 +1,8 @@
-"""Import a model trained with the original Transformer-XL PyTorch code (kimiyoung/transformer-xl,
-`pytorch/train.py`), with its vocabulary, into a memjax workdir.
+"""Read a model trained with the original Transformer-XL PyTorch code (kimiyoung/transformer-xl,
+`pytorch/train.py`) and its vocabulary; `python -m memjax.import_transfo_xl` writes them into a
+memjax workdir:
 
-    python -m memjax.convert.transfo_xl_original --model=LM-TFM-wt103/model.pt \
+    python -m memjax.import_transfo_xl --model=LM-TFM-wt103/model.pt \
         --corpus=data/wikitext-103/cache.pt --workdir=runs/wt103_original
     python -m memjax.generate --workdir=runs/wt103_original --prompt="The castle"
     python -m memjax.evaluate --config=configs/transformer_xl_wt103_large.py --workdir=runs/wt103_original
@@ -32,20 +33,15 @@ result with `python -m memjax.convert.hf_transfo_xl`.
 
 from __future__ import annotations
 
-import argparse
 import pickle
-import sys
-from typing import Any, Optional, Sequence
+from typing import Any
 
-import jax
 import numpy as np
 
-from memjax import errors
-from memjax.convert import hf_io, hf_transfo_xl
+from memjax.convert import hf_transfo_xl
 from memjax.convert.hf_io import CheckpointError
 from memjax.data.tokenizers import ByteTokenizer, Tokenizer, WordTokenizer
 from memjax.model import ModelConfig
-from memjax.training import loop
 
 # The classes those two files hold, by the names the pickles give them.
 _MODEL_CLASSES = tuple(f'mem_transformer.{name}' for name in (
@@ -194,28 +190,3 @@ def read_vocabulary(path: str, vocab_size: int) -> Tokenizer:
     if dataset == 'text8':
         return ByteTokenizer([ord(' ') if s == '_' else ord(s) for s in symbols])
     raise CheckpointError(f'{path} is a {dataset!r} corpus; the importer reads {WORD_DATASETS + CHAR_DATASETS}.')
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog='python -m memjax.convert.transfo_xl_original',
-        description='Import a model of the original Transformer-XL PyTorch code (model.pt) and its vocabulary '
-                    '(the data\'s cache.pt) into a memjax workdir.')
-    parser.add_argument('--model', required=True, help='model.pt written by pytorch/train.py')
-    parser.add_argument('--corpus', required=True, help='cache.pt of the data it was trained on')
-    parser.add_argument('--workdir', required=True, help='a new workdir to write')
-    args = parser.parse_args(argv)
-    try:
-        config, params = read_model(args.model)
-        tokenizer = read_vocabulary(args.corpus, config.vocab_size)
-        loop.write_imported(config, params, tokenizer, args.workdir)
-    except errors.UserError as error:
-        print(f'{error.label}: {" ".join(str(error).split())}', file=sys.stderr)
-        sys.exit(error.exit_code)
-    count = sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(params))
-    print(f'Imported {count:,} parameters and a {tokenizer.kind} vocabulary of {tokenizer.vocab_size:,} into '
-          f'{args.workdir} ({hf_io.config_summary(config)}).')
-
-
-if __name__ == '__main__':
-    main()
