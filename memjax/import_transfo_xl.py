@@ -6,13 +6,8 @@ says how the files are read safely and what is converted).
 """
 
 import argparse
-import sys
 from typing import Optional, Sequence
 
-import jax
-import numpy as np
-
-from memjax import errors
 from memjax.convert import hf_io
 from memjax.convert import transfo_xl_original as original
 from memjax.training import loop
@@ -27,16 +22,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument('--corpus', required=True, help='cache.pt of the data it was trained on')
     parser.add_argument('--workdir', required=True, help='a new workdir to write')
     args = parser.parse_args(argv)
-    try:
+
+    def job():
         config, params = original.read_model(args.model)
         tokenizer = original.read_vocabulary(args.corpus, config.vocab_size)
         loop.write_imported(config, params, tokenizer, args.workdir)
-    except errors.UserError as error:
-        print(f'{error.label}: {" ".join(str(error).split())}', file=sys.stderr)
-        sys.exit(error.exit_code)
-    count = sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(params))
-    print(f'Imported {count:,} parameters and a {tokenizer.kind} vocabulary of {tokenizer.vocab_size:,} into '
-          f'{args.workdir} ({hf_io.config_summary(config)}).')
+        return (f'Imported {hf_io.parameter_count(params):,} parameters and a {tokenizer.kind} vocabulary of '
+                f'{tokenizer.vocab_size:,} into {args.workdir} ({hf_io.config_summary(config)}).')
+
+    hf_io.run_import(job)
 
 
 if __name__ == '__main__':

@@ -25,13 +25,11 @@ import argparse
 import functools
 import json
 import os
-import sys
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 from flax import traverse_util
 
-from memjax import errors
 from memjax.convert import hf_io
 from memjax.convert.hf_io import CheckpointError, HFConfig, Tensor, same
 from memjax.model import ModelConfig
@@ -171,13 +169,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument('--config', default=None, help='HF config.json; default: the one in or next to --checkpoint')
     parser.add_argument('--out', required=True, help='directory to write the memjax parameters into')
     args = parser.parse_args(argv)
-    try:
+
+    def job():
         config, params = load_hf_checkpoint(args.checkpoint, args.config)
         hf_io.save_imported(args.out, config, params)
-    except (CheckpointError, OSError) as e:
-        print(f'{CheckpointError.label}: {e}', file=sys.stderr)
-        sys.exit(errors.EXIT_RUNTIME)
-    print(f'Imported GPT-2 ({hf_io.config_summary(config)}) into {args.out}.')
+        return f'Imported GPT-2 ({hf_io.config_summary(config)}) into {args.out}.'
+
+    hf_io.run_import(job)
 
 
 if __name__ == '__main__':

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any, Callable, Mapping, Optional, Union
 
 import flax.serialization
@@ -224,6 +225,22 @@ def load_checkpoint(path: str, hf_config: Optional[HFConfig], config_from_hf: Ca
         hf_config = found_config
     config = config_from_hf(hf_config)
     return config, params_from_state_dict(state, config, source=path)
+
+
+def run_import(job: Callable[[], str]) -> None:
+    """An import command's body: `job()` reads, converts and writes, then names what it wrote; a
+    user error (a refused file, a directory that cannot be written) ends the command in one line."""
+    try:
+        summary = job()
+    except (errors.UserError, OSError) as error:
+        label = error.label if isinstance(error, errors.UserError) else CheckpointError.label
+        print(f'{label}: {" ".join(str(error).split())}', file=sys.stderr)
+        sys.exit(getattr(error, 'exit_code', errors.EXIT_RUNTIME))
+    print(summary)
+
+
+def parameter_count(params: Any) -> int:
+    return int(sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(params)))
 
 
 def save_imported(out_dir: str, config: ModelConfig, params: Mapping[str, Any]) -> None:

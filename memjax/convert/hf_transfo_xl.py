@@ -33,13 +33,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from typing import Any, Mapping, Optional, Sequence
 
-import jax
 import numpy as np
 
-from memjax import errors
 from memjax.convert import hf_io
 from memjax.convert.hf_io import (CheckpointError, HFConfig, Tensor, config_summary,
                                   same, save_imported, transpose)
@@ -233,15 +230,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help=f'HF {hf_io.CONFIG_FILE}; default: the one in or next to --checkpoint')
     parser.add_argument('--out', required=True, help='directory to write the memjax parameters into')
     args = parser.parse_args(argv)
-    try:
+
+    def job():
         config, params = load_hf_checkpoint(args.checkpoint, args.config)
         save_imported(args.out, config, params)
-    except (CheckpointError, OSError) as e:  # OSError: --out not writable, say.
-        print(f'{CheckpointError.label}: {e}', file=sys.stderr)
-        sys.exit(errors.EXIT_RUNTIME)
-    count = sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(params))
-    print(f'Imported {count:,} parameters into {args.out} ({config_summary(config)}, '
-          f'memory_start={config.memory_start!r}).')
+        return (f'Imported {hf_io.parameter_count(params):,} parameters into {args.out} ({config_summary(config)}, '
+                f'memory_start={config.memory_start!r}).')
+
+    hf_io.run_import(job)
 
 
 if __name__ == '__main__':
