@@ -40,7 +40,11 @@ class TextStream:
         self._show(self.tokenizer.decode(self.ids).rstrip(''.join(map(chr, range(0xDC80, 0xDD00)))))
 
     def close(self) -> None:
-        self._show(self.tokenizer.decode(self.ids))
+        text = self.tokenizer.decode(self.ids)
+        if not text.startswith(self.shown):  # A tokenizer whose prefixes decode otherwise: all of it, anew.
+            self.out.write('\n')
+            self.shown = ''
+        self._show(text)
         self.out.write('\n')
         self.out.flush()
 
