@@ -17,6 +17,7 @@ from memjax.model import memories
 from memjax.model.config import ModelConfig
 from memjax.training import loop as trainer
 from memjax.training.step import stream_keys
+import toy_memory  # noqa: F401  (registers 'every_other', a kind memjax does not know)
 import training_fixtures
 
 SEG, VOCAB = 4, 30
@@ -36,6 +37,8 @@ KINDS = {
     'trams': dict(memory='trams', mem_len=8, trams_select=5, trams_remain=2),
     'infinity': dict(INFINITY, mem_len=0),
     'infinity_sticky_with_memory': dict(INFINITY, mem_len=4, ltm_sticky=True),
+    # A kind from outside memjax (tests/toy_memory.py): explicit distances, random streams.
+    'every_other_test_kind': dict(memory='every_other', mem_len=6),
 }
 PROMPT_LEN, NEW = 6, 13  # The prompt ends inside a segment; generation crosses four boundaries.
 
