@@ -51,22 +51,31 @@ def _experiment(overrides: dict, shape: dict, batch: int, tgt_len: int) -> train
     return trainer.setup(config, tempfile.mkdtemp(prefix='memjax-bench-programs-'))
 
 
-def fingerprints(overrides: dict, shape: dict, batch: int = 4, tgt_len: int = 16) -> dict[str, dict]:
-    """{'train': {...}, 'eval': {...}}: each step's fingerprint and size, for one model."""
-    exp = _experiment(overrides, shape, batch, tgt_len)
+def lowered_steps(exp: trainer.Experiment) -> dict[str, jax.stages.Lowered]:
+    """The run's train and eval steps lowered as training builds them, on abstract inputs of the
+    run's shapes (nothing is initialised or run)."""
     state, memory = trainer.abstract_state(exp)
-    segments = lambda rows, dtype: jax.ShapeDtypeStruct((1, rows, tgt_len), dtype)
-    batch_of = lambda rows: {'inputs': segments(rows, jnp.int32), 'targets': segments(rows, jnp.int32),
-                             'mask': segments(rows, jnp.float32), 'reset': jax.ShapeDtypeStruct((1, rows), bool)}
-    eval_rows = exp.run.eval.batch_size
+    run = exp.run
+
+    def batch_of(segments: int, rows: int, length: int) -> dict:
+        shaped = lambda dtype: jax.ShapeDtypeStruct((segments, rows, length), dtype)
+        return {'inputs': shaped(jnp.int32), 'targets': shaped(jnp.int32), 'mask': shaped(jnp.float32),
+                'reset': jax.ShapeDtypeStruct((segments, rows), bool)}
+
+    eval_rows = run.eval.batch_size
     eval_memory = jax.eval_shape(lambda: model_lib.init_memory(exp.eval_mcfg, eval_rows))
-    lowered = {
-        'train': trainer.make_train_step(exp).lower(state, memory, batch_of(batch)),
-        'eval': trainer.make_eval_step(exp).lower(state.params, eval_memory, batch_of(eval_rows),
+    return {
+        'train': trainer.make_train_step(exp).lower(
+            state, memory, batch_of(run.train.segments_per_step, run.train.batch_size, run.train.tgt_len)),
+        'eval': trainer.make_eval_step(exp).lower(state.params, eval_memory, batch_of(1, eval_rows, run.eval.tgt_len),
                                                   jax.ShapeDtypeStruct((2,), jnp.uint32)),
     }
+
+
+def fingerprints(overrides: dict, shape: dict, batch: int = 4, tgt_len: int = 16) -> dict[str, dict]:
+    """{'train': {...}, 'eval': {...}}: each step's fingerprint and size, for one model."""
     out = {}
-    for name, program in lowered.items():
+    for name, program in lowered_steps(_experiment(overrides, shape, batch, tgt_len)).items():
         text = program_text(program.compile())
         out[name] = {'fingerprint': hashlib.sha256(text.encode()).hexdigest()[:16],
                      'instructions': sum(1 for line in text.splitlines() if ' = ' in line)}
