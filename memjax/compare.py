@@ -1,0 +1,284 @@
+"""Command line: every method trained at one equal budget, evaluated at the same and at longer
+memory, compared in a table and plots.
+
+  python -m memjax.compare --config=configs/compare_kjv.py:smoke --workdir=runs/compare_smoke
+  python -m memjax.compare --config=configs/compare_kjv.py --workdir=runs/compare_kjv \
+      --config.data.text_path=kjv.txt
+
+The config is one ordinary run config (data, model, train, eval: the shared budget) plus a
+`compare` section: `methods`, `seeds`, `eval_mem_lens` and `match_params`. Each method changes
+only its own model fields (`METHODS`); with `match_params` each trained method's `d_inner` is set
+so that its parameter count is the closest to Transformer-XL's. Every (method, seed) trains in
+`<workdir>/<method>/seed<k>/` through `memjax.train`'s own path, then is scored on
+`config.eval.split` through `memjax.evaluate`'s at every memory length (TRAMS: on the XL runs,
+attending that many keys chosen from a pool twice as long). Runs and evaluations already done are
+read back, so an interrupted comparison resumes; a method that fails is reported and the rest go
+on. Results: `<workdir>/comparison.json`, `comparison.md` (mean and spread over seeds) and
+`comparison.png` (learning curves; loss against evaluation memory; needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+from absl import flags
+from absl import logging
+import jax
+import ml_collections
+import numpy as np
+
+from memjax import cli
+from memjax import config_lib
+from memjax import errors
+from memjax import evaluate
+from memjax import model as model_lib
+from memjax.bench.suites import programs
+from memjax.training import loop as trainer
+from memjax.training import metrics as metrics_lib
+
+flags.adopt_module_key_flags(evaluate)  # --config, --workdir.
+flags.adopt_module_key_flags(cli)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One method of the comparison: its model fields over the shared model (a function of the
+    config, for fields that follow the budget), or the method whose runs it evaluates instead of
+    training (`runs_on`) with its evaluation fields for an attended memory length L."""
+
+    model: Callable[[ml_collections.ConfigDict], dict] = lambda config: {}
+    runs_on: str = ''
+    evaluation: Callable[[int], dict] = lambda mem_len: {'mem_len': mem_len}
+
+
+METHODS = {
+    'none': Method(model=lambda c: {'memory': 'none', 'mem_len': 0}, evaluation=lambda mem_len: {}),
+    'xl': Method(),
+    'lamemo': Method(model=lambda c: {'memory': 'lamemo'}),
+    'infinity': Method(model=lambda c: {'memory': 'infinity'}),
+    # Attends L keys like XL at L, chosen from a pool of 2L.
+    # Attends L keys like XL at L: the newest 3L/4 and the best-ranked rest of a pool of 2L (the
+    # released 150 of 200).
+    'trams': Method(runs_on='xl', evaluation=lambda mem_len: {'memory': 'trams', 'mem_len': 2 * mem_len,
+                                                               'trams_select': mem_len,
+                                                               'trams_remain': 3 * mem_len // 4}),
+    # Phase 1 (linear skips) for three quarters of the steps, as the paper's schedule.
+    'skip_retain': Method(model=lambda c: {'skip_rule': 'linear', 'skip_until': 3 * c.train.num_steps // 4}),
+    'cross_head': Method(model=lambda c: {'sch_beta': 0.1}),
+}
+
+
+def _check(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    if 'compare' not in config:
+        raise errors.ConfigError('the config has no compare section: start from configs/compare_kjv.py.')
+    section = config.compare
+    unknown = [m for m in section.methods if m not in METHODS]
+    problems = [f'compare.methods has unknown {unknown}; choose from {tuple(METHODS)}.'] if unknown else []
+    problems += [f'compare.{name} must be >= 1.' for name in ('seeds',) if section[name] < 1]
+    missing = sorted({METHODS[m].runs_on for m in section.methods if METHODS[m].runs_on} - set(section.methods))
+    problems += [f'compare.methods needs {missing}, whose runs {[m for m in section.methods if METHODS[m].runs_on]} '
+                 'evaluate.'] if missing else []
+    if problems:
+        raise errors.ConfigError(' '.join(problems))
+    return section
+
+
+def run_config(config: ml_collections.ConfigDict, method: str, seed: int) -> ml_collections.ConfigDict:
+    """The run config of one trained method and seed: the shared config, the method's fields."""
+    run = ml_collections.ConfigDict({k: v for k, v in config.to_dict().items() if k != 'compare'})
+    run.model.update(METHODS[method].model(run))
+    run.seed = int(config.seed) + seed
+    return run
+
+
+def parameter_count(config: ml_collections.ConfigDict) -> int:
+    model = config_lib.resolve(config).model.replace(vocab_size=config.model.vocab_size if config.model.vocab_size > 0
+                                                     else 256)
+    shapes = jax.eval_shape(lambda: model_lib.init_params(model, jax.random.key(0)))
+    return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes)))
+
+
+def matched_d_inner(config: ml_collections.ConfigDict, target: int) -> int:
+    """The d_inner (a multiple of 8) whose parameter count is the closest to `target`."""
+    def count(d_inner):
+        trial = config.copy_and_resolve_references()
+        trial.model.d_inner = d_inner
+        return parameter_count(trial)
+
+    per_unit = (count(config.model.d_inner + 8) - count(config.model.d_inner)) / 8
+    guess = config.model.d_inner + (target - count(config.model.d_inner)) / per_unit
+    candidates = {max(8, int(round(guess / 8)) * 8 + step) for step in (-8, 0, 8)}
+    return min(candidates, key=lambda d: abs(count(d) - target))
+
+
+def _read(path: str) -> Optional[dict]:
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return None
+
+
+def _write(path: str, payload: Any) -> None:
+    trainer.write_json(path, payload)
+
+
+def train_one(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains (or resumes) one run; its summary, with the train step's memory, is kept beside it."""
+    path = os.path.join(workdir, 'compare_train.json')
+    done = _read(path)
+    if done is not None:
+        return done
+    summary = trainer.train_and_evaluate(config, workdir)
+    memory = programs.lowered_steps(trainer.setup(config, workdir))['train'].compile().memory_analysis()
+    summary['params'] = parameter_count(trainer.saved_config(workdir))
+    summary['step_memory_bytes'] = int(memory.argument_size_in_bytes + memory.output_size_in_bytes
+                                       - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+    _write(path, summary)
+    return summary
+
+
+def evaluate_one(config: ml_collections.ConfigDict, workdir: str, name: str, overrides: dict) -> dict:
+    """Scores the run's newest checkpoint with `overrides` on config.eval.model (resumable)."""
+    path = os.path.join(workdir, f'compare_eval_{name}.json')
+    done = _read(path)
+    if done is not None:
+        return done
+    config = config.copy_and_resolve_references()
+    config.eval.model.update(overrides)
+    start = time.time()
+    summary = evaluate.evaluate_checkpoint(config, workdir, out_path=path)
+    summary['eval_tokens_per_s'] = summary['num_tokens'] / (time.time() - start)
+    _write(path, summary)
+    return summary
+
+
+def run_comparison(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    section = _check(config)
+    mem_lens = [config.model.mem_len if m == -1 else int(m) for m in section.eval_mem_lens]
+    trained = [m for m in section.methods if not METHODS[m].runs_on]
+    xl_params = parameter_count(run_config(config, 'xl', 0)) if section.match_params else None
+    results, failures = {}, {}
+    for method in trained:
+        for seed in range(section.seeds):
+            run = run_config(config, method, seed)
+            try:
+                if xl_params is not None and method != 'xl':
+                    run.model.d_inner = matched_d_inner(run, xl_params)
+                logging.info('compare: training %s seed %d', method, seed)
+                results[(method, seed)] = {'train': train_one(run, os.path.join(workdir, method, f'seed{seed}')),
+                                           'config': run}
+            except Exception as error:  # pylint: disable=broad-except  (reported; the others go on)
+                failures[f'{method}/seed{seed}'] = f'{type(error).__name__}: {" ".join(str(error).split())[:300]}'
+                logging.error('compare: %s seed %d failed:\n%s', method, seed, traceback.format_exc())
+    rows = []
+    for method in section.methods:
+        spec = METHODS[method]
+        for seed in range(section.seeds):
+            source = results.get((spec.runs_on or method, seed))
+            if source is None:
+                failures.setdefault(f'{method}/seed{seed}', f'no {spec.runs_on or method} run to evaluate')
+                continue
+            run_dir = os.path.join(workdir, spec.runs_on or method, f'seed{seed}')
+            for mem_len in mem_lens:
+                overrides = spec.evaluation(mem_len)
+                try:  # A method whose evaluation does not depend on the memory is scored once.
+                    found = evaluate_one(source['config'], run_dir, f'{method}_mem{mem_len}' if overrides else method,
+                                         overrides)
+                except Exception as error:  # pylint: disable=broad-except
+                    failures[f'{method}/seed{seed}/mem{mem_len}'] = f'{type(error).__name__}: {error}'[:300]
+                    continue
+                train = source['train']
+                rows.append({'method': method, 'seed': seed, 'eval_mem_len': mem_len, 'loss': found['loss'],
+                             'metric_name': _metric(found), 'metric': found[_metric(found)],
+                             'eval_tokens_per_s': found['eval_tokens_per_s'],
+                             'train_tokens_per_s': train['train_tokens_per_s'], 'wall_seconds': train['wall_seconds'],
+                             'params': train['params'], 'step_memory_bytes': train['step_memory_bytes']})
+    report = {'config': config.to_dict(), 'rows': rows, 'failures': failures,
+              'curves': {f'{m}/seed{s}': _curve(os.path.join(workdir, m, f'seed{s}')) for m, s in results}}
+    _write(os.path.join(workdir, 'comparison.json'), report)
+    with open(os.path.join(workdir, 'comparison.md'), 'w') as f:
+        f.write(table(report, section.seeds))
+    plot(report, os.path.join(workdir, 'comparison.png'))
+    return report
+
+
+def _metric(summary: dict) -> str:
+    """The name of the evaluation summary's metric (bpc or ppl)."""
+    return next(name for name in ('bpc', 'ppl') if name in summary)
+
+
+def _curve(run_dir: str) -> dict[str, list]:
+    """Training and validation loss against step, from the run's TensorBoard events."""
+    scalars = metrics_lib.read_scalars(run_dir)
+    pick = lambda name: sorted(scalars.get(name, {}).items())
+    return {'train': pick('train/loss'), 'valid': pick('valid/loss')}
+
+
+def table(report: dict, seeds: int) -> str:
+    """Markdown: one row per method and evaluation memory, mean ± spread (half the range) over seeds."""
+    groups: dict[tuple, list] = {}
+    for row in report['rows']:
+        groups.setdefault((row['method'], row['eval_mem_len']), []).append(row)
+    metric = report['rows'][0]['metric_name'] if report['rows'] else 'metric'
+    lines = [f'| method | eval memory | loss (mean ± half-range, {seeds} seeds) | {metric} | train tokens/s | '
+             'eval tokens/s | parameters | train step memory (MB) | train wall s |',
+             '| --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+    for (method, mem_len), rows in groups.items():
+        loss = np.array([r['loss'] for r in rows])
+        mean = lambda key: float(np.mean([r[key] for r in rows]))
+        lines.append(f'| {method} | {mem_len} | {loss.mean():.4f} ± {(loss.max() - loss.min()) / 2:.4f} '
+                     f'({len(rows)}) | {mean("metric"):.4f} | {mean("train_tokens_per_s"):,.0f} | '
+                     f'{mean("eval_tokens_per_s"):,.0f} | {int(mean("params")):,} | '
+                     f'{mean("step_memory_bytes") / 2**20:.1f} | {mean("wall_seconds"):.0f} |')
+    for name, why in report['failures'].items():
+        lines.append(f'\nFailed: {name}: {why}')
+    return '\n'.join(lines) + '\n'
+
+
+def plot(report: dict, path: str) -> None:
+    try:
+        import matplotlib  # pylint: disable=g-import-not-at-top
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    except ImportError:
+        logging.warning('compare: matplotlib is not installed (pip install -e .[plot]); %s not drawn.', path)
+        return
+    fig, (curves, memory) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, curve in report['curves'].items():
+        if curve['valid']:
+            steps, values = zip(*curve['valid'])
+            curves.plot(steps, values, label=name)
+    curves.set(xlabel='training step', ylabel='validation loss (nats)', title='Learning curves')
+    curves.legend(fontsize=7)
+    by_method: dict[str, dict[int, list]] = {}
+    for row in report['rows']:
+        by_method.setdefault(row['method'], {}).setdefault(row['eval_mem_len'], []).append(row['loss'])
+    for method, points in by_method.items():
+        lens = sorted(points)
+        memory.plot(lens, [np.mean(points[m]) for m in lens], marker='o', label=method)
+    memory.set(xlabel='evaluation memory length', ylabel='loss (nats)', title='Loss against evaluation memory')
+    memory.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise errors.UsageError(f'unexpected arguments: {argv[1:]}')
+    config = cli.load_config(evaluate.CONFIG)
+    _check(config)
+    report = cli.run(lambda: run_comparison(config, evaluate.WORKDIR.value))
+    with open(os.path.join(evaluate.WORKDIR.value, 'comparison.md')) as f:
+        print(f.read())
+    if report['failures']:
+        print(f'{len(report["failures"])} failed: see comparison.md')
+
+
+if __name__ == '__main__':
+    cli.main(main)
