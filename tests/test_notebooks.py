@@ -1,0 +1,36 @@
+"""The notebooks run top to bottom, show their plots, and are stored without outputs."""
+
+import glob
+import os
+
+import pytest
+
+nbformat = pytest.importorskip('nbformat', reason="the notebooks are run with nbclient: pip install -e '.[test]'")
+nbclient = pytest.importorskip('nbclient', reason="the notebooks are run with nbclient: pip install -e '.[test]'")
+
+NOTEBOOKS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), '..', 'notebooks', '*.ipynb')))
+# Per cell: a notebook trains a small model inside; a compile on a loaded 2-core machine is slow.
+CELL_TIMEOUT_S = 600
+
+
+def test_there_are_notebooks():
+    assert [os.path.basename(p) for p in NOTEBOOKS] and 'getting_started.ipynb' in map(os.path.basename, NOTEBOOKS)
+
+
+@pytest.mark.parametrize('path', NOTEBOOKS, ids=os.path.basename)
+def test_notebook_is_stored_without_outputs(path):
+    notebook = nbformat.read(path, as_version=4)
+    for cell in notebook.cells:
+        if cell.cell_type == 'code':
+            assert not cell.outputs and cell.execution_count is None, f'{path}: strip the outputs before committing'
+
+
+@pytest.mark.parametrize('path', NOTEBOOKS, ids=os.path.basename)
+def test_notebook_runs_and_shows_its_plots(path):
+    notebook = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name='python3',
+                                     resources={'metadata': {'path': os.path.dirname(path)}})
+    client.execute()  # Raises CellExecutionError, with the cell and its traceback, on any error.
+    images = [output for cell in notebook.cells if cell.cell_type == 'code' for output in cell.outputs
+              if 'image/png' in output.get('data', {})]
+    assert images, f'{path} drew no plot'
