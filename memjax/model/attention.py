@@ -91,11 +91,12 @@ class AttentionContext:
 class LayerCache:
     """One layer's keys while a segment is decoded token by token (memjax/generation).
 
-    Recorded when the segment's first token is run (`RelativeAttention(..., record=True)`): every
-    key the segment's queries attend, the memory kind's blocks and stack rows first and then the
-    segment's own T slots, which each token step fills at its position. A query at segment
-    position p sees key k where `valid` holds, `distance + p` >= 0 (not in its future) and, with
-    `same_length`, k is among the newest `window` keys before it, as in the whole segment.
+    Recorded when the segment's first token (or a prompt's first tokens) runs as the whole segment
+    (`RelativeAttention(..., record=True)`): every key the segment's queries attend, the memory
+    kind's blocks and stack rows first and then the segment's own T slots, which each token step
+    fills at its position. Keys stay where they are while the queries advance, so a query at
+    segment position p sees key k where `valid` holds, `distance + p` >= 0 (not in its future)
+    and, with `same_length`, k is among the newest `window` keys before it, as in the whole segment.
     """
 
     # Head-major, so that a token's scores and output read each head's keys in one contiguous run.
