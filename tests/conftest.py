@@ -12,6 +12,9 @@ import shutil
 import tempfile
 
 import jax
+import pytest
+
+import training_fixtures
 
 CACHE_VARIABLE = 'MEMJAX_TEST_COMPILATION_CACHE'
 _MADE_HERE = CACHE_VARIABLE not in os.environ
@@ -26,3 +29,11 @@ jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
     if _MADE_HERE:  # The process that made the folder ends last (pytest-xdist's controller).
         shutil.rmtree(COMPILATION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture(scope='module')
+def corpus(tmp_path_factory):
+    """A generated train/valid/test text corpus (`training_fixtures.write_text_corpus`), one per
+    test module."""
+    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
+

@@ -22,11 +22,6 @@ NUM_STEPS = 8
 
 
 @pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
-
-
-@pytest.fixture(scope='module')
 def config(corpus):
     return training_fixtures.tiny_config(corpus, train__num_steps=NUM_STEPS)
 

@@ -18,11 +18,6 @@ def tiny_comparison(corpus: str, methods=('none', 'xl', 'trams')):
 
 
 @pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
-
-
-@pytest.fixture(scope='module')
 def compared(corpus, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp('compare'))
     return workdir, compare.run_comparison(tiny_comparison(corpus), workdir)

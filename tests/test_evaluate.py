@@ -18,11 +18,6 @@ import training_fixtures
 EVAL_TGT_LEN, EVAL_MEM_LEN, EVAL_CLAMP_LEN = 5, 6, 4
 
 
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
-
-
 def split_bytes(corpus, split):
     with open(os.path.join(corpus, {'validation': 'valid.txt', 'test': 'test.txt'}[split]),
               'rb') as f:

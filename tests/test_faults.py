@@ -32,11 +32,6 @@ KINDS = {'xl': (), 'lamemo': ('--config.model.memory=lamemo',),
 
 
 @pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
-
-
-@pytest.fixture(scope='module')
 def env():
     return cli_fixtures.cpu_env(1)
 

@@ -21,11 +21,6 @@ import training_fixtures
 NUM_STEPS = 8
 
 
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
-
-
 def toy_config(corpus, **overrides):
     return training_fixtures.tiny_config(corpus, model__memory='every_other', train__num_steps=NUM_STEPS,
                                          **overrides)

@@ -12,7 +12,6 @@ import pytest
 from memjax.runtime import distributed
 from memjax.training import metrics as metrics_lib
 import cli_fixtures
-import training_fixtures
 
 ENV = {distributed.ENV_COORDINATOR: '10.0.0.1:8476', distributed.ENV_NUM_PROCESSES: '4',
        distributed.ENV_PROCESS_ID: '3'}
@@ -50,11 +49,6 @@ def test_bad_settings_are_named(kwargs, environ, message):
 
 def test_tpu_worker_environment_means_cloud_tpu():
     assert distributed.on_cloud_tpu({'TPU_WORKER_HOSTNAMES': 'w-0,w-1'})
-
-
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
 
 
 def test_joins_that_cannot_complete_fail_clearly_within_the_bound(corpus, tmp_path):

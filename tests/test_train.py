@@ -21,11 +21,6 @@ from memjax.data import embedded_corpus
 import training_fixtures
 
 
-@pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
-
-
 def test_schedule_matches_hand_formula():
     config = training_fixtures.tiny_config('unused', train__num_steps=20, train__warmup_steps=5,
                                            train__learning_rate=1e-3, train__min_lr_ratio=0.1)

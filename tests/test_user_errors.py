@@ -19,11 +19,6 @@ TIMEOUT_S = 120
 
 
 @pytest.fixture(scope='module')
-def corpus(tmp_path_factory):
-    return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
-
-
-@pytest.fixture(scope='module')
 def trained(corpus, tmp_path_factory):
     """A finished tiny run: (workdir, data_dir)."""
     workdir = str(tmp_path_factory.mktemp('trained'))
