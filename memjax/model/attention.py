@@ -494,6 +494,10 @@ class RelativeAttention(nn.Module):
         scores = scores * (cfg.d_head ** -0.5)
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1)
+        # For analysis (memjax.analysis; a no-op unless applied with mutable=['intermediates']): what
+        # the scores were made of, keys in attended order, the segment last.
+        self.sow('intermediates', 'attention', {'probs': probs, 'mask': mask, 'query': query, 'key': key,
+                                                'pos_key': pos_key, 'u_bias': u_bias, 'v_bias': v_bias})
         probs = Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
         attended = jnp.einsum('bhtk,bkhd->bthd', probs, value)
         out = out_proj(attended)

@@ -1,0 +1,98 @@
+"""A trained run's model and parameters, its text segment by segment, and the values its layers sow."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterator, Optional
+
+import jax
+import ml_collections
+import numpy as np
+from flax import traverse_util
+
+from memjax import model as model_lib
+from memjax.data.tokenizers import Tokenizer
+from memjax.training import evaluation
+from memjax.training import loop as trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedRun:
+    """A workdir's newest checkpoint, ready to apply: `model` is the evaluation model (the run's
+    `config.eval.model` overrides applied: a longer memory, TRAMS over an XL run)."""
+
+    exp: trainer.Experiment
+    params: Any
+    step: int
+
+    @property
+    def model(self) -> model_lib.MemoryLM:
+        return self.exp.eval_model
+
+    @property
+    def config(self) -> model_lib.ModelConfig:
+        return self.exp.run.eval_model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.exp.tokenizer
+
+
+def load(workdir: str, config: Optional[ml_collections.ConfigDict] = None, **eval_model: Any) -> LoadedRun:
+    """The run in `workdir` (its saved config, or `config`), with `eval_model` fields set on
+    `config.eval.model` (mem_len=..., memory='trams', ...)."""
+    config = trainer.saved_config(workdir) if config is None else config.copy_and_resolve_references()
+    for name, value in eval_model.items():
+        config.eval.model[name] = value
+    exp = trainer.setup(config, workdir, training=False)
+    step, params = trainer.newest_params(exp, workdir)
+    return LoadedRun(exp, params, step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """One segment of B streams: inputs, targets [B, T] int32, mask [B, T] (1: a real target),
+    reset [B] bool (start that stream's memory afresh)."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    mask: np.ndarray
+    reset: np.ndarray
+
+
+def text_batches(run: LoadedRun, split: str = 'validation', num_segments: int = -1) -> Iterator[Segment]:
+    """The split as evaluation reads it (`config.eval` batch and segment length), one segment at a
+    time from its start; `num_segments` -1: all."""
+    streams = evaluation.eval_streams(run.exp.run, run.tokenizer, split)
+    count = 0
+    for batch in streams.iterator():
+        for s in range(batch['inputs'].shape[0]):
+            if 0 <= num_segments <= count:
+                return
+            yield Segment(*(np.asarray(batch[name][s]) for name in ('inputs', 'targets', 'mask', 'reset')))
+            count += 1
+
+
+def apply_sown(model: model_lib.MemoryLM, params: Any, inputs, memory, **kwargs):
+    """(ModelOutput, next memory, sown): one segment, with everything the layers sow (`per_layer`
+    reads it). Evaluation mode unless `deterministic=False` and `rngs` are given."""
+    (output, new_memory), variables = model.apply({'params': params}, inputs, memory, mutable=['intermediates'],
+                                                  **kwargs)
+    return output, new_memory, variables.get('intermediates', {})
+
+
+def per_layer(sown: dict, name: str) -> Any:
+    """The value sown under `name` by every layer, stacked on a leading [n_layer] axis (either
+    layer layout); a dict of such arrays when the value was a dict. ValueError when no layer sowed it."""
+    found = {}
+    for path, value in traverse_util.flatten_dict(sown, is_leaf=lambda _, x: isinstance(x, tuple)).items():
+        if path[-1] == name:
+            found[path[0]] = value[0]
+    if not found:
+        raise ValueError(f'no layer sowed {name!r}: this model does not compute it (sown here: '
+                         f'{sorted({p[-1] for p in traverse_util.flatten_dict(sown, is_leaf=lambda _, x: isinstance(x, tuple))})}).')
+    if 'layers' in found:  # scan_layers: already stacked over the layers.
+        return found['layers']
+    layers = [found[f'layer_{i}'] for i in range(len(found))]
+    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *layers,
+                        is_leaf=lambda x: x is None)
