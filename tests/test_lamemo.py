@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from memjax import model as model_lib
+from memjax.analysis import lamemo as analysis_lamemo
 from memjax.model import ModelConfig
 from memjax.model.memories import lamemo
 from memjax.model.positions import relative_sinusoid_table, sinusoid_encoding
@@ -138,7 +139,7 @@ def test_memorizing_coefficients_are_the_past_share_of_the_bidirectional_attenti
         layer = params.pop('layer_0')
         params['layers'] = jax.tree.map(lambda x: jnp.stack([x, x]), layer)
     model = model_lib.build_model(cfg)
-    extract = jax.jit(functools.partial(lamemo.memorizing_coefficients, model))
+    extract = jax.jit(functools.partial(analysis_lamemo.memorizing_coefficients, model))
     memory = model_lib.init_memory(cfg, 2)
     alphas = []
     for start in range(0, 3 * SEG, SEG):
@@ -153,7 +154,7 @@ def test_memorizing_coefficients_are_the_past_share_of_the_bidirectional_attenti
     # Rows 4-7 of the memory 0-7 that segment 3 refreshed.
     np.testing.assert_allclose(alphas[2][0, ..., 4:], expected, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match='lamemo_interpolate=True'):
-        lamemo.memorizing_coefficients(model_lib.build_model(cfg.replace(lamemo_interpolate=False)), params,
+        analysis_lamemo.memorizing_coefficients(model_lib.build_model(cfg.replace(lamemo_interpolate=False)), params,
                                        tokens[:, :SEG], model_lib.init_memory(cfg, 2))
 
 

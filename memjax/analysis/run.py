@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Iterator, Optional
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from flax import traverse_util
@@ -93,6 +94,4 @@ def per_layer(sown: dict, name: str) -> Any:
                          f'{sorted({p[-1] for p in traverse_util.flatten_dict(sown, is_leaf=lambda _, x: isinstance(x, tuple))})}).')
     if 'layers' in found:  # scan_layers: already stacked over the layers.
         return found['layers']
-    layers = [found[f'layer_{i}'] for i in range(len(found))]
-    return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *layers,
-                        is_leaf=lambda x: x is None)
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *(found[f'layer_{i}'] for i in range(len(found))))

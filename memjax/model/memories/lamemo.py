@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -155,7 +154,7 @@ class LaMemoLayerMemory(LayerMemory):
             new, log_new = self.look_ahead(shared, view)
             if cfg.lamemo_interpolate:
                 alpha = interpolation_weight(log_prev, log_new, cfg.lamemo_eps)
-                self.sow('intermediates', 'alpha', alpha)  # For analysis: `memorizing_coefficients`.
+                self.sow('intermediates', 'alpha', alpha)  # memjax.analysis.lamemo.memorizing_coefficients
                 alpha = alpha.transpose(0, 2, 1)[..., None]
                 context = alpha * prev.astype(jnp.float32) + (1.0 - alpha) * new.astype(jnp.float32)
             else:
@@ -176,22 +175,6 @@ class LaMemoLayerMemory(LayerMemory):
         log_norm = jnp.concatenate([notes['log_norm'], notes['segment_log_norm']], axis=-1)
         # Gradients never flow into a past segment.
         return jax.lax.stop_gradient({'context': context[:, -keep:], 'log_norm': log_norm[..., -keep:]}), {}
-
-
-def memorizing_coefficients(model, params, inputs: jax.Array, memory: MemoryState):
-    """(alpha [n_layer, B, H, M], next memory) of one segment: the weight each memory row gives its
-    past (eq. 11; the paper's figure 6), row M-1 the newest. `model` is `build_model` of a LaMemo
-    config that interpolates; jit it with `jax.jit(functools.partial(memorizing_coefficients, model))`.
-    """
-    (_, new_memory), variables = model.apply({'params': params}, inputs, memory, mutable=['intermediates'])
-    found = traverse_util.flatten_dict(variables.get('intermediates', {}))
-    alphas = {path[0]: value[0] for path, value in found.items() if path[-1] == 'alpha'}
-    if not alphas:
-        raise ValueError("memorizing_coefficients: the model computes no alpha; it needs memory='lamemo' "
-                         'with lamemo_look_ahead=True and lamemo_interpolate=True.')
-    if 'layers' in alphas:  # scan_layers: one value stacked over the layers.
-        return alphas['layers'], new_memory
-    return jnp.stack([alphas[f'layer_{i}'] for i in range(len(alphas))]), new_memory
 
 
 @register

@@ -1,0 +1,71 @@
+"""Where attention goes, by relative distance (Transformer-XL's figures 5 and 7, LaMemo's figure 1).
+
+All functions take one layer stack's sown 'attention' (`per_layer(sown, 'attention')`) of a kind
+whose keys are contiguous (none, xl, lamemo: the memory right before the segment, the segment
+last), so query t of T sits at key K - T + t and sees key k at distance K - T + t - k.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+
+def by_distance(values: np.ndarray, seg_len: int) -> np.ndarray:
+    """[..., T, K] per query and key -> [..., T, K] per query and distance 0 .. K-1 (NaN where a
+    query has no key at that distance: it would be in its future or before the first key)."""
+    keys = values.shape[-1]
+    t = np.arange(seg_len)[:, None]
+    d = np.arange(keys)[None, :]
+    k = keys - seg_len + t - d  # The key at distance d from query t.
+    gathered = np.take_along_axis(values, np.broadcast_to(np.clip(k, 0, keys - 1), values.shape), axis=-1)
+    return np.where(k >= 0, gathered, np.nan)
+
+
+def mean_by_distance(values: np.ndarray, mask: np.ndarray, seg_len: int, bin_width: int = 1,
+                     within_bin: str = 'mean') -> np.ndarray:
+    """[n_layer, H, K // bin_width]: `values` [n_layer, B, H, T, K] averaged at each distance over
+    the batch rows and the queries that see a key there (`mask` [n_layer, B, H|1, T, K]).
+
+    With `bin_width` w, each query's distances are grouped w at a time first and reduced by
+    `within_bin` ('mean', 'sum' or 'max': LaMemo's figure 1 takes a query's largest weight in each
+    interval of 5 tokens) before the average over queries."""
+    seen = by_distance(np.broadcast_to(mask, values.shape).astype(float), seg_len)
+    per_query = np.where(seen == 1, by_distance(values.astype(np.float64), seg_len), np.nan)
+    bins = per_query.shape[-1] // bin_width
+    grouped = per_query[..., :bins * bin_width].reshape(per_query.shape[:-1] + (bins, bin_width))
+    reduce = {'mean': np.nanmean, 'sum': np.nansum, 'max': np.nanmax}[within_bin]
+    with warnings.catch_warnings():  # A distance no query sees is NaN: numpy warns of an empty mean.
+        warnings.simplefilter('ignore', RuntimeWarning)
+        binned = reduce(grouped, axis=-1)
+        binned = np.where(np.isnan(grouped).all(-1), np.nan, binned)
+        return np.nanmean(binned, axis=(1, 3))
+
+
+def score_terms(attention: dict, scale: float) -> dict[str, np.ndarray]:
+    """The four terms of Transformer-XL's relative score (section 3.3), each [n_layer, B, H, T, K]:
+    (a) q.k content, (b) q.W_r R_(i-j) content-dependent position, (c) u.k global content bias,
+    (d) v.W_r R_(i-j) global position bias, times `scale` (the attention's d_head ** -0.5)."""
+    query, key, pos_key = (np.asarray(attention[n], np.float64) for n in ('query', 'key', 'pos_key'))
+    u_bias, v_bias = (np.asarray(attention[n], np.float64) for n in ('u_bias', 'v_bias'))
+    seg_len, keys, rows = query.shape[2], key.shape[2], pos_key.shape[1]
+    distance = keys - seg_len + np.arange(seg_len)[:, None] - np.arange(keys)[None, :]  # [T, K]
+    row = np.clip(rows - 1 - distance, 0, rows - 1)  # Row R-1-d of the table holds distance d.
+    positional = pos_key[:, row]  # [n_layer, T, K, H, Dh]
+    return {
+        'a': scale * np.einsum('lbthd,lbkhd->lbhtk', query, key),
+        'b': scale * np.einsum('lbthd,ltkhd->lbhtk', query, positional),
+        'c': scale * np.einsum('lhd,lbkhd->lbhk', u_bias, key)[:, :, :, None, :].repeat(seg_len, axis=3),
+        'd': scale * np.einsum('lhd,ltkhd->lhtk', v_bias, positional)[:, None].repeat(query.shape[1], axis=1),
+    }
+
+
+def term_attention(term: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """One score term as an attention distribution: the softmax over the keys each query sees
+    (Transformer-XL's figure 7 normalises every term on its own this way)."""
+    masked = np.where(np.broadcast_to(mask, term.shape), term, -np.inf)
+    masked = masked - masked.max(axis=-1, keepdims=True)
+    weights = np.exp(masked)
+    return weights / weights.sum(axis=-1, keepdims=True)
+
