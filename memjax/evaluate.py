@@ -32,8 +32,9 @@ flags.adopt_module_key_flags(distributed)
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig, workdir: str,
-                        out_path: str | None = None) -> dict:
-    """Restores the newest intact checkpoint's params and scores config.eval.split.
+                        out_path: str | None = None, max_batches: int = -1) -> dict:
+    """Restores the newest intact checkpoint's params and scores config.eval.split (its first
+    `max_batches` batches of `config.train.segments_per_step` segments; -1: all of it).
 
     The result is also written to `out_path` (default `<workdir>/eval_<split>.json`); a workdir
     that does not exist, holds no checkpoint or cannot take that file is an error before anything
@@ -48,7 +49,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         streams = evaluation.eval_streams(exp.run, exp.tokenizer, split)
     result = evaluation.evaluate_streams(trainer.make_eval_step(exp), params, exp.eval_mcfg, streams,
-                                         evaluation.local_eval_batch(exp.run),
+                                         evaluation.local_eval_batch(exp.run), max_batches=max_batches,
                                          partitioner=exp.partitioner, key=evaluation.eval_key(exp.run))
     name = metrics_lib.metric_name(exp.unit)
     summary = {

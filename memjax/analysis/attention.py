@@ -11,6 +11,8 @@ import warnings
 
 import numpy as np
 
+from memjax.analysis.run import LoadedRun, sown_over_text
+
 
 def by_distance(values: np.ndarray, seg_len: int) -> np.ndarray:
     """[..., T, K] per query and key -> [..., T, K] per query and distance 0 .. K-1 (NaN where a
@@ -69,3 +71,27 @@ def term_attention(term: np.ndarray, mask: np.ndarray) -> np.ndarray:
     weights = np.exp(masked)
     return weights / weights.sum(axis=-1, keepdims=True)
 
+
+
+def text_profiles(run: LoadedRun, num_segments: int, split: str = 'validation', bin_width: int = 1,
+                  within_bin: str = 'mean', terms: str = '') -> dict[str, np.ndarray]:
+    """Attention by distance over `num_segments` segments of the run's text, read as evaluation
+    reads it (the memory carried, reset at documents): {'attention': [n_layer, H, K // bin_width]}
+    and, for each letter of `terms` ('abd' for the paper's figure 7), that score term alone as an
+    attention distribution. Every segment counts alike."""
+    scale = run.config.d_head ** -0.5
+    totals: dict[str, tuple] = {}  # name -> (sum of the segments' profiles, how many saw each entry)
+    for segment, _, sown in sown_over_text(run, 'attention', num_segments, split):
+        seg_len = segment.inputs.shape[1]
+        found = {'attention': sown['probs']}
+        parts = score_terms(sown, scale) if terms else {}
+        found.update({name: term_attention(parts[name], sown['mask']) for name in terms})
+        for name, values in found.items():
+            profile = mean_by_distance(values, sown['mask'], seg_len, bin_width, within_bin)
+            # A segment after a reset sees no key far back: it counts only where it sees one.
+            total, seen = totals.get(name, (0.0, 0))
+            totals[name] = (total + np.nan_to_num(profile), seen + ~np.isnan(profile))
+    if not totals:
+        raise ValueError(f'the {split!r} split has no segment to read.')
+    with np.errstate(invalid='ignore'):
+        return {name: np.where(seen > 0, total / np.maximum(seen, 1), np.nan) for name, (total, seen) in totals.items()}

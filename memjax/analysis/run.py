@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterator, Optional
 
 import jax
@@ -72,6 +73,18 @@ def text_batches(run: LoadedRun, split: str = 'validation', num_segments: int = 
                 return
             yield Segment(*(np.asarray(batch[name][s]) for name in ('inputs', 'targets', 'mask', 'reset')))
             count += 1
+
+
+def sown_over_text(run: LoadedRun, name: str, num_segments: int = -1, split: str = 'validation',
+                   **apply_kwargs) -> Iterator[tuple[Segment, model_lib.ModelOutput, Any]]:
+    """(segment, the model's output, the value sown under `name` per layer as numpy) for the run's
+    text read as evaluation reads it: the memory carried from segment to segment, reset where a
+    document starts."""
+    step = jax.jit(functools.partial(apply_sown, run.model, **apply_kwargs))
+    memory = model_lib.init_memory(run.config, run.exp.run.eval.batch_size)
+    for segment in text_batches(run, split, num_segments):
+        output, memory, sown = step(run.params, segment.inputs, memory, targets=segment.targets, reset=segment.reset)
+        yield segment, output, jax.tree.map(np.asarray, per_layer(sown, name))
 
 
 def apply_sown(model: model_lib.MemoryLM, params: Any, inputs, memory, **kwargs):
