@@ -4,7 +4,6 @@ the random decisions, and exact resumes across the phase boundary."""
 
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 
 from memjax import config_lib
 from memjax import model as model_lib
+from memjax import analysis
 from memjax.model import memories
 from memjax.model import stochastic
 from memjax.model.attention import AttentionContext, KeyBlock, RelativeAttention
@@ -87,6 +87,21 @@ def test_a_skipped_layer_is_the_identity_and_its_memory_ages(params, tokens):
     embedded = model.apply({'params': one_params}, tokens[0], method=lambda m, x: m.io.embed(x))
     np.testing.assert_allclose(out.hidden, embedded, atol=1e-6)
     np.testing.assert_array_equal(memory.layers['age'], [SEG])
+
+
+def test_rows_from_before_a_skip_are_masked_once_the_layer_runs_again(params, tokens):
+    """MEM = 6 > SEG = 4: when layer 1 runs after a skip, its memory keeps 2 rows from before the
+    skipped segment, SEG positions further back than the rows the segment writes: one offset cannot
+    place both, so those 2 are not attended (attending them at distance 0-lag was the bug)."""
+    cfg = XL.replace(skip_rule='linear')
+    _, memory, _ = run(cfg, params, tokens[:4], skips=[[False] * 3, [False, True, False], [False] * 3])
+    np.testing.assert_array_equal(memory.layers['age'], [0, 0, 0])
+    np.testing.assert_array_equal(memory.layers['valid'][1], [[False] * 2 + [True] * SEG] * BATCH)
+    np.testing.assert_array_equal(memory.layers['valid'][0], [[True] * MEM] * BATCH)  # It never skipped.
+    # Layer 1's queries of the next segment give those rows no weight; layer 0's attend all of its.
+    _, _, sown = analysis.apply_sown(model_lib.build_model(cfg), params, tokens[3], memory)
+    probs = np.asarray(analysis.per_layer(sown, 'attention')['probs'])  # [layer, B, H, T, MEM + SEG]
+    assert (probs[1, ..., :2] == 0).all() and (probs[0, ..., :2] > 0).all()
 
 
 @pytest.mark.parametrize('clamp_len', [-1, 18])  # 18: some of the aged distances 13-21 clamped.
@@ -167,7 +182,9 @@ def test_evaluation_never_skips_nor_permutes(params, tokens, tmp_path):
     evaluated, _, sown = run(cfg, params, tokens, training=False)
     plain, _, _ = run(XL, params, tokens, training=False)
     np.testing.assert_allclose(evaluated, plain, atol=2e-6, rtol=0)  # Nine skips in ten would show.
-    assert not any(jax.tree.leaves(s) for s in sown)  # No permutation drawn.
+    for sown_step in sown:  # No permutation drawn.
+        with pytest.raises(ValueError, match="no layer sowed 'cross_head'"):
+            analysis.per_layer(sown_step, 'cross_head')
     corpus = training_fixtures.write_text_corpus(str(tmp_path))
     config = training_fixtures.tiny_config(corpus, model__skip_rule='linear', model__sch_beta=0.1)
     eval_mcfg = config_lib.resolve(config).eval_model

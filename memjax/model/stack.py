@@ -60,7 +60,10 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, state, shared, ctx: AttentionContext, skip, index, cache=None, position=None):
         if skip is None or self.is_initializing():
             return self.compute(carry, state, shared, ctx, index, cache, position)
-        return nn.cond(skip, DecoderLayer.skip, DecoderLayer.compute, self, carry, state, shared, ctx, index)
+        # Only the parameters enter the branches: both must return the same variables, and the
+        # skipped one sows nothing, so a layer that may be skipped sows nothing either.
+        return nn.cond(skip, DecoderLayer.skip, DecoderLayer.compute, self, carry, state, shared, ctx, index,
+                       variables='params')
 
     def _no_losses(self):
         return {name: jnp.zeros((), jnp.float32) for name in self.kind.loss_weights}

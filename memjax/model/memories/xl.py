@@ -40,7 +40,11 @@ class XLLayerMemory(LayerMemory):
         # Gradients never flow into a past segment.
         written = {'hidden': jax.lax.stop_gradient(hidden[:, -keep:])}
         if 'age' in state:
-            written.update(valid=_shift_in(state['valid'], layer_input.shape[1]), age=jnp.zeros_like(state['age']))
+            # After a skip the kept rows lag `age` positions behind the segment and the segment's own
+            # rows do not; one offset describes one contiguous block, so rows from before the gap
+            # (some survive when mem_len > the segment) are masked rather than put at the wrong distance.
+            kept = state['valid'] & (state['age'] == 0)
+            written.update(valid=_shift_in(kept, layer_input.shape[1]), age=jnp.zeros_like(state['age']))
         return written, {}
 
     def skipped(self, state, shared, layer_input):
