@@ -62,6 +62,9 @@ class TrainConfig:
     log_every: int = 100
     eval_every: int = 1000  # 0: only the final validation.
     eval_batches: int = -1  # -1: the whole validation split.
+    # The validation at the end of a run, whose numbers the run reports: -1 the whole split; N its
+    # first N batches (a notebook's minute-long run, a very large split).
+    final_eval_batches: int = -1
     checkpoint_every: int = 1000  # 0: only the final checkpoint.
     keep_checkpoints: int = 3  # The newest N; the best validated checkpoint is kept beside them.
     # A run whose training or validation loss (nats per scored token) exceeds this has diverged:
@@ -112,6 +115,8 @@ class TrainConfig:
              f'config.train.init_from_state={self.init_from_state!r} must be one of {INIT_FROM_STATES}.'),
             (self.eval_batches == -1 or self.eval_batches >= 1,
              f'config.train.eval_batches={self.eval_batches} must be -1 (whole split) or >= 1.'),
+            (self.final_eval_batches == -1 or self.final_eval_batches >= 1,
+             f'config.train.final_eval_batches={self.final_eval_batches} must be -1 (whole split) or >= 1.'),
             (self.diverged_loss in (-1, 0) or self.diverged_loss > 0,
              f'config.train.diverged_loss={self.diverged_loss} must be > 0, -1 (3 ln(vocab_size)) or 0 (off).'))
 

@@ -94,10 +94,15 @@ def test_max_batches_limits_the_pass(experiment):
 def test_evaluate_command_scores_test_split_from_checkpoint(corpus, tmp_path):
     workdir = str(tmp_path)
     config = training_fixtures.tiny_config(corpus, train__num_steps=2, train__eval_every=0,
-                                           eval__split='test')
+                                           train__final_eval_batches=1, eval__split='test')
     with pytest.raises(errors.CheckpointError, match='no readable checkpoint'):
         evaluate.evaluate_checkpoint(config, workdir)
-    trainer.train_and_evaluate(config, workdir)
+    trained = trainer.train_and_evaluate(config, workdir)
+    # The final validation read its first batch only: what evaluating that many batches scores.
+    first = evaluate.evaluate_checkpoint(training_fixtures.tiny_config(corpus, train__num_steps=2), workdir,
+                                         out_path=str(tmp_path / 'first.json'), max_batches=1)
+    assert first['num_tokens'] == trained['valid_tokens'] < len(split_bytes(corpus, 'validation')) - 1
+    assert first['loss'] == pytest.approx(trained['valid_loss'], abs=1e-6)
     summary = evaluate.evaluate_checkpoint(config, workdir)
     assert summary['step'] == 2
     assert summary['num_tokens'] == len(split_bytes(corpus, 'test')) - 1

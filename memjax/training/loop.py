@@ -667,7 +667,8 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
         if not preempted:
             train_seconds = (time.time() - steady_start - eval_seconds) if steady_start else 0.0
             with preemption.stop_once_written(ckpt.wait):
-                final = _validate(exp, eval_step, state.params, valid_streams, -1, step, writer)
+                final = _validate(exp, eval_step, state.params, valid_streams, tcfg.final_eval_batches, step,
+                                  writer)
     finally:
         watch.close()
         writer.close()

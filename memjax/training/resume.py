@@ -28,6 +28,7 @@ RESUME_SAFE = {
     'train.log_every': 'logging',
     'train.eval_every': 'validation schedule',
     'train.eval_batches': 'validation size',
+    'train.final_eval_batches': 'validation size',
     'train.checkpoint_every': 'checkpoint schedule',
     'train.keep_checkpoints': 'checkpoint retention',
     'train.init_from': 'only read when a workdir has no checkpoint',
