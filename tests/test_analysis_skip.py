@@ -85,9 +85,9 @@ def test_record_skips_refuses_a_memory_without_ages():
         skip.record_skips(model_lib.build_model(xl), None, [np.zeros((1, SEG), np.int32)], jax.random.key(0))
 
 
-def test_phase1_patterns_follow_eq1_within_a_binomial_bound():
+def test_the_timed_patterns_follow_eq1_within_a_binomial_bound():
     n, count = 8, 20_000
-    drawn = skip.phase1_patterns(n, count, seed=3)
+    drawn = skip_suite.eq1_patterns(n, count, seed=3)
     probs = np.where(np.arange(1, n + 1) != n, 0.5 * np.arange(n) / n, 0.0)
     assert np.all(np.abs(drawn.mean(0) - probs) <= 4 * np.sqrt(probs * (1 - probs) / count))
 

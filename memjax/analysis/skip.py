@@ -6,9 +6,9 @@ Eq. 6 counts, per layer, 2M for a skipped layer (its retained memory holds the p
 back) and nothing for one that runs: p_skip(l) 2M. That assumes M = T (memory length = segment
 length) and one skip at a time. A layer skipped k steps in a row lags kT (memjax's memory 'age'),
 so with independent draws the retained memory's expected reach per step is
-p M + T p / (1 - p), above p 2M by M p^2 / (1 - p) when M = T. The age is a layer's whole lag when
-M <= T; with M > T the first write after a skip keeps rows from before it at age 0, nearer than
-they are (memjax/model/memories/xl.py), which the age does not see.
+p M + T p / (1 - p), above p 2M by M p^2 / (1 - p) when M = T. The age is the whole lag of what a
+layer attends: with M > T, rows kept from before a skip are masked once the layer runs again
+(memjax/model/memories/xl.py).
 """
 
 from __future__ import annotations
@@ -122,13 +122,6 @@ def record_skips(model: model_lib.MemoryLM, params, segments: Iterable, key: jax
     return SkipRecord(np.asarray(jax.device_get(ages)), seg_len=seg_len, mem_len=model.config.mem_len)
 
 
-def phase1_patterns(n_layer: int, count: int, seed: int = 0) -> np.ndarray:
-    """[count, n_layer] bool: skip patterns drawn from eq. 1, as the bench draws the ones it cycles
-    through (a new one every step)."""
-    probs = stochastic.skip_probabilities('linear', n_layer, 0.0)
-    return np.random.default_rng(seed).random((count, n_layer)) < probs
-
-
 @dataclasses.dataclass(frozen=True)
 class StepTimes:
     """Median and mean training-step times (ms) of Transformer-XL ('xl') and Skip-Retain's phase 1
@@ -158,7 +151,7 @@ def phase1_steps(shape: dict = SMALL, batch: int = 4, seq: int = 32, patterns: i
     training draws anew."""
     plain = workload.model_config(None, mem_len=seq, **shape)
     retain = plain.replace(skip_rule='linear')
-    drawn = phase1_patterns(plain.n_layer, patterns, seed)
+    drawn = skip_suite.eq1_patterns(plain.n_layer, patterns, seed)
     xl = workload.build(plain, batch, seq, seed=seed)
     # The same parameters, optimizer state and tokens (an eager initialisation costs seconds); the
     # skip pattern is an argument, so one executable serves every draw.
@@ -169,7 +162,7 @@ def phase1_steps(shape: dict = SMALL, batch: int = 4, seq: int = 32, patterns: i
     steps = {}
     for label, work, skips in (('xl', xl, None), ('phase 1', phase1, [jnp.asarray(s) for s in drawn])):
         executable = jax.jit(work.step, donate_argnums=workload.DONATE)
-        steps[label] = skip_suite._Varying(executable, work, skips)  # pylint: disable=protected-access
+        steps[label] = skip_suite.Varying(executable, work, skips)
     return steps, drawn
 
 

@@ -31,7 +31,7 @@ PHASE1 = {'full': ('15x256', dict(n_layer=15, d_model=256, n_head=4, d_head=64, 
           'tiny': ('3x32', dict(n_layer=3, d_model=32, n_head=2, d_head=16, d_inner=64), 2, 8)}
 
 
-class _Varying:
+class Varying:
     """A step loop whose skip pattern (when `patterns`) and random key change at every call, as
     in training, the same sequence for every repeat count."""
 
@@ -45,6 +45,12 @@ class _Varying:
         self._loop.key = jax.random.fold_in(self._work.key, self._calls)
         self._calls += 1
         return self._loop()
+
+
+def eq1_patterns(n_layer: int, count: int, seed: int = 0) -> np.ndarray:
+    """[count, n_layer] bool: skip patterns drawn from eq. (1), a new one for every timed step."""
+    probs = stochastic.skip_probabilities('linear', n_layer, 0.0)
+    return np.random.default_rng(seed).random((count, n_layer)) < probs
 
 
 def _skipped_k(ctx, name, shape, batch, seq) -> list[dict]:
@@ -71,8 +77,7 @@ def _phase1(ctx, name, shape, batch, seq) -> tuple[list[dict], dict]:
     plain = workload.model_config(ctx.config, mem_len=seq, **shape)
     retain = plain.replace(skip_rule='linear')
     probs = stochastic.skip_probabilities('linear', plain.n_layer, 0.0)
-    rng = np.random.default_rng(0)
-    patterns = [jnp.asarray(rng.random(plain.n_layer) < probs) for _ in range(64)]
+    patterns = [jnp.asarray(p) for p in eq1_patterns(plain.n_layer, 64)]
     loops, fraction_run = {}, 1.0 - float(probs.mean())
     for label, mcfg, skip in (('xl', plain, None), ('xl, conditional, none skipped', plain, False),
                               ('skip-retain, none skipped', retain, False), ('skip-retain, eq. (1)', retain, True),
@@ -82,7 +87,7 @@ def _phase1(ctx, name, shape, batch, seq) -> tuple[list[dict], dict]:
         if skip is not None:
             work.batch['skip'] = jnp.zeros(mcfg.n_layer, bool)
         executable = workload.compile_step(work).executable
-        loops[label] = _Varying(executable, work, patterns if skip else None)
+        loops[label] = Varying(executable, work, patterns if skip else None)
     timings = harness.time_interleaved(loops, warmup=ctx.warmup, repeats=max(ctx.repeats, 3 if ctx.tiny else 15))
     base = timings['xl'].median_s
     rows = [{'row': 'phase 1', 'size': name, 'step': label, 'n_layer': plain.n_layer, 'step_ms': t.median_s * 1e3,
