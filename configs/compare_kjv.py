@@ -6,7 +6,7 @@
   python -m memjax.compare --config=configs/compare_kjv.py:wt103 --workdir=gs://... (GPUs/TPUs)
 
 Default: the quickstart's model (4 x 128, segments and memory of 64) for 4,000 segments of 16 x 64
-bytes per method and seed, evaluated with memory 64, 128 and 256: about an evening on a 2-core
+bytes per method and seed, evaluated with memory 64, 128 and 256: 78 minutes on a 2-core
 CPU for six trained methods x 2 seeds. `:smoke`: a tiny model on the embedded corpus, a few
 minutes. `:wt103`: WikiText-103 words with Transformer-XL base's shape, for accelerators.
 """
