@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Iterator, Optional
 
 import jax
@@ -80,11 +79,17 @@ def sown_over_text(run: LoadedRun, name: str, num_segments: int = -1, split: str
     """(segment, the model's output, the value sown under `name` per layer as numpy) for the run's
     text read as evaluation reads it: the memory carried from segment to segment, reset where a
     document starts."""
-    step = jax.jit(functools.partial(apply_sown, run.model, **apply_kwargs))
+    @jax.jit
+    def step(params, inputs, memory, targets, reset):
+        # Only `name` leaves the compiled step: every layer also sows its attention's parts.
+        output, memory, sown = apply_sown(run.model, params, inputs, memory, targets=targets, reset=reset,
+                                          **apply_kwargs)
+        return output, memory, per_layer(sown, name)
+
     memory = model_lib.init_memory(run.config, run.exp.run.eval.batch_size)
     for segment in text_batches(run, split, num_segments):
-        output, memory, sown = step(run.params, segment.inputs, memory, targets=segment.targets, reset=segment.reset)
-        yield segment, output, jax.tree.map(np.asarray, per_layer(sown, name))
+        output, memory, value = step(run.params, segment.inputs, memory, segment.targets, segment.reset)
+        yield segment, output, jax.tree.map(np.asarray, value)
 
 
 def apply_sown(model: model_lib.MemoryLM, params: Any, inputs, memory, **kwargs):
