@@ -192,12 +192,12 @@ define_common_flags() {
   define_switch dry-run 'Print the exact commands instead of running them.'
 }
 
-# --config and --workdir are set, and the workdir is a path (memjax.train refuses URLs too,
-# but only after a job waited in a queue or every worker started).
+# --config and --workdir are set, and the workdir is a path or a gs:// URL (memjax.train refuses
+# other URLs too, but only after a job waited in a queue or every worker started).
 require_train_settings() {
   require config workdir
-  if [[ $MEMJAX_WORKDIR == *://* ]]; then
-    die "--workdir=$MEMJAX_WORKDIR: memjax writes its workdir with file-system calls, not object-store URLs; give a path every process sees (an NFS share such as Filestore, or the bucket mounted with Cloud Storage FUSE at the same path on every worker)"
+  if [[ $MEMJAX_WORKDIR == *://* && $MEMJAX_WORKDIR != gs://* ]]; then
+    die "--workdir=$MEMJAX_WORKDIR: memjax reads and writes local paths and gs:// URLs; give a gs://bucket/run URL or a path every process sees (an NFS share such as Filestore)"
   fi
 }
 
@@ -206,7 +206,7 @@ define_train_flags() {
   define_flag config '' \
     'Training config, relative to the repository root (e.g. configs/transformer_xl_wt103_base.py). Required to start training.'
   define_flag workdir '' \
-    'Checkpoints, metrics and logs. Every process must see the same directory (a shared filesystem: NFS such as Filestore, or a Cloud Storage FUSE mount on TPU pods; gs:// URLs are refused). Required to start training.'
+    'Checkpoints, metrics and logs: a gs://bucket/run URL (on TPU pods; needs memjax[gcs]) or a directory every process sees (NFS such as Filestore). Required to start training.'
   define_flag python "${1-python3}" 'Python interpreter that has memjax installed (Python >= 3.11).'
   define_flag env '' \
     'Space-separated KEY=VALUE environment variables for the training processes (e.g. "XLA_FLAGS=--xla_dump_to=/tmp/dump").'

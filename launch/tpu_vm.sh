@@ -51,7 +51,7 @@ Example:
       --accelerator-type=v4-32 create sync setup
   launch/tpu_vm.sh --tpu-name=memjax-v4 --zone=us-central2-b \\
       --config=configs/transformer_xl_wt103_base.py \\
-      --workdir=/mnt/shared/memjax/wt103 run -- --config.train.num_steps=200000
+      --workdir=gs://my-bucket/memjax/wt103 run -- --config.train.num_steps=200000
 EOF
   print_settings
 }

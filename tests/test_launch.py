@@ -449,10 +449,12 @@ def test_tpu_run_refuses_a_busy_tpu_and_clear_tpu_frees_it(fake):
 @pytest.mark.parametrize('script, extra', [('tpu_vm.sh', [*TPU_FLAGS, 'run']),
                                            ('ssh_multinode.sh', ['--hosts=a', 'start']),
                                            ('slurm_submit.sh', [])])
-def test_object_store_workdir_is_refused_before_anything_runs(fake, script, extra):
-    proc = fake.run(script, '--dry-run', '--config=configs/tiny.py', '--workdir=gs://bucket/run', *extra,
+def test_gs_workdirs_are_passed_on_and_other_urls_refused_before_anything_runs(fake, script, extra):
+    out = fake.run(script, '--dry-run', '--config=configs/tiny.py', '--workdir=gs://bucket/run', *extra).stdout
+    assert '--workdir=gs://bucket/run' in out, out
+    proc = fake.run(script, '--dry-run', '--config=configs/tiny.py', '--workdir=s3://bucket/run', *extra,
                     check=False)
-    assert proc.returncode == 2 and 'Cloud Storage FUSE' in proc.stderr and not proc.stdout
+    assert proc.returncode == 2 and 'local paths and gs:// URLs' in proc.stderr and not proc.stdout
 
 
 def test_tpu_create_refuses_tpu7x_and_points_to_gke(fake):

@@ -143,9 +143,9 @@ def test_workdir_that_is_a_file_a_url_or_missing_for_evaluation_is_an_error(tmp_
         workdir_lib.check(str(tmp_path / 'missing'), create=False)
     assert not os.path.exists(tmp_path / 'missing')
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(errors.WorkdirError, match='Cloud Storage FUSE'):
-        workdir_lib.check('gs://bucket/run', create=True)
-    assert not os.path.exists(tmp_path / 'gs:')  # No local look-alike folder.
+    with pytest.raises(errors.UsageError, match='local paths and gs:// URLs'):
+        workdir_lib.check('s3://bucket/run', create=True)
+    assert not os.path.exists(tmp_path / 's3:')  # No local look-alike folder.
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason='root may write into read-only folders')

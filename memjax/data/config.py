@@ -53,4 +53,10 @@ class DataConfig:
             (self.tokenizer in TOKENIZERS,
              f'config.data.tokenizer={self.tokenizer!r} must be one of {TOKENIZERS}.'),
             (self.train_documents >= 0,
-             f'config.data.train_documents={self.train_documents} must be >= 0 (0: every document).'))
+             f'config.data.train_documents={self.train_documents} must be >= 0 (0: every document).'),
+            *((('://' not in getattr(self, field),
+                f'config.data.{field}={getattr(self, field)}: the prepared data is read from local '
+                'disk (array_record has no Cloud Storage reader without TensorFlow); copy it to each '
+                'host (gcloud storage cp -r) or mount the bucket with Cloud Storage FUSE and give that '
+                'path. Only the workdir and data.vocab_path may be gs:// URLs.')
+               for field in ('data_dir', 'manual_dir', 'text_path', 'cache_dir'))))

@@ -4,13 +4,13 @@ that their own modules need not import each other."""
 
 import json
 import os
-from pathlib import Path
 from typing import Iterable, Optional
 
 from memjax import errors
 from memjax.data import builders, pipeline, sorting
 from memjax.data.config import TOKENIZERS, DataConfig
 from memjax.data.streams import BatchedStreams
+from memjax.runtime import storage
 from memjax.data.tokenizers import (GPT2_FILES, TOKENIZER_FILE, ByteTokenizer, CharTokenizer,
                                     GPT2BPETokenizer, SentencePieceTokenizer, Tokenizer,
                                     WordTokenizer)
@@ -20,8 +20,8 @@ FIXED_VOCABULARIES = ('byte', 'sorting')
 
 
 def load_tokenizer(path: os.PathLike) -> Tokenizer:
-    """Loads a tokenizer.json (or its folder) or a sentencepiece .model file."""
-    path = Path(path).expanduser()
+    """Loads a tokenizer.json (or its folder) or a sentencepiece .model file, local or gs://."""
+    path = storage.path(path)
     if path.is_dir() and not (path / TOKENIZER_FILE).exists() and (path / GPT2_FILES[0]).exists():
         return GPT2BPETokenizer.from_folder(path)
     if path.is_dir():
@@ -105,7 +105,7 @@ def build_tokenizer(data_cfg: DataConfig,
     if kind not in TOKENIZERS:
         raise errors.DataError(f'Unknown data.tokenizer {kind!r}; expected one of '
                                f'{TOKENIZERS}.')
-    saved = Path(workdir).expanduser() / TOKENIZER_FILE if workdir else None
+    saved = storage.path(workdir) / TOKENIZER_FILE if workdir else None
     if saved is not None and saved.exists():
         tok, origin = load_tokenizer(saved), str(saved)
     elif data_cfg.vocab_path:

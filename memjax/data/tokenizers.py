@@ -11,12 +11,12 @@ import collections
 import hashlib
 import json
 import os
-from pathlib import Path
 from typing import Any, Iterable, List, Optional, Sequence
 
 import numpy as np
 
 from memjax import errors
+from memjax.runtime import storage
 
 TOKENIZER_FILE = 'tokenizer.json'
 SENTENCEPIECE_FILE = 'tokenizer.model'
@@ -71,11 +71,11 @@ class Tokenizer(abc.ABC):
         """Changes whenever the id assignment changes (keys token caches)."""
         return _sha256_json(self.to_json())
 
-    def save(self, directory: os.PathLike) -> Path:
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / TOKENIZER_FILE
-        path.write_text(json.dumps(self.to_json(), ensure_ascii=True))
+    def save(self, directory: os.PathLike) -> os.PathLike:
+        """Writes tokenizer.json into `directory` (a folder or gs:// location), replacing it whole."""
+        storage.path(directory).mkdir(parents=True, exist_ok=True)
+        path = storage.path(directory) / TOKENIZER_FILE
+        storage.write_text(path, json.dumps(self.to_json(), ensure_ascii=True))
         return path
 
     def _check_ids(self, ids: Iterable[int]) -> np.ndarray:
@@ -295,7 +295,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     @classmethod
     def load(cls, path: os.PathLike) -> 'SentencePieceTokenizer':
-        return cls(Path(path).read_bytes(), source=str(path))
+        return cls(storage.path(path).read_bytes(), source=str(path))
 
     @classmethod
     def train(cls, documents: Iterable[str],
@@ -351,10 +351,11 @@ class SentencePieceTokenizer(Tokenizer):
         return {'kind': self.kind, 'model_file': SENTENCEPIECE_FILE,
                 'model_sha256': hashlib.sha256(self.model_proto).hexdigest()}
 
-    def save(self, directory: os.PathLike) -> Path:
-        path = super().save(directory)
-        (Path(directory) / SENTENCEPIECE_FILE).write_bytes(self.model_proto)
-        return path
+    def save(self, directory: os.PathLike) -> os.PathLike:
+        # The model first: a save cut short never leaves a tokenizer.json without its model.
+        storage.path(directory).mkdir(parents=True, exist_ok=True)
+        storage.write_bytes(storage.join(directory, SENTENCEPIECE_FILE), self.model_proto)
+        return super().save(directory)
 
 
 class GPT2BPETokenizer(Tokenizer):
@@ -377,7 +378,7 @@ class GPT2BPETokenizer(Tokenizer):
 
     @classmethod
     def from_folder(cls, folder: os.PathLike) -> 'GPT2BPETokenizer':
-        folder = Path(folder).expanduser()
+        folder = storage.path(folder)
         missing = [name for name in GPT2_FILES if not (folder / name).is_file()]
         if missing:
             raise errors.MissingFileError(

@@ -16,7 +16,6 @@ with the best periodic validation loss is kept beside those.
 import contextlib
 import hashlib
 import json
-import os
 from typing import Any, Iterator, NamedTuple, Optional
 
 from absl import logging
@@ -28,6 +27,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from memjax import errors
 from memjax.model.memories import MemoryState
+from memjax.runtime import storage
 
 
 class Restored(NamedTuple):
@@ -121,17 +121,16 @@ def _check_orbax_metadata(directory: str) -> None:
     """Says in one line what orbax's own words (an error with the file's whole content) leave
     unsaid: a step whose _CHECKPOINT_METADATA does not parse is still used, because that file only
     holds timestamps and handler names, and the arrays are checked against memjax's fingerprint."""
-    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
-        path = os.path.join(directory, name, '_CHECKPOINT_METADATA')
-        if not (name.isdigit() and os.path.isfile(path)):
+    for name in storage.listdir(directory):
+        path = storage.path(directory) / name / '_CHECKPOINT_METADATA'
+        if not (name.isdigit() and path.is_file()):
             continue
         try:
-            with open(path, 'rb') as f:
-                json.loads(f.read())
+            json.loads(path.read_bytes())
         except ValueError:
-            _warn_once(path, 'Checkpoint %s: orbax\'s _CHECKPOINT_METADATA (timestamps and handler names) '
+            _warn_once(str(path), 'Checkpoint %s: orbax\'s _CHECKPOINT_METADATA (timestamps and handler names) '
                        'does not parse; the checkpoint is still used, its arrays checked against memjax\'s '
-                       'fingerprint.', os.path.join(directory, name))
+                       'fingerprint.', storage.join(directory, name))
 
 
 def _path_name(path: tuple) -> str:
@@ -185,7 +184,7 @@ def mismatch_message(saved: dict[str, tuple], expected: dict[str, tuple], limit:
 
 def has_checkpoints(directory: str) -> bool:
     """Whether `directory` holds step folders (intact or not), without creating anything."""
-    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+    return any(name.isdigit() for name in storage.listdir(directory))
 
 
 class Checkpointer:
@@ -197,7 +196,7 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str, keep: int, read_only: bool = False):
-        self.directory = os.path.abspath(directory)
+        self.directory = str(storage.path(directory))
         # Latest N, plus the lowest validation loss among the checkpoints that have one: a run
         # that diverges slowly can rotate its recent checkpoints out, never its best.
         policy = preservation_policy.AnyPreservationPolicy([
@@ -248,7 +247,7 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return storage.join(self.directory, str(step))
 
     def meta(self, step: int) -> dict:
         """The JSON item of `step` (config, data state, fingerprint); raises if unreadable."""
@@ -349,17 +348,19 @@ class Checkpointer:
         return self.directory + '_damaged'
 
     def _quarantine(self, steps: list[int]) -> None:
-        """Moves damaged steps aside, never over an earlier quarantined copy of the same step."""
+        """Moves damaged steps aside, never over an earlier quarantined copy of the same step (on
+        Cloud Storage: copied, the copy verified, then the step deleted)."""
         if jax.process_index() == 0:
             target_root = self.quarantine_dir
-            os.makedirs(target_root, exist_ok=True)
+            storage.path(target_root).mkdir(parents=True, exist_ok=True)
+            taken = set(storage.listdir(target_root))
             for step in steps:
-                target = os.path.join(target_root, str(step))
-                suffix = 1
-                while os.path.exists(target):
-                    target = os.path.join(target_root, f'{step}.{suffix}')
-                    suffix += 1
-                os.rename(self.step_dir(step), target)
+                target, suffix = str(step), 1
+                while target in taken:
+                    target, suffix = f'{step}.{suffix}', suffix + 1
+                taken.add(target)
+                target = storage.join(target_root, target)
+                storage.move_tree(self.step_dir(step), target)
                 logging.warning('Moved damaged checkpoint %s to %s.', self.step_dir(step), target)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top

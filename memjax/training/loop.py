@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import os
-import shutil
 import time
 from typing import Any, Callable, Optional
 
@@ -27,6 +26,7 @@ from memjax import model as model_lib
 from memjax.training import optim
 from memjax.training import preemption
 from memjax.runtime import sharding
+from memjax.runtime import storage
 from memjax.training import step as train_step_lib
 from memjax.data import factory as data_factory
 from memjax.data import pipeline
@@ -107,7 +107,7 @@ def _saved_config(ckpt: checkpointing.Checkpointer,
         return None, None
     step, meta = found
     return step, meta.get('config') or read_json(
-        os.path.join(os.path.dirname(ckpt.directory), CONFIG_FILE))
+        storage.join(ckpt.directory.rpartition('/')[0], CONFIG_FILE))
 
 
 def setup(config: ml_collections.ConfigDict | config_lib.RunConfig, workdir: str,
@@ -216,7 +216,7 @@ def write_imported(model: model_lib.ModelConfig, params: Any, tokenizer: tokeniz
     Its config is the base config with this model, the tokenizer's kind and the model's segment
     length; evaluation settings and data are given when evaluating.
     """
-    if os.path.exists(workdir) and os.listdir(workdir):
+    if storage.listdir(workdir):
         raise errors.WorkdirError(f'{workdir} is not empty: import into a new workdir (nothing there is changed).')
     config = config_lib.base_config()
     config.model.update(model.as_dict())
@@ -227,7 +227,7 @@ def write_imported(model: model_lib.ModelConfig, params: Any, tokenizer: tokeniz
     with workdir_lib.RunLock(workdir):
         exp = setup(config, workdir)
         state, memory = init_state(exp, model_lib.convert_layer_layout(params, exp.mcfg.scan_layers))
-        write_json(os.path.join(workdir, CONFIG_FILE), exp.run.source)
+        write_json(storage.join(workdir, CONFIG_FILE), exp.run.source)
         ckpt = checkpointing.Checkpointer(checkpoint_dir(workdir), keep=1)
         try:
             ckpt.save(0, state, memory, None, exp.run.source)
@@ -280,21 +280,21 @@ CONFIG_FILE = 'config.json'
 
 
 def checkpoint_dir(workdir: str) -> str:
-    return os.path.join(workdir, 'checkpoints')
+    return storage.join(workdir, 'checkpoints')
 
 
 def write_json(path: str, payload: Any) -> None:
+    """Process 0 replaces `path` (a file or gs:// object) whole."""
     if jax.process_index() == 0:
-        with open(path, 'w') as f:
-            json.dump(payload, f, indent=2, sort_keys=True)
+        storage.write_text(path, json.dumps(payload, indent=2, sort_keys=True))
 
 
 def read_json(path: str) -> Optional[Any]:
     """The JSON in `path`, or None when it is missing or unreadable."""
+    text = storage.read_text(path)
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        return None if text is None else json.loads(text)
+    except ValueError:
         return None
 
 
@@ -497,8 +497,7 @@ def _refuse_to_start_over(ckpt: checkpointing.Checkpointer) -> None:
     must be the user's decision, so the run stops (this time and every next time) until the
     damaged steps are moved away."""
     folder = ckpt.quarantine_dir
-    moved = (sorted(os.listdir(folder), key=lambda n: [int(p) for p in n.split('.') if p.isdigit()])
-             if os.path.isdir(folder) else [])
+    moved = sorted(storage.listdir(folder), key=lambda n: [int(p) for p in n.split('.') if p.isdigit()])
     if not moved:
         return
     what = (f'steps {", ".join(map(str, sorted(ckpt.damaged)))} are damaged (the warnings above say how) and '
@@ -537,7 +536,7 @@ def _train_locked(run: config_lib.RunConfig, workdir: str) -> dict:
             refused, lock = error, None
         except OSError as error:
             refused, lock = errors.WorkdirError(
-                f'cannot take the lock {os.path.join(workdir, workdir_lib.LOCK_FILE)} '
+                f'cannot take the lock {storage.join(workdir, workdir_lib.LOCK_FILE)} '
                 f'({error}): check the workdir\'s filesystem.'), None
     release = lock.release if lock is not None else (lambda: None)
     # A run stopped by SIGTERM before or after the loop leaves the workdir free for its restart.
@@ -558,11 +557,12 @@ def _train_locked(run: config_lib.RunConfig, workdir: str) -> dict:
 
 def _init_from_dir(init_from: str) -> tuple[str, Optional[int]]:
     """(checkpoints folder, step or None) named by config.train.init_from."""
-    source = os.path.abspath(os.path.expanduser(init_from))
-    if os.path.isdir(checkpoint_dir(source)):
+    source = str(storage.path(init_from)).rstrip('/')
+    if storage.listdir(checkpoint_dir(source)):
         return checkpoint_dir(source), None
-    if os.path.basename(source).isdigit():
-        return os.path.dirname(source), int(os.path.basename(source))
+    head, _, name = source.rpartition('/')
+    if name.isdigit():
+        return head, int(name)
     return source, None
 
 
@@ -571,17 +571,16 @@ def _adopt_tokenizer(init_from: str, workdir: str) -> None:
     could give the same vocabulary size with other ids, and the parameters would still load."""
     if not init_from or hf_gpt2.is_checkpoint_dir(init_from):
         return  # The same on every process: the barrier below is reached by all or by none.
-    source = os.path.dirname(_init_from_dir(init_from)[0])
+    source = _init_from_dir(init_from)[0].rpartition('/')[0]
     if (jax.process_index() == 0 and not checkpointing.has_checkpoints(checkpoint_dir(workdir))
-            and not os.path.exists(os.path.join(workdir, tokenizers.TOKENIZER_FILE))
-            and os.path.exists(os.path.join(source, tokenizers.TOKENIZER_FILE))):
-        # tokenizer.model (sentencepiece) before tokenizer.json, each written then renamed, so
-        # that an interrupted copy never leaves a tokenizer.json without its model.
-        names = sorted((n for n in os.listdir(source) if n.startswith('tokenizer.')),
+            and not storage.path(workdir).joinpath(tokenizers.TOKENIZER_FILE).exists()
+            and storage.path(source).joinpath(tokenizers.TOKENIZER_FILE).exists()):
+        # tokenizer.model (sentencepiece) before tokenizer.json, each replaced whole, so that an
+        # interrupted copy never leaves a tokenizer.json without its model.
+        names = sorted((n for n in storage.listdir(source) if n.startswith('tokenizer.')),
                        key=lambda n: n == tokenizers.TOKENIZER_FILE)
         for name in names:
-            shutil.copy2(os.path.join(source, name), os.path.join(workdir, name + '.tmp'))
-            os.replace(os.path.join(workdir, name + '.tmp'), os.path.join(workdir, name))
+            storage.write_bytes(storage.join(workdir, name), storage.path(source).joinpath(name).read_bytes())
         logging.info('Took the tokenizer of %s (config.train.init_from).', source)
     distributed.barrier('init_from tokenizer')
 
@@ -591,7 +590,7 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
     exp = setup(run, workdir)
     tcfg = exp.run.train
     saved_config = exp.run.source
-    write_json(os.path.join(workdir, CONFIG_FILE), saved_config)
+    write_json(storage.join(workdir, CONFIG_FILE), saved_config)
 
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         train_streams = data_factory.make_streams(
@@ -682,7 +681,7 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
         return {'step': step, 'preempted': True, 'checkpoint': last_checkpoint,
                 'wall_seconds': time.time() - wall_start}
 
-    summary_path = os.path.join(workdir, 'train_summary.json')
+    summary_path = storage.join(workdir, 'train_summary.json')
     summary = {
         'step': step,
         'valid_loss': final['loss'],

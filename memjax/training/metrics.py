@@ -1,17 +1,21 @@
 """Reported quantities (bits per character or perplexity), TensorBoard and console output."""
 
 import contextlib
-import glob
 import logging as logging_std
 import math
 import os
+import socket
 import struct
 import sys
+import tempfile
 import threading
+import time
 import warnings
 from typing import Iterator, Mapping, Optional
 
 from absl import logging
+
+from memjax.runtime import storage
 
 # Character-level benchmarks report bits per character; word/subword ones perplexity.
 _BITS_UNITS = ('byte', 'char')
@@ -76,10 +80,11 @@ def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
     """
     from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
     scalars: dict[str, dict[int, float]] = {}
-    for path in sorted(glob.glob(os.path.join(workdir, 'tensorboard', 'events.out.tfevents.*')),
-                       key=os.path.getmtime):
-        with open(path, 'rb') as f:
-            data = f.read()
+    # Named events.out.tfevents.<start time in s>.<host>: oldest first by that time.
+    files = storage.path(workdir).joinpath('tensorboard').glob('events.out.tfevents.*')
+    for path in sorted(files, key=lambda p: (int(p.name.split('.')[3]) if p.name.split('.')[3].isdigit()
+                                             else 0, p.name)):
+        data = path.read_bytes()
         offset = 0
         while offset + 12 <= len(data):  # length u64, its crc u32, payload, payload crc u32.
             (length,) = struct.unpack_from('<Q', data, offset)
@@ -185,21 +190,72 @@ class _QuietFileHandler(logging_std.FileHandler):
             pass
 
 
+class _Uploader:
+    """Copies a local log file to its gs:// object every `every_s` and at `close`: an object
+    cannot be appended to, so the whole file replaces it each time (a `kill -9` loses at most
+    the last `every_s` of the log; the terminal has it all)."""
+
+    def __init__(self, local: str, target: str, every_s: float = 15.0):
+        self.local, self.target = local, target
+        self._stop = threading.Event()
+        self._sent = -1
+        self._thread = threading.Thread(target=self._loop, args=(every_s,), daemon=True,
+                                        name='memjax-log-upload')
+        self._thread.start()
+
+    def upload(self) -> None:
+        size = os.path.getsize(self.local)
+        if size != self._sent:
+            with open(self.local, 'rb') as f:
+                storage.write_bytes(self.target, f.read())
+            self._sent = size
+
+    def _loop(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            try:
+                self.upload()
+            except Exception:  # pylint: disable=broad-except  (a network hiccup: the next try)
+                _DETAILS.file_failed = True
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.upload()
+        except Exception:  # pylint: disable=broad-except
+            _DETAILS.file_failed = True
+        os.remove(self.local)
+
+
 @contextlib.contextmanager
 def log_to_workdir(workdir: str, process_index: int) -> Iterator[None]:
     """Appends every log record of the block, library details included, to `<workdir>/memjax.log`
-    (process i > 0: memjax.process_<i>.log)."""
+    (process i > 0: memjax.process_<i>.log). In a gs:// workdir each run writes its own object,
+    memjax[.process_<i>].<start time>.<host>.<pid>.log, uploaded every 15 s and at the end."""
     name = LOG_FILE if process_index == 0 else f'memjax.process_{process_index}.log'
-    handler = _QuietFileHandler(os.path.join(workdir, name))
+    uploader = None
+    if storage.is_remote(workdir):
+        stem, ext = os.path.splitext(name)
+        target = storage.join(workdir, f'{stem}.{time.strftime("%Y%m%d-%H%M%S")}.{socket.gethostname()}.'
+                                       f'{os.getpid()}{ext}')
+        fd, local = tempfile.mkstemp(prefix='memjax-', suffix='.log')
+        os.close(fd)
+        handler = _QuietFileHandler(local)
+        uploader = _Uploader(local, target)
+    else:
+        handler = _QuietFileHandler(os.path.join(workdir, name))
     handler.setFormatter(logging.PythonFormatter())
     root = logging_std.getLogger()
     root.addHandler(handler)
-    _DETAILS.file, _DETAILS.file_failed = handler.baseFilename, False
+    _DETAILS.file = uploader.target if uploader else handler.baseFilename
+    _DETAILS.file_failed = False
     try:
         yield
     finally:
         root.removeHandler(handler)
         handler.close()
+        if uploader is not None:
+            uploader.close()
 
 
 def where_details_are() -> str:

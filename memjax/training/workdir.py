@@ -1,23 +1,30 @@
 """The workdir: checked before anything runs, and held by one training run at a time.
 
 Two training runs writing checkpoints into one workdir would rotate each other's steps
-out and resume from each other's state. The first run holds a lock file; a second is
-refused with a message naming the holder. A lock whose holder is gone (a `kill -9`, a
-lost node) is stale and taken over: the holder's process no longer exists on this host,
-or its heartbeat (the file's modification time, refreshed every minute) is older than
-`STALE_AFTER_S`, which also covers holders on other hosts of a shared filesystem.
+out and resume from each other's state. The first run holds a lock (a file, or on Cloud
+Storage an object); a second is refused with a message naming the holder. A lock whose
+holder is gone (a `kill -9`, a lost node) is stale and taken over: the holder's process no
+longer exists on this host, or its heartbeat (the lock touched or rewritten every minute) is
+older than `STALE_AFTER_S`, which also covers holders on other hosts.
+
+Taking a lock and taking over a stale one are atomic on both stores: a local file is created
+with O_EXCL and set aside by rename before it is removed; a Cloud Storage object is created
+under the precondition "no live generation" and deleted under "this generation", so of two
+runs racing for one workdir exactly one wins.
 """
 
+import datetime
 import json
 import os
 import socket
 import threading
 import time
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 from absl import logging
 
 from memjax import errors
+from memjax.runtime import storage
 
 LOCK_FILE = '.memjax.lock'
 HEARTBEAT_S = 60.0
@@ -25,15 +32,15 @@ STALE_AFTER_S = 600.0
 
 
 def check(workdir: str, create: bool) -> None:
-    """Raises WorkdirError unless `workdir` is (or, with `create`, can become) a writable folder.
+    """Raises WorkdirError unless `workdir` is (or, with `create`, can become) a writable folder
+    or a gs:// location in an existing bucket.
 
     Without `create` (evaluation) a missing workdir is an error and nothing is created.
     """
-    if '://' in workdir:
-        raise errors.WorkdirError(
-            f'--workdir={workdir}: memjax writes its workdir with file-system calls and does not '
-            'speak to object stores by URL yet; give a path every process sees (an NFS share such '
-            'as Filestore, or the bucket mounted with Cloud Storage FUSE).')
+    storage.require_support(workdir, '--workdir')
+    if storage.is_remote(workdir):
+        _check_remote(workdir, create)
+        return
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise errors.WorkdirError(f'--workdir={workdir} is a file, not a folder: name a folder.')
     if not os.path.exists(workdir):
@@ -50,8 +57,36 @@ def check(workdir: str, create: bool) -> None:
                                   'choose another folder.')
 
 
+def _client():
+    from google.cloud import storage as gcs  # pylint: disable=g-import-not-at-top
+    return gcs.Client()
+
+
+def _check_remote(workdir: str, create: bool) -> None:
+    """A gs:// workdir: its bucket must exist and answer; an evaluation needs a run there.
+    Folders are name prefixes on Cloud Storage: nothing needs creating."""
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    bucket = workdir[len('gs://'):].split('/')[0]
+    try:
+        found = _client().bucket(bucket).exists()
+    except exceptions.GoogleAPICallError as error:
+        raise errors.WorkdirError(
+            f'--workdir={workdir}: Cloud Storage refused ({type(error).__name__}: {error}); check the '
+            'credentials and the bucket\'s permissions (storage.objects.create, get, list, '
+            'delete).') from None
+    if not found:
+        raise errors.WorkdirError(f'--workdir={workdir}: the bucket gs://{bucket} does not exist (or '
+                                  'this account cannot see it): create it in your TPUs\' region, or '
+                                  'fix the name.')
+    if not create and not storage.listdir(workdir):
+        raise errors.WorkdirError(f'--workdir={workdir} holds nothing: name the workdir of a '
+                                  'training run (python -m memjax.train --workdir=...).')
+
+
 def check_writable_file(path: str) -> None:
     """Raises WorkdirError unless `path` can be (over)written as a file."""
+    if storage.is_remote(path):
+        return  # An object is never a folder; a bucket's permissions show at the write.
     if os.path.isdir(path):
         raise errors.WorkdirError(f'{path} is a folder, so the result cannot be written there: '
                                   'move it away.')
@@ -70,34 +105,134 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+class _Seen(NamedTuple):
+    text: str
+    age_s: float  # Since the last heartbeat.
+    version: Any  # What `remove_if` compares: the content (file) or the generation (object).
+
+
+class _LockFile:
+    """The lock as a file on a local or shared filesystem."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def create(self, text: str) -> Optional[Any]:
+        """Writes `text` unless a lock exists: its version, or None."""
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return None
+        with os.fdopen(fd, 'w') as f:
+            f.write(text)
+        return text
+
+    def read(self) -> Optional[_Seen]:
+        try:
+            with open(self.path) as f:
+                text = f.read()
+            return _Seen(text, time.time() - os.path.getmtime(self.path), text)
+        except FileNotFoundError:
+            return None
+
+    def remove_if(self, version: Any) -> bool:
+        """Removes the lock if it still is `version`. Renamed aside first: of two runs taking
+        over at once, the second must not delete the lock the first has just created."""
+        aside = f'{self.path}.stale.{os.getpid()}'
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        with open(aside) as f:
+            taken = f.read()
+        if taken != version:  # Someone else's fresh lock: put it back, unless a third run took the name.
+            try:
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+            os.remove(aside)
+            return False
+        os.remove(aside)
+        return True
+
+    def touch(self, version: Any, text: str) -> Any:
+        del text
+        os.utime(self.path)
+        return version
+
+
+class _LockObject:
+    """The lock as a Cloud Storage object; its generation number is its version."""
+
+    def __init__(self, url: str):
+        self.path = url
+        self._bucket, _, self._name = url[len('gs://'):].partition('/')
+
+    def _blob(self):
+        return _client().bucket(self._bucket).blob(self._name)
+
+    def create(self, text: str) -> Optional[Any]:
+        from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+        blob = self._blob()
+        try:
+            blob.upload_from_string(text, if_generation_match=0)
+        except exceptions.PreconditionFailed:
+            return None
+        return blob.generation
+
+    def read(self) -> Optional[_Seen]:
+        from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+        blob = self._blob()
+        try:
+            text = blob.download_as_bytes().decode('utf-8', 'replace')
+            blob.reload()
+        except exceptions.NotFound:
+            return None
+        updated = blob.updated or datetime.datetime.now(datetime.timezone.utc)
+        return _Seen(text, time.time() - updated.timestamp(), blob.generation)
+
+    def remove_if(self, version: Any) -> bool:
+        from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+        try:
+            self._blob().delete(if_generation_match=version)
+        except (exceptions.PreconditionFailed, exceptions.NotFound):
+            return False
+        return True
+
+    def touch(self, version: Any, text: str) -> Any:
+        """Rewrites the lock if it still is `version` (raises otherwise): its new generation."""
+        blob = self._blob()
+        blob.upload_from_string(text, if_generation_match=version)
+        return blob.generation
+
+
 class RunLock:
     """Holds `<workdir>/.memjax.lock` from `acquire()` to `release()` (a context manager)."""
 
     def __init__(self, workdir: str):
-        self.path = os.path.join(workdir, LOCK_FILE)
+        self.path = storage.join(workdir, LOCK_FILE)
+        self._store = _LockObject(self.path) if storage.is_remote(workdir) else _LockFile(self.path)
         self._owner = {'host': socket.gethostname(), 'pid': os.getpid(),
                        'started': time.strftime('%Y-%m-%d %H:%M:%S')}
+        self._text = json.dumps(self._owner)
+        self._version: Any = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
-    def _stale_reason(self, holder: dict) -> Optional[str]:
-        try:
-            age = time.time() - os.path.getmtime(self.path)
-        except FileNotFoundError:
-            return 'it was just released'
-        if age > STALE_AFTER_S:
-            return f'its heartbeat is {age:.0f}s old'
+    def _stale_reason(self, seen: _Seen, holder: dict) -> Optional[str]:
+        if seen.age_s > STALE_AFTER_S:
+            return f'its heartbeat is {seen.age_s:.0f}s old'
         if holder and holder['host'] == self._owner['host'] and not _pid_alive(holder['pid']):
             return f'process {holder["pid"]} no longer exists'
         return None
 
-    def _read_holder(self) -> dict:
-        """The holder's {'host', 'pid', 'started'}, or {} when the file does not say (half-written
+    @staticmethod
+    def _holder(seen: Optional[_Seen]) -> dict:
+        """The holder's {'host', 'pid', 'started'}, or {} when the lock does not say (half-written
         by a holder that has just started or died right away, or not memjax's): its age decides."""
         try:
-            with open(self.path) as f:
-                holder = json.load(f)
-        except (OSError, ValueError):
+            holder = json.loads(seen.text) if seen else {}
+        except ValueError:
             return {}
         if not (isinstance(holder, dict) and isinstance(holder.get('host'), str)
                 and type(holder.get('pid')) is int and holder['pid'] > 0):
@@ -105,7 +240,7 @@ class RunLock:
         return holder
 
     def _refusal(self, holder: dict) -> errors.WorkdirError:
-        workdir = os.path.dirname(self.path)
+        workdir = self.path[:-len(LOCK_FILE) - 1]
         if holder:
             return errors.WorkdirError(
                 f'{workdir} is in use by another training run (process {holder["pid"]} on '
@@ -119,36 +254,19 @@ class RunLock:
 
     def acquire(self) -> 'RunLock':
         for _ in range(2):  # A second try after taking a stale lock over.
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._read_holder()
-                reason = self._stale_reason(holder)
+            self._version = self._store.create(self._text)
+            if self._version is None:
+                seen = self._store.read()
+                if seen is None:
+                    continue  # Released between the two calls.
+                holder = self._holder(seen)
+                reason = self._stale_reason(seen, holder)
                 if reason is None:
-                    raise self._refusal(holder) from None
+                    raise self._refusal(holder)
                 logging.warning('Taking over the stale lock %s of %s (%s).', self.path, holder,
                                 reason)
-                # Renamed, not removed: of two runs taking over at once, the second must not
-                # delete the lock the first has just created.
-                aside = f'{self.path}.stale.{os.getpid()}'
-                try:
-                    os.rename(self.path, aside)
-                except FileNotFoundError:
-                    continue
-                with open(aside) as f:
-                    taken = f.read()
-                if holder and taken != json.dumps(holder):
-                    # Someone else's fresh lock: put it back, unless a third run took the name.
-                    try:
-                        os.link(aside, self.path)
-                    except FileExistsError:
-                        pass
-                    os.remove(aside)
-                    continue
-                os.remove(aside)
+                self._store.remove_if(seen.version)
                 continue
-            with os.fdopen(fd, 'w') as f:
-                json.dump(self._owner, f)
             self._thread = threading.Thread(target=self._heartbeat, daemon=True,
                                             name='memjax-workdir-lock')
             self._thread.start()
@@ -159,17 +277,21 @@ class RunLock:
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                os.utime(self.path)
-            except OSError:  # A filesystem hiccup, or the file briefly set aside: try again.
-                continue
+                self._version = self._store.touch(self._version, self._text)
+            except Exception as error:  # pylint: disable=broad-except
+                # A filesystem or network hiccup: try again. On Cloud Storage a failed precondition
+                # means another run took the lock over (this run's heartbeat stopped for 10 minutes).
+                logging.warning('Could not refresh the lock %s (%s: %s).', self.path,
+                                type(error).__name__, error)
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            if self._read_holder() == self._owner:
-                os.remove(self.path)
+            seen = self._store.read()
+            if seen is not None and self._holder(seen) == self._owner:
+                self._store.remove_if(seen.version)
 
     def __enter__(self) -> 'RunLock':
         return self.acquire()

@@ -1,0 +1,125 @@
+"""Paths that are local folders or Cloud Storage objects (`gs://bucket/...`), through etils epath.
+
+A workdir on Cloud Storage outlives the VMs of a TPU pod and every host writes to it. Orbax
+writes its checkpoints there itself (TensorStore); everything else memjax keeps in a workdir
+(config, tokenizer, evaluation results, TensorBoard events, logs) goes through these helpers,
+which differ from plain file calls in two ways object stores force: there is no rename (a
+damaged checkpoint is copied, the copy verified, and only then the original deleted) and an
+object is written whole (one upload replaces it atomically, so no temporary file is needed).
+"""
+
+import importlib.util
+import os
+from typing import Optional
+
+from etils import epath
+import fsspec
+
+from memjax import errors
+
+_REMOTE = ('gs://',)
+# Every process of a run writes into the workdir, and orbax writes past gcsfs: a cached listing
+# would miss their objects (a checkpoint step, a quarantined copy).
+for _protocol in ('gs', 'gcs'):
+    fsspec.config.conf.setdefault(_protocol, {})['use_listings_cache'] = False
+
+
+def is_remote(path: os.PathLike | str) -> bool:
+    """Whether `path` names an object store (`gs://`) rather than a local or mounted folder."""
+    return str(path).startswith(_REMOTE)
+
+
+def require_support(path: os.PathLike | str, what: str) -> None:
+    """Raises UsageError when `path` is a URL memjax cannot reach (a scheme other than gs://, or
+    gs:// without the `gcs` extra installed)."""
+    text = str(path)
+    if '://' in text and not is_remote(text):
+        raise errors.UsageError(f'{what}={text}: memjax reads and writes local paths and gs:// '
+                                'URLs; give one of those.')
+    if is_remote(text) and not all(importlib.util.find_spec(name) for name in ('gcsfs', 'google.cloud.storage')):
+        raise errors.UsageError(f'{what}={text} needs Cloud Storage support: pip install '
+                                '"memjax[gcs]" (gcsfs and google-cloud-storage).')
+
+
+def path(p: os.PathLike | str) -> epath.Path:
+    """`p` as an epath.Path: a `gs://` URL stays one, a local path has `~` expanded and is made
+    absolute (so that it means the same after a change of directory)."""
+    if is_remote(p):
+        return epath.Path(str(p))
+    return epath.Path(os.path.abspath(os.path.expanduser(str(p))))
+
+
+def join(base: os.PathLike | str, *parts: str) -> str:
+    """`base/part/...` as a string, for local paths and URLs alike."""
+    return str(epath.Path(str(base)).joinpath(*parts)) if is_remote(base) else os.path.join(str(base), *parts)
+
+
+def write_text(target: os.PathLike | str, text: str) -> None:
+    """Replaces `target` whole: a reader sees the old content or the new, never a part."""
+    target = path(target)
+    if is_remote(target):
+        target.write_text(text)  # One upload: an object is replaced atomically.
+        return
+    tmp = target.with_name(f'{target.name}.tmp.{os.getpid()}')
+    tmp.write_text(text)
+    os.replace(tmp, target)
+
+
+def write_bytes(target: os.PathLike | str, data: bytes) -> None:
+    """Like write_text, for bytes."""
+    target = path(target)
+    if is_remote(target):
+        target.write_bytes(data)
+        return
+    tmp = target.with_name(f'{target.name}.tmp.{os.getpid()}')
+    tmp.write_bytes(data)
+    os.replace(tmp, target)
+
+
+def read_text(source: os.PathLike | str) -> Optional[str]:
+    """The text of `source`, or None when it does not exist or cannot be read."""
+    try:
+        return path(source).read_text()
+    except (OSError, ValueError):
+        return None
+
+
+def listdir(folder: os.PathLike | str) -> list[str]:
+    """Names in `folder` (an empty list when it does not exist)."""
+    folder = path(folder)
+    try:
+        return sorted(child.name for child in folder.iterdir()) if folder.is_dir() else []
+    except FileNotFoundError:
+        return []
+
+
+def _tree(folder: epath.Path) -> dict[str, tuple[int, Optional[str]]]:
+    """{relative name: (size, crc32c)} of every object under a gs:// folder."""
+    fs = fsspec.filesystem('gcs')
+    root = str(folder)[len('gs://'):].rstrip('/')
+    found = fs.find(root, detail=True)
+    return {name[len(root) + 1:]: (int(info['size']), info.get('crc32c'))
+            for name, info in found.items()}
+
+
+def move_tree(source: os.PathLike | str, target: os.PathLike | str) -> None:
+    """Moves folder `source` to `target` (which must not exist) without ever losing the only copy.
+
+    Local: one rename. Cloud Storage has no rename: every object is copied, the copies are checked
+    against the originals (names, sizes, CRC32C), and only then are the originals deleted; an
+    error before that leaves the source whole.
+    """
+    source, target = path(source), path(target)
+    if not is_remote(source):
+        os.rename(source, target)
+        return
+    fs = fsspec.filesystem('gcs')
+    originals = _tree(source)
+    src, dst = str(source)[len('gs://'):].rstrip('/'), str(target)[len('gs://'):].rstrip('/')
+    for name in originals:
+        fs.copy(f'{src}/{name}', f'{dst}/{name}')
+    copies = _tree(target)
+    if copies != originals:
+        raise OSError(f'the copy of {source} at {target} differs from it '
+                      f'({len(copies)} objects copied of {len(originals)}); {source} is kept')
+    fs.rm([f'{src}/{name}' for name in originals])
