@@ -28,7 +28,7 @@ Subcommands (several run in order, e.g. "sync setup run"):
   setup    Create a Python >= 3.11 virtualenv (--venv) on all workers with uv
            (installed if missing; it fetches --python-version when the image
            has an older Python, as tpu-ubuntu2204-base with 3.10 does), then
-           pip install memjax and jax[tpu] into it (after sync).
+           pip install memjax (with gs:// support) and jax[tpu] into it (after sync).
   run      Start python -m memjax.train on all workers in the background;
            worker N logs to --remote-dir/--log-dir/worker-N.log. Every worker
            is checked first: one whose TPU is held by another process stops the
@@ -229,7 +229,7 @@ python_check_snippet() {
 cmd_setup() {
   local pip_cmd python prepare=''
   python=$(remote_python)
-  pip_cmd=(-m pip install -e . 'jax[tpu]')
+  pip_cmd=(-m pip install -e '.[gcs]' 'jax[tpu]')
   if [[ -n $MEMJAX_PIP_FIND_LINKS ]]; then
     pip_cmd+=(-f "$MEMJAX_PIP_FIND_LINKS")
   fi

@@ -37,6 +37,7 @@ from memjax import errors
 from memjax import evaluate
 from memjax import model as model_lib
 from memjax.bench.suites import programs
+from memjax.runtime import storage
 from memjax.training import loop as trainer
 from memjax.training import metrics as metrics_lib
 
@@ -191,8 +192,7 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str) -> dict:
     report = {'config': config.to_dict(), 'rows': rows, 'failures': failures,
               'curves': {f'{m}/seed{s}': _curve(os.path.join(workdir, m, f'seed{s}')) for m, s in results}}
     trainer.write_json(os.path.join(workdir, 'comparison.json'), report)
-    with open(os.path.join(workdir, 'comparison.md'), 'w') as f:
-        f.write(table(report, section.seeds))
+    storage.write_text(os.path.join(workdir, 'comparison.md'), table(report, section.seeds))
     plot(report, os.path.join(workdir, 'comparison.png'))
     return report
 
@@ -254,7 +254,7 @@ def plot(report: dict, path: str) -> None:
     memory.set(xlabel='evaluation memory length', ylabel='loss (nats)', title='Loss against evaluation memory')
     memory.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    storage.save_figure(fig, path)
     plt.close(fig)
 
 
@@ -264,8 +264,7 @@ def main(argv):
     config = cli.load_config(evaluate.CONFIG)
     _check(config)
     report = cli.run(lambda: run_comparison(config, evaluate.WORKDIR.value))
-    with open(os.path.join(evaluate.WORKDIR.value, 'comparison.md')) as f:
-        print(f.read())
+    print(storage.read_text(os.path.join(evaluate.WORKDIR.value, 'comparison.md')))
     if report['failures']:
         print(f'{len(report["failures"])} failed: see comparison.md')
 

@@ -29,6 +29,7 @@ from memjax import cli
 from memjax import errors
 from memjax import evaluate
 from memjax.runtime import distributed
+from memjax.runtime import storage
 from memjax.training import workdir as workdir_lib
 
 _POOLS = flags.DEFINE_list('pools', None, 'trams: pool sizes M of the first panel (default: the paper\'s range).')
@@ -126,9 +127,9 @@ def run_sweep(name: str, config: ml_collections.ConfigDict, workdir: str, grid: 
     """Evaluates every point of sweep `name` over `grid`; writes results.{json,md,png}; returns the
     panels and the points."""
     panels = SWEEPS[name][1](config, grid)
-    out = os.path.join(workdir, f'sweep_{name}')
-    os.makedirs(out, exist_ok=True)
-    workdir_lib.check_writable_file(os.path.join(out, 'results.json'))
+    out = storage.join(workdir, f'sweep_{name}')
+    storage.path(out).mkdir(parents=True, exist_ok=True)
+    workdir_lib.check_writable_file(storage.join(out, 'results.json'))
     done: dict[str, dict] = {}
     points = []
     for panel in panels:
@@ -138,18 +139,16 @@ def run_sweep(name: str, config: ml_collections.ConfigDict, workdir: str, grid: 
                 key = json.dumps(settings, sort_keys=True)
                 if key not in done:
                     done[key] = evaluate.evaluate_checkpoint(
-                        _with(config, settings), workdir, os.path.join(out, f'point_{len(done)}.json'))
+                        _with(config, settings), workdir, storage.join(out, f'point_{len(done)}.json'))
                 summary = done[key]
                 metric = 'bpc' if 'bpc' in summary else 'ppl'
                 points.append({'panel': panel.name, 'axis': panel.axis, 'value': value, 'evaluator': evaluator,
                                'metric': metric, metric: summary[metric], 'loss': summary['loss'],
                                'settings': summary['settings']})
     if distributed.is_primary():
-        with open(os.path.join(out, 'results.json'), 'w') as f:
-            json.dump(points, f, indent=1)
-        with open(os.path.join(out, 'results.md'), 'w') as f:
-            f.write(table(panels, points))
-        plot(panels, points, os.path.join(out, 'results.png'))
+        storage.write_text(storage.join(out, 'results.json'), json.dumps(points, indent=1))
+        storage.write_text(storage.join(out, 'results.md'), table(panels, points))
+        plot(panels, points, storage.join(out, 'results.png'))
     return panels, points
 
 
@@ -191,7 +190,7 @@ def plot(panels: list[Panel], points: list[dict], path: str) -> bool:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    storage.save_figure(fig, path)
     plt.close(fig)
     return True
 

@@ -111,6 +111,16 @@ def test_evaluation_and_generation_read_a_gs_workdir(runs, corpus, data_dir):
     assert from_gs == generation.generate(None, baseline, **greedy) and from_gs[0]
 
 
+def test_a_new_run_starts_from_a_gs_workdir_with_its_tokenizer(runs, corpus, env, data_dir, tmp_path):
+    _, source, _ = runs
+    workdir = f'{ROOT}/finetuned'
+    log = cli_fixtures.checked(start(command(workdir, corpus, data_dir, f'--config.train.init_from={source}',
+                                             '--config.train.num_steps=4'), env, tmp_path, 'init_from'))
+    assert f'Started from parameters of {source}/checkpoints/24' in log
+    assert storage.read_text(f'{workdir}/tokenizer.json') == storage.read_text(f'{source}/tokenizer.json')
+    assert f'Took the tokenizer of {source}' in log
+
+
 def test_a_changed_config_is_refused_and_leaves_every_object_as_it_was(runs, corpus, env, data_dir, tmp_path):
     _, workdir, _ = runs
     before = {name: info['generation'] for name, info in gcs_emulator.objects('killed').items()}

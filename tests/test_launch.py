@@ -286,7 +286,7 @@ def test_tpu_every_worker_command_addresses_all_workers_in_the_zone(fake):
         assert flag_value(argv, 'strict-host-key-checking') == 'no'  # No prompt per worker.
     setup, run = flag_value(gcloud[2], 'command'), flag_value(gcloud[4], 'command')
     assert 'lsof' in flag_value(gcloud[3], 'command') and 'nohup' not in flag_value(gcloud[3], 'command')
-    assert setup.endswith('"$HOME"/memjax-venv/bin/python -m pip install -e . \'jax[tpu]\'; }')
+    assert setup.endswith('"$HOME"/memjax-venv/bin/python -m pip install -e \'.[gcs]\' \'jax[tpu]\'; }')
     assert ('nohup "$HOME"/memjax-venv/bin/python -m memjax.train --config=configs/tiny.py '
             '--workdir=/mnt/shared/run') in run
     assert 'logs/worker-$id.log' in run
@@ -303,7 +303,7 @@ def test_tpu_setup_uses_the_given_python_and_package_page(fake):
     assert 'uv' not in command.split()
     assert command.endswith(
         "&& /opt/venv/bin/python -m pip install --upgrade pip && "
-        "/opt/venv/bin/python -m pip install -e . 'jax[tpu]' -f https://example.org/libtpu.html; }")
+        "/opt/venv/bin/python -m pip install -e '.[gcs]' 'jax[tpu]' -f https://example.org/libtpu.html; }")
 
 
 def test_tpu_logs_and_tail_read_one_workers_log(fake):

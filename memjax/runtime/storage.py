@@ -9,6 +9,7 @@ object is written whole (one upload replaces it atomically, so no temporary file
 """
 
 import importlib.util
+import io
 import os
 from typing import Optional
 
@@ -54,26 +55,27 @@ def join(base: os.PathLike | str, *parts: str) -> str:
     return str(epath.Path(str(base)).joinpath(*parts)) if is_remote(base) else os.path.join(str(base), *parts)
 
 
-def write_text(target: os.PathLike | str, text: str) -> None:
+def write_bytes(target: os.PathLike | str, data: bytes) -> None:
     """Replaces `target` whole: a reader sees the old content or the new, never a part."""
     target = path(target)
     if is_remote(target):
-        target.write_text(text)  # One upload: an object is replaced atomically.
-        return
-    tmp = target.with_name(f'{target.name}.tmp.{os.getpid()}')
-    tmp.write_text(text)
-    os.replace(tmp, target)
-
-
-def write_bytes(target: os.PathLike | str, data: bytes) -> None:
-    """Like write_text, for bytes."""
-    target = path(target)
-    if is_remote(target):
-        target.write_bytes(data)
+        target.write_bytes(data)  # One upload: an object is replaced atomically.
         return
     tmp = target.with_name(f'{target.name}.tmp.{os.getpid()}')
     tmp.write_bytes(data)
     os.replace(tmp, target)
+
+
+def write_text(target: os.PathLike | str, text: str) -> None:
+    """write_bytes of `text` in UTF-8."""
+    write_bytes(target, text.encode('utf-8'))
+
+
+def save_figure(figure, target: os.PathLike | str) -> None:
+    """A matplotlib figure as a PNG at `target` (a file or gs:// object)."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format='png', dpi=120)
+    write_bytes(target, buffer.getvalue())
 
 
 def read_text(source: os.PathLike | str) -> Optional[str]:

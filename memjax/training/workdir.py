@@ -178,6 +178,11 @@ class _LockObject:
             blob.upload_from_string(text, if_generation_match=0)
         except exceptions.PreconditionFailed:
             return None
+        except exceptions.GoogleAPICallError as error:
+            raise errors.WorkdirError(
+                f'cannot write {self.path}: Cloud Storage refused ({type(error).__name__}: {error}); '
+                'the account needs storage.objects.create, get, list and delete on the bucket '
+                '(roles/storage.objectUser).') from None
         return blob.generation
 
     def read(self) -> Optional[_Seen]:
