@@ -33,6 +33,7 @@ def main(argv):
     if len(argv) != 2:
         raise errors.UsageError(f'name exactly one suite (one of {harness.available_suites()}); '
                              f'got {argv[1:]}.')
+    harness.add_xla_flags(argv[1])
     cli.prepare_host_memory()
     tiny = _SIZE.value == 'tiny'
     ctx = harness.Context(

@@ -71,6 +71,17 @@ def get_suite(name: str) -> Callable[['Context'], 'SuiteResult']:
     return _SUITES[name]
 
 
+def add_xla_flags(name: str) -> None:
+    """Adds the XLA flags suite `name` declares (its module's XLA_FLAGS) to the environment; call it
+    before JAX starts its backend, which reads them once."""
+    get_suite(name)
+    wanted = getattr(importlib.import_module(_module_name(name)), 'XLA_FLAGS', ())
+    present = os.environ.get('XLA_FLAGS', '')
+    missing = [flag for flag in wanted if flag not in present.split()]
+    if missing:
+        os.environ['XLA_FLAGS'] = ' '.join([present, *missing]).strip()
+
+
 @dataclasses.dataclass(frozen=True)
 class Context:
     """What a suite may read: the size to run, the experiment config and timing settings."""

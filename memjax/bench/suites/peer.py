@@ -209,7 +209,8 @@ class HFEvalLoop:
 
 
 def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape: Shape) -> dict[str, Any]:
-    """Compiled memjax train and eval loops on the peer's weights and tokens, with compile seconds."""
+    """Compiled memjax train and eval loops on the peer's weights and tokens: per mode (loop, compile
+    seconds, the optimized HLO text, whose op names the profiler reports)."""
     inputs = jnp.asarray(tokens[:, :shape.tgt_len], jnp.int32)
     targets = jnp.asarray(tokens[:, 1:shape.tgt_len + 1], jnp.int32)
     tx = optax.adam(LEARNING_RATE)
@@ -221,8 +222,9 @@ def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape:
         batch={'inputs': inputs, 'targets': targets}, key=jax.random.PRNGKey(0))
     train = workload.compile_step(work)
     evaluate, eval_loop = eval_speed.compile_eval(mcfg, params, eval_speed.eval_batch(inputs, targets))
-    return {'train': (workload.StepLoop(train.executable, work), train.lower_s + train.compile_s),
-            'eval': (eval_loop, evaluate.lower_s + evaluate.compile_s)}
+    return {'train': (workload.StepLoop(train.executable, work), train.lower_s + train.compile_s,
+                      train.executable.as_text()),
+            'eval': (eval_loop, evaluate.lower_s + evaluate.compile_s, evaluate.executable.as_text())}
 
 
 def hf_loops(hf_model, forward: Callable, tokens: np.ndarray, shape: Shape) -> dict[str, Any]:

@@ -1,0 +1,236 @@
+"""`ops`: where memjax's and PyTorch's Transformer-XL steps spend their time, op by op.
+
+The `peer` suite says who is faster; this one says where. On the peer's model, weights and
+tokens (the same pair, checked to agree before anything is timed), it profiles memjax's compiled
+train and eval steps (jax.profiler: one event per executed XLA op, named as in the optimized
+HLO) and the PyTorch peer's (torch.profiler, per aten op; eager, and torch.compile at --size=full),
+and lists for each step its most expensive ops: time per step, share of the step's op time,
+GFLOP/s for ops that multiply matrices (FLOPs from the HLO's dot shapes; torch's own FLOP count)
+and that rate against the model-shaped matmul peak measured in the same invocation.
+
+Op times are summed over the threads that ran them: XLA:CPU runs independent ops side by side,
+so the shares are of the step's op time, which can exceed its wall time.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import math
+import os
+import re
+import tempfile
+from typing import Any, Callable
+
+import jax
+
+from memjax.bench import harness
+from memjax.bench.suites import peak as peak_suite
+from memjax.bench.suites import peer
+
+# XLA:CPU names its ops in the profile only with this flag, which must be set before JAX starts
+# its CPU client (`python -m memjax.bench ops` sets it; see memjax/bench/__main__.py).
+XLA_FLAGS = ('--xla_cpu_enable_xprof_traceme=true',)
+TOP = 10  # Ops listed per step; the rest are summed in one row.
+
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\S+?)(?:\{[^}]*\})? (\w[\w\-]*)\((.*)$')
+_COMPUTATION = re.compile(r'^\s*(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$')
+_SHAPE = re.compile(r'\w+\[([\d,]*)\]')
+
+
+def _dims(shape: str) -> list[int]:
+    found = _SHAPE.match(shape)
+    return [int(d) for d in found.group(1).split(',') if d] if found else []
+
+
+def _dot_flops(output: str, lhs: str, rest: str) -> float:
+    """2 x output elements x contracted size of one `dot` whose left operand has shape `lhs`."""
+    contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest)
+    if contracting is None:
+        return 0.0
+    lhs_dims = _dims(lhs)
+    size = math.prod(lhs_dims[int(i)] for i in contracting.group(1).split(',') if i)
+    return 2.0 * math.prod(_dims(output)) * size
+
+
+def hlo_op_flops(hlo: str) -> dict[str, float]:
+    """{op name of the optimized HLO: FLOPs of the matrix products it runs}; a fusion counts the dots
+    of the computations it calls."""
+    shapes: dict[str, str] = {}
+    dots: dict[str, tuple[str, str, str]] = {}
+    calls: dict[str, list[str]] = {}
+    members: dict[str, list[str]] = collections.defaultdict(list)
+    computation = None
+    for line in hlo.splitlines():
+        instruction = _INSTRUCTION.match(line)
+        if instruction is None:
+            header = _COMPUTATION.match(line)
+            if header is not None:
+                computation = header.group(1)
+            continue
+        name, output, opcode, rest = instruction.groups()
+        shapes[name] = output
+        if opcode == 'dot':
+            dots[name] = (output, re.match(r'\s*%?([\w.\-]+)', rest).group(1), rest)
+        # Fusions only: the ops of a loop's body are profiled as ops of their own.
+        calls[name] = re.findall(r'calls=%?([\w.\-]+)', rest)
+        if computation is not None:
+            members[computation].append(name)
+
+    def total(name: str, seen: frozenset = frozenset()) -> float:
+        flops = 0.0
+        if name in dots:
+            output, lhs, rest = dots[name]
+            flops = _dot_flops(output, shapes.get(lhs, ''), rest)
+        for called in calls.get(name, ()):
+            if called not in seen:
+                flops += sum(total(member, seen | {called}) for member in members.get(called, ()))
+        return flops
+
+    return {name: total(name) for name in shapes}
+
+
+def profile_xla(loop: Callable, steps: int, op_flops: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """({XLA op name: seconds per step}, {XLA op name: FLOPs per step}) over `steps` calls of `loop`
+    (after one untimed call); `op_flops`: FLOPs of one execution of each op."""
+    if not all(flag in os.environ.get('XLA_FLAGS', '') for flag in XLA_FLAGS):
+        raise harness.BenchError(f'the ops suite needs XLA_FLAGS={" ".join(XLA_FLAGS)} set before JAX '
+                                 'starts; run it as python -m memjax.bench ops, which sets it.')
+    from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+    jax.block_until_ready(loop())
+    with tempfile.TemporaryDirectory(prefix='memjax-ops-') as folder:
+        with jax.profiler.trace(folder):
+            for _ in range(steps):
+                jax.block_until_ready(loop())
+        trace = glob.glob(os.path.join(folder, '**', '*.xplane.pb'), recursive=True)[0]
+        profile = ProfileData.from_file(trace)
+    seconds: dict[str, float] = collections.Counter()
+    flops: dict[str, float] = collections.Counter()
+    for plane in profile.planes:
+        for line in plane.lines:
+            for event in line.events:
+                op = dict(event.stats).get('hlo_op')
+                if op is not None:
+                    seconds[op] += event.duration_ns * 1e-9 / steps
+                    flops[op] += op_flops.get(op, 0.0) / steps
+    return dict(seconds), dict(flops)
+
+
+def profile_torch(loop: Callable, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """({aten op: self seconds per step}, {aten op: FLOPs per step}) over `steps` calls of `loop`."""
+    torch, _ = peer.import_torch()
+    loop()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
+        for _ in range(steps):
+            loop()
+    seconds, flops = {}, {}
+    for event in prof.key_averages():
+        if event.self_cpu_time_total > 0:
+            seconds[event.key] = event.self_cpu_time_total * 1e-6 / steps
+            flops[event.key] = (event.flops or 0) / steps
+    return seconds, flops
+
+
+def _kind(op: str, flops: float) -> str:
+    if flops > 0:
+        return 'matmul'
+    name = op.lower()
+    if 'copy' in name or 'transpose' in name or 'concatenate' in name or 'slice' in name:
+        return 'copy/layout'
+    if 'reduce' in name or 'softmax' in name or 'sum' in name or 'max' in name:
+        return 'reduction'
+    return 'elementwise/other'
+
+
+def op_rows(seconds: dict[str, float], flops: dict[str, float], peak: float,
+            labels: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """The TOP most expensive ops, one row for the rest, and the step's totals by kind."""
+    total = sum(seconds.values())
+    ranked = sorted(seconds, key=seconds.get, reverse=True)
+
+    def row(op: str, kind: str, time_s: float, op_flops: float) -> dict[str, Any]:
+        rate = op_flops / time_s / 1e9 if op_flops and time_s else None
+        return {**labels, 'op': op, 'kind': kind, 'ms_per_step': time_s * 1e3, 'share': time_s / total,
+                'gflops_per_s': rate, 'of_matmul_peak': rate / peak if rate else None}
+
+    rows = [row(op, _kind(op, flops.get(op, 0.0)), seconds[op], flops.get(op, 0.0)) for op in ranked[:TOP]]
+    rest = ranked[TOP:]
+    if rest:
+        rows.append(row(f'({len(rest)} other ops)', '', sum(seconds[o] for o in rest),
+                        sum(flops.get(o, 0.0) for o in rest)))
+    by_kind: dict[str, float] = collections.Counter()
+    for op, time_s in seconds.items():
+        by_kind[_kind(op, flops.get(op, 0.0))] += time_s
+    matmul_s = by_kind.get('matmul', 0.0)
+    matmul_flops = sum(flops.get(op, 0.0) for op in seconds)
+    totals = {'op_ms_per_step': total * 1e3, 'matmul_gflop_per_step': matmul_flops / 1e9,
+              **{f'share_{kind}': time_s / total for kind, time_s in by_kind.items()},
+              'matmul_gflops_per_s': matmul_flops / matmul_s / 1e9 if matmul_s else None}
+    return rows, totals
+
+
+def measure_vocab(vocab: peer.Vocab, shape: peer.Shape, ctx: harness.Context, peak: float,
+                  try_compile: bool) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    torch, _ = peer.import_torch()
+    ctx.log(f'ops: {vocab.name} softmax: building the peer pair and checking it')
+    hf_model, mcfg, params = peer.build_pair(shape, vocab)
+    peer.check_same_model(hf_model, mcfg, params, shape)
+    tokens = peer.random_tokens(vocab.vocab_size, shape.batch_size, shape.tgt_len + 1, seed=2)
+    ours = peer.memjax_loops(mcfg, params, tokens, shape)
+    forwards = {'hf_eager': hf_model, **({'hf_compiled': torch.compile(hf_model)} if try_compile else {})}
+    theirs = {impl: peer.hf_loops(hf_model, forward, tokens, shape) for impl, forward in forwards.items()}
+    rows, figures = [], {}
+    for mode in ('train', 'eval'):
+        loop, _, hlo = ours[mode]
+        ctx.log(f'ops: {vocab.name} memjax {mode}: profiling {ctx.repeats} steps')
+        profiles = {'memjax': profile_xla(loop, ctx.repeats, hlo_op_flops(hlo))}
+        for impl in theirs:
+            ctx.log(f'ops: {vocab.name} {impl} {mode}: profiling {ctx.repeats} steps')
+            profiles[impl] = profile_torch(theirs[impl][mode], ctx.repeats)
+        for impl, (seconds, flops) in profiles.items():
+            impl_rows, totals = op_rows(seconds, flops, peak, {'vocab': vocab.name, 'mode': mode, 'impl': impl})
+            rows += impl_rows
+            figures.update({f'{impl}_{mode}_{vocab.name}_{k}': v for k, v in totals.items()})
+    return rows, figures
+
+
+@harness.register('ops')
+def run(ctx: harness.Context) -> harness.SuiteResult:
+    torch, transformers = peer.import_torch()
+    shape = peer.SHAPES[ctx.size]
+    threads = peer.jax_cpu_cores()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try_compile = not ctx.tiny
+    peak_rows = []
+    for name, matmul in peak_suite.matmul_shapes(shape.batch_size, shape.tgt_len, shape.mem_len, shape.d_model,
+                                                 shape.n_head, shape.d_head, shape.d_inner):
+        ctx.log(f'ops: model-shaped matmul {name}')
+        peak_rows.append({'matmul': name, **peak_suite.measure(matmul, 'float32', ctx)})
+    peak = max(r['gflops_per_s'] for r in peak_rows)
+    rows, figures = [], {'matmul_peak_gflops_per_s': peak, 'torch_threads': threads}
+    try:
+        for vocab in peer.VOCABS[ctx.size]:
+            vocab_rows, vocab_figures = measure_vocab(vocab, shape, ctx, peak, try_compile)
+            rows += vocab_rows
+            figures.update(vocab_figures)
+    finally:
+        torch.set_num_threads(previous_threads)
+    return harness.SuiteResult(
+        rows=rows,
+        columns=('vocab', 'mode', 'impl', 'op', 'kind', 'ms_per_step', 'share', 'gflops_per_s', 'of_matmul_peak'),
+        figures=figures,
+        config={'shape': shape.__dict__, 'vocabs': [v.__dict__ for v in peer.VOCABS[ctx.size]],
+                'profiled_steps': ctx.repeats, 'dtype': 'float32', 'torch_threads': threads,
+                'matmul_peak_rows': [{k: v for k, v in r.items() if k != 'timing'} for r in peak_rows]},
+        notes=[
+            f'torch {torch.__version__}, transformers {transformers.__version__}; the peer suite\'s model, '
+            'weights and tokens (checked to agree before profiling); float32; memjax: jax.profiler over the '
+            f'compiled steps (XLA op names of the optimized HLO), torch: torch.profiler self CPU time per aten op.',
+            'ms_per_step: the op\'s time per step summed over the threads that ran it; share: of the step\'s '
+            'op time (independent XLA ops run side by side, so op time can exceed the wall time).',
+            'gflops_per_s: ops that multiply matrices (memjax: 2 x output x contracted size of every dot, '
+            'fusions included; torch: its profiler\'s FLOP count); of_matmul_peak: against the best '
+            f'GFLOP/s of this model\'s float32 matmul shapes measured in this invocation ({peak:.1f}).',
+            *(['torch.compile not profiled at --size=tiny (it compiles for minutes).'] if not try_compile else []),
+        ])
