@@ -2,6 +2,9 @@
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,7 @@ import numpy as np
 import pytest
 
 from memjax import model as model_lib
+from memjax.bench import flops
 from memjax.bench import harness
 from memjax.bench.suites import eval_speed
 from memjax.bench.suites import peer  # Imports torch only when a peer model is built.
@@ -82,6 +86,37 @@ def test_peer_suite_json(peer_report):
         assert peer_report['figures'][f'max_abs_logprob_diff_{vocab.name}'] < peer.LOGPROB_TOLERANCE
     assert peer_report['figures']['torch_threads'] == peer_report['machine']['usable_cores']
     assert peer_report['config']['shape'] == {**peer.SHAPES['tiny'].__dict__}
+
+
+# ----------------------------------------------------------------------------------------------
+# ops: every matrix product of a step profiled, once per execution.
+
+
+@needs_torch
+def test_ops_suite_profiles_every_matrix_product_of_both_steps(tmp_path):
+    """The matrix FLOPs of the profiled XLA ops, per step over two steps, are the model's analytic
+    FLOPs (the adaptive tail's recomputation included): no dot missed, none counted twice, and the
+    op names of the profile are those of the optimized HLO. Op shares add up to the step."""
+    out = tmp_path / 'ops.json'
+    proc = subprocess.run([sys.executable, '-m', 'memjax.bench', 'ops', '--size=tiny', '--warmup=0', '--repeats=2',
+                           '--host_memory=off', f'--out={out}'], cwd=os.path.dirname(os.path.dirname(__file__)),
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    figures, shape = report['figures'], peer.SHAPES['tiny']
+    for vocab in peer.VOCABS['tiny']:
+        _, mcfg, _ = peer.build_pair(shape, vocab)
+        b, t = shape.batch_size, shape.tgt_len
+        expected = {'eval': sum(flops.forward_flops(mcfg, b, t).values()),
+                    'train': flops.train_step_flops(mcfg, b, t) + flops.tail_recompute_flops(mcfg, b, t)}
+        for mode, model_flops in expected.items():
+            assert figures[f'memjax_{mode}_{vocab.name}_matmul_gflop_per_step'] * 1e9 == pytest.approx(model_flops)
+            for impl in ('memjax', 'hf_eager'):
+                rows = [r for r in report['rows'] if (r['vocab'], r['mode'], r['impl']) == (vocab.name, mode, impl)]
+                assert sum(r['share'] for r in rows) == pytest.approx(1.0)
+                assert sum(r['ms_per_step'] for r in rows) == pytest.approx(figures[f'{impl}_{mode}_{vocab.name}_op_ms_per_step'])
+                assert any(r['kind'] == 'matmul' and r['gflops_per_s'] > 0 for r in rows)
+    assert report['machine']['cpu_model'] and report['machine']['vector_isa']
 
 
 # ----------------------------------------------------------------------------------------------

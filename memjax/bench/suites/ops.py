@@ -4,7 +4,8 @@ The `peer` suite says who is faster; this one says where. On the peer's model, w
 tokens (the same pair, checked to agree before anything is timed), it profiles memjax's compiled
 train and eval steps (jax.profiler: one event per executed XLA op, named as in the optimized
 HLO) and the PyTorch peer's (torch.profiler, per aten op; eager, and torch.compile at --size=full),
-and lists for each step its most expensive ops: time per step, share of the step's op time,
+and lists for each step its most expensive ops (memjax's XLA ops merged by the model code they
+compute, over layers: `forward: attention/value/dot_general`): time per step, share of the step's op time,
 GFLOP/s for ops that multiply matrices (FLOPs from the HLO's dot shapes; torch's own FLOP count)
 and that rate against the model-shaped matmul peak measured in the same invocation.
 
@@ -90,6 +91,39 @@ def hlo_op_flops(hlo: str) -> dict[str, float]:
     return {name: total(name) for name in shapes}
 
 
+def _source(op_name: str) -> str:
+    """What model code an XLA op comes from, the same for every layer: its metadata's op_name
+    without the jit wrapper and the layer, marked forward or backward."""
+    parts = op_name.split('/')
+    parts = [p for p in parts[1:] if parts[0].startswith('jit(')] or parts
+    parts = [p for p in parts if not re.fullmatch(r'layer_\d+(\.compute)?', p)]
+    if parts and parts[0].startswith('transpose('):
+        return 'backward: ' + '/'.join(parts[1:])
+    if parts and (parts[0].startswith('jvp(') or parts[0] == 'MemoryLM'):
+        return 'forward: ' + '/'.join(parts[1:])
+    return 'step: ' + '/'.join(parts)
+
+
+def hlo_op_sources(hlo: str) -> dict[str, str]:
+    """{op name of the optimized HLO: the model code it computes (`_source`)}; ops XLA made itself
+    (layout copies) are named by their kind."""
+    sources = {}
+    for line in hlo.splitlines():
+        instruction = _INSTRUCTION.match(line)
+        if instruction is not None:
+            name = instruction.group(1)
+            found = re.search(r'op_name="([^"]*)"', line)
+            sources[name] = _source(found.group(1)) if found else 'XLA: ' + re.sub(r'\.\d+$', '', name)
+    return sources
+
+
+def by_source(values: dict[str, float], sources: dict[str, str]) -> dict[str, float]:
+    merged: dict[str, float] = collections.Counter()
+    for op, value in values.items():
+        merged[sources.get(op, 'XLA: ' + op)] += value
+    return dict(merged)
+
+
 def profile_xla(loop: Callable, steps: int, op_flops: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
     """({XLA op name: seconds per step}, {XLA op name: FLOPs per step}) over `steps` calls of `loop`
     (after one untimed call); `op_flops`: FLOPs of one execution of each op."""
@@ -127,7 +161,8 @@ def profile_torch(loop: Callable, steps: int) -> tuple[dict[str, float], dict[st
     for event in prof.key_averages():
         if event.self_cpu_time_total > 0:
             seconds[event.key] = event.self_cpu_time_total * 1e-6 / steps
-            flops[event.key] = (event.flops or 0) / steps
+            # Its counter also counts elementwise adds; the rates here are of matrix products.
+            flops[event.key] = (event.flops or 0) / steps if event.key.endswith('mm') else 0.0
     return seconds, flops
 
 
@@ -183,7 +218,9 @@ def measure_vocab(vocab: peer.Vocab, shape: peer.Shape, ctx: harness.Context, pe
     for mode in ('train', 'eval'):
         loop, _, hlo = ours[mode]
         ctx.log(f'ops: {vocab.name} memjax {mode}: profiling {ctx.repeats} steps')
-        profiles = {'memjax': profile_xla(loop, ctx.repeats, hlo_op_flops(hlo))}
+        sources = hlo_op_sources(hlo)
+        profiles = {'memjax': tuple(by_source(values, sources)
+                                    for values in profile_xla(loop, ctx.repeats, hlo_op_flops(hlo)))}
         for impl in theirs:
             ctx.log(f'ops: {vocab.name} {impl} {mode}: profiling {ctx.repeats} steps')
             profiles[impl] = profile_torch(theirs[impl][mode], ctx.repeats)
