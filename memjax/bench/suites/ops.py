@@ -96,7 +96,8 @@ def _source(op_name: str) -> str:
     without the jit wrapper and the layer, marked forward or backward."""
     parts = op_name.split('/')
     parts = [p for p in parts[1:] if parts[0].startswith('jit(')] or parts
-    parts = [p for p in parts if not re.fullmatch(r'layer_\d+(\.compute)?', p)]
+    # The layer (and the layer scan's loop) is dropped: one row per computation of every layer.
+    parts = [p for p in parts if not re.fullmatch(r'layer_\d+(\.compute)?|while|body|closed_call', p)]
     if parts and parts[0].startswith('transpose('):
         return 'backward: ' + '/'.join(parts[1:])
     if parts and (parts[0].startswith('jvp(') or parts[0] == 'MemoryLM'):
