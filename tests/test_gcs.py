@@ -196,11 +196,15 @@ def test_of_runs_racing_for_one_gs_workdir_exactly_one_wins(gcs, corpus, env, da
     # Two training runs started together: one trains, the other stops with one line.
     args = command(workdir, corpus, data_dir, '--config.train.num_steps=4000')
     both = [start(args, env, tmp_path, f'run{i}') for i in range(2)]
-    refusal = None
+    refusal, deadline = None, time.time() + cli_fixtures.RUN_TIMEOUT_S
     while refusal is None:
         for i, run in enumerate(both):
             if run.process.poll() is not None:
                 refusal, winner = run, both[1 - i]
+        if refusal is None and time.time() > deadline:
+            for run in both:
+                run.process.kill()
+            raise AssertionError('neither of two runs on one workdir stopped:\n' + both[0].log()[-2000:])
         time.sleep(0.1)
     assert refusal.wait() == errors.EXIT_RUNTIME, refusal.log()[-3000:]
     assert 'is in use by another training run' in refusal.log()
