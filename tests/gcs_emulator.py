@@ -6,7 +6,7 @@ TENSORSTORE_GCS_HTTP_URL, in this process and in the training processes the test
 
 The emulator lacks two things of the Cloud Storage API that memjax's clients rely on, which
 `start` adds to its handlers as the API defines them: the `ifGenerationMatch` precondition on
-uploads and deletes (https://cloud.google.com/storage/docs/request-preconditions: 412 unless the
+uploads, deletes and downloads (https://cloud.google.com/storage/docs/request-preconditions: 412 unless the
 object's live generation equals the given one, 0 meaning no live object), which the run lock
 uses, and the `x-goog-generation` header of media downloads, from which TensorStore (orbax)
 learns the generation of what it read. The server handles one request at a time, so a check and
@@ -54,10 +54,15 @@ def _upload_name(request):
 
 
 def _with_generation_headers(download):
-    """Media downloads carry the object's generation in headers, as on Cloud Storage; TensorStore
-    reads it there (the emulator leaves them out)."""
+    """Media downloads honour `ifGenerationMatch` and carry the object's generation in headers, as
+    on Cloud Storage; TensorStore reads it there (the emulator leaves them out)."""
     def with_headers(request, response, storage, *args, **kwargs):
         generation = _generation(storage, request.params['bucket_name'], request.params['object_id'])
+        wanted = request.query.get('ifGenerationMatch')
+        if wanted and generation != wanted[0]:
+            response.status = HTTPStatus.PRECONDITION_FAILED
+            response.json({'error': {'code': 412, 'message': 'conditionNotMet'}})
+            return None
         result = download(request, response, storage, *args, **kwargs)
         if response.status in (HTTPStatus.OK, HTTPStatus.PARTIAL_CONTENT):
             response['x-goog-generation'] = generation

@@ -58,5 +58,5 @@ class DataConfig:
                 f'config.data.{field}={getattr(self, field)}: the prepared data is read from local '
                 'disk (array_record has no Cloud Storage reader without TensorFlow); copy it to each '
                 'host (gcloud storage cp -r) or mount the bucket with Cloud Storage FUSE and give that '
-                'path. Only the workdir and data.vocab_path may be gs:// URLs.')
+                'path. The workdir, train.init_from and data.vocab_path may be gs:// URLs.')
                for field in ('data_dir', 'manual_dir', 'text_path', 'cache_dir'))))

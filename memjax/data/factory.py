@@ -10,10 +10,10 @@ from memjax import errors
 from memjax.data import builders, pipeline, sorting
 from memjax.data.config import TOKENIZERS, DataConfig
 from memjax.data.streams import BatchedStreams
-from memjax.runtime import storage
 from memjax.data.tokenizers import (GPT2_FILES, TOKENIZER_FILE, ByteTokenizer, CharTokenizer,
                                     GPT2BPETokenizer, SentencePieceTokenizer, Tokenizer,
                                     WordTokenizer)
+from memjax.runtime import storage
 
 # Tokenizers whose vocabulary does not depend on the data.
 FIXED_VOCABULARIES = ('byte', 'sorting')

@@ -487,8 +487,8 @@ class RelativeAttention(nn.Module):
         else:
             content_query = position_query = query
         # Both products with heads before positions ([B, H, T|K, Dh]): XLA:CPU runs them faster so,
-        # and lays the key and value projections out for them (an evaluation step 8 % faster at
-        # the peer shape; BENCHMARKS.md, ops); either transpose alone made it slower.
+        # and lays the key and value projections out for them (evaluation steps 7-16 % faster at
+        # the peer shape, training unchanged; BENCHMARKS.md, ops); either transpose alone was slower.
         scores = jnp.einsum('bhtd,bhkd->bhtk', content_query.transpose(0, 2, 1, 3), key.transpose(0, 2, 1, 3),
                             preferred_element_type=jnp.float32)
         position, mask = _scores_and_mask(position_query, pos_key, blocks, qlen, cfg.same_length,

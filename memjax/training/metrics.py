@@ -218,12 +218,16 @@ class _Uploader:
                 _DETAILS.file_failed = True
 
     def close(self) -> None:
+        """The last upload; if it fails the local copy stays, and `Details:` lines name it."""
         self._stop.set()
         self._thread.join()
         try:
             self.upload()
-        except Exception:  # pylint: disable=broad-except
-            _DETAILS.file_failed = True
+        except Exception as error:  # pylint: disable=broad-except
+            logging.warning('Could not upload the log to %s (%s); it is kept at %s.', self.target,
+                            type(error).__name__, self.local)
+            _DETAILS.file = self.local
+            return
         os.remove(self.local)
 
 

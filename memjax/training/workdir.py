@@ -13,13 +13,14 @@ under the precondition "no live generation" and deleted under "this generation",
 runs racing for one workdir exactly one wins.
 """
 
+import contextlib
 import datetime
 import json
 import os
 import socket
 import threading
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 from absl import logging
 
@@ -171,37 +172,53 @@ class _LockObject:
     def _blob(self):
         return _client().bucket(self._bucket).blob(self._name)
 
+    @contextlib.contextmanager
+    def _refusal_is_one_line(self) -> Iterator[None]:
+        """Other answers than the expected ones (a missing permission, say) as a WorkdirError."""
+        from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+        try:
+            yield
+        except exceptions.GoogleAPICallError as error:
+            raise errors.WorkdirError(
+                f'cannot use the lock {self.path}: Cloud Storage refused ({type(error).__name__}: {error}); '
+                'the account needs storage.objects.create, get, list and delete on the bucket '
+                '(roles/storage.objectUser).') from None
+
     def create(self, text: str) -> Optional[Any]:
         from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
         blob = self._blob()
-        try:
-            blob.upload_from_string(text, if_generation_match=0)
-        except exceptions.PreconditionFailed:
-            return None
-        except exceptions.GoogleAPICallError as error:
-            raise errors.WorkdirError(
-                f'cannot write {self.path}: Cloud Storage refused ({type(error).__name__}: {error}); '
-                'the account needs storage.objects.create, get, list and delete on the bucket '
-                '(roles/storage.objectUser).') from None
+        with self._refusal_is_one_line():
+            try:
+                blob.upload_from_string(text, if_generation_match=0)
+            except exceptions.PreconditionFailed:
+                return None
         return blob.generation
 
     def read(self) -> Optional[_Seen]:
+        """The lock's text with the generation that holds it: read under that generation, so that a
+        stale holder's text is never paired with the generation of a lock taken since."""
         from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
-        blob = self._blob()
-        try:
-            text = blob.download_as_bytes().decode('utf-8', 'replace')
-            blob.reload()
-        except exceptions.NotFound:
-            return None
-        updated = blob.updated or datetime.datetime.now(datetime.timezone.utc)
-        return _Seen(text, time.time() - updated.timestamp(), blob.generation)
+        with self._refusal_is_one_line():
+            for _ in range(5):  # Rewritten between the two requests (a heartbeat): read again.
+                blob = self._blob()
+                try:
+                    blob.reload()
+                    text = blob.download_as_bytes(if_generation_match=blob.generation).decode('utf-8', 'replace')
+                except exceptions.NotFound:
+                    return None
+                except exceptions.PreconditionFailed:
+                    continue
+                updated = blob.updated or datetime.datetime.now(datetime.timezone.utc)
+                return _Seen(text, time.time() - updated.timestamp(), blob.generation)
+        return None
 
     def remove_if(self, version: Any) -> bool:
         from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
-        try:
-            self._blob().delete(if_generation_match=version)
-        except (exceptions.PreconditionFailed, exceptions.NotFound):
-            return False
+        with self._refusal_is_one_line():
+            try:
+                self._blob().delete(if_generation_match=version)
+            except (exceptions.PreconditionFailed, exceptions.NotFound):
+                return False
         return True
 
     def touch(self, version: Any, text: str) -> Any:
