@@ -17,6 +17,7 @@ from memjax.bench import harness
 from memjax.bench.suites import eval_speed
 from memjax.bench.suites import peer  # Imports torch only when a peer model is built.
 from memjax.bench.suites import scaling
+from memjax.model import memories
 
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ('torch', 'transformers'))
 needs_torch = pytest.mark.skipif(
@@ -107,7 +108,8 @@ def test_ops_suite_profiles_every_matrix_product_of_both_steps(tmp_path):
     for vocab in peer.VOCABS['tiny']:
         _, mcfg, _ = peer.build_pair(shape, vocab)
         b, t = shape.batch_size, shape.tgt_len
-        expected = {'eval': sum(flops.forward_flops(mcfg, b, t).values()),
+        # Evaluation as memjax.evaluate runs it: the memory's keys and values as projected.
+        expected = {'eval': sum(flops.forward_flops(memories.evaluation_config(mcfg, {}), b, t).values()),
                     'train': flops.train_step_flops(mcfg, b, t) + flops.tail_recompute_flops(mcfg, b, t)}
         for mode, model_flops in expected.items():
             assert figures[f'memjax_{mode}_{vocab.name}_matmul_gflop_per_step'] * 1e9 == pytest.approx(model_flops)
@@ -116,6 +118,12 @@ def test_ops_suite_profiles_every_matrix_product_of_both_steps(tmp_path):
                 assert sum(r['share'] for r in rows) == pytest.approx(1.0)
                 assert sum(r['ms_per_step'] for r in rows) == pytest.approx(figures[f'{impl}_{mode}_{vocab.name}_op_ms_per_step'])
                 assert any(r['kind'] == 'matmul' and r['gflops_per_s'] > 0 for r in rows)
+            # The roofline: the step's matrix products at the peak, against its measured time.
+            prefix = f'roofline_{mode}_{vocab.name}_'
+            bound = {k[len(prefix):]: v for k, v in figures.items() if k.startswith(prefix)}
+            assert bound['floor_ms'] == pytest.approx(model_flops / 1e6 / figures['matmul_peak_gflops_per_s'])
+            assert bound['memjax_of_peak'] == pytest.approx(bound['floor_ms'] / bound['memjax_ms'])
+            assert bound['needed_of_peak'] == pytest.approx(bound['floor_ms'] * 1.5 / bound['rival_ms'])
     assert report['machine']['cpu_model'] and report['machine']['vector_isa']
 
 

@@ -32,6 +32,7 @@ KINDS = {
     'xl': dict(memory='xl', mem_len=6),
     'xl_same_length_scanned': dict(memory='xl', mem_len=6, same_length=True, scan_layers=True),
     'xl_adaptive_softmax': dict(memory='xl', mem_len=5, cutoffs=(10, 20), div_val=2),
+    'xl_cached': dict(memory='xl_cached', mem_len=6),
     'lamemo': dict(memory='lamemo', mem_len=6),
     'lamemo_memory_shorter_than_segment': dict(memory='lamemo', mem_len=3),
     'trams': dict(memory='trams', mem_len=8, trams_select=5, trams_remain=2),

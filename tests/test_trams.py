@@ -1,4 +1,5 @@
-"""TRAMS (memory='trams'): against Transformer-XL, a naive numpy selection of both metrics read off
+"""XL evaluation's key-value pool (memory='xl_cached'): equal to re-projecting XL's memory, chosen by
+evaluation for 'xl' parameters. TRAMS (memory='trams'), which selects from that pool: against Transformer-XL, a naive numpy selection of both metrics read off
 the paper's and the released code's formulas, per-head attention over each head's own rows at naive
 distances, causality, and an XL workdir evaluated with --config.eval.model.memory=trams."""
 
@@ -16,6 +17,7 @@ from memjax import evaluate
 from memjax import sweep
 from memjax import model as model_lib
 from memjax.model.attention import Attended, AttentionContext, KeyBlock, RelativeAttention
+from memjax.model import memories
 from memjax.model.memories import trams
 from memjax.model.positions import relative_sinusoid_table
 from memjax.training import checkpoints as checkpointing
@@ -38,24 +40,51 @@ def tokens():
     return np.asarray(jax.random.randint(jax.random.key(1), (SEGMENTS, BATCH, SEG), 0, VOCAB))
 
 
-def run(cfg, params, tokens, collect=False, targets=None):
+def run(cfg, params, tokens, collect=False, targets=None, resets=None):
     """[segments, B, T] target log-probs of a segment loop carrying the memory (and, with `collect`,
     the sown selections per segment); segment s predicts segment s + 1 of `targets` (`tokens`)."""
     targets = tokens if targets is None else targets
     model = model_lib.build_model(cfg)
 
     @jax.jit
-    def step(x, y, memory):
-        (out, memory), sown = model.apply({'params': params}, x, memory, targets=y, mutable=['intermediates'])
+    def step(x, y, memory, reset):
+        (out, memory), sown = model.apply({'params': params}, x, memory, targets=y, reset=reset,
+                                          mutable=['intermediates'])
         return out.target_logprobs, memory, sown
 
     memory = model_lib.init_memory(cfg, tokens.shape[1])
     logprobs, selected = [], []
     for s in range(tokens.shape[0] - 1):
-        lp, memory, sown = step(tokens[s], targets[s + 1], memory)
+        reset = None if resets is None else resets[s]
+        lp, memory, sown = step(tokens[s], targets[s + 1], memory, reset)
         logprobs.append(lp)
         selected.append(sown.get('intermediates', {}))
     return (np.stack(logprobs), selected) if collect else np.stack(logprobs)
+
+
+@pytest.mark.parametrize('model', [dict(), dict(memory_start='zeros'), dict(same_length=True, clamp_len=5),
+                                   dict(scan_layers=True), dict(mem_len=3), dict(mem_len=0),
+                                   # Biased maps after a LayerNorm: a zero row's key is not zero.
+                                   dict(block='gpt2', pre_lnorm=True, memory_start='zeros')])
+def test_the_pool_scores_as_xl_reprojecting_its_memory(model):
+    """Keys and values kept as projected give XL's log-probs, whatever the memory length (shorter
+    than a segment, none), the start, the window, the layer layout, the block; rows reset by a new
+    document start afresh in both."""
+    xl = XL.replace(**model)
+    params = model_lib.init_params(xl, jax.random.key(3))
+    tokens = np.asarray(jax.random.randint(jax.random.key(4), (SEGMENTS, BATCH, SEG), 0, VOCAB))
+    resets = np.zeros((SEGMENTS, BATCH), bool)
+    resets[3, 0] = True
+    np.testing.assert_allclose(run(xl.replace(memory='xl_cached'), params, tokens, resets=resets),
+                               run(xl, params, tokens, resets=resets), atol=1e-6, rtol=0)
+
+
+def test_evaluation_runs_the_pool_for_xl_parameters_unless_told_otherwise():
+    assert memories.evaluation_config(XL, {}).memory == 'xl_cached'
+    assert memories.evaluation_config(XL, {'memory': 'xl'}).memory == 'xl'
+    assert memories.evaluation_config(XL, {'mem_len': 20}).replace(memory='xl') == XL.replace(mem_len=20)
+    infinity = XL.replace(memory='infinity', mem_len=0, segment_len=SEG)  # A subclass of 'xl' keeps its own.
+    assert memories.evaluation_config(infinity, {}).memory == 'infinity'
 
 
 @pytest.mark.parametrize('run_time', [dict(), dict(memory_start='zeros'), dict(same_length=True, clamp_len=5),
@@ -238,7 +267,8 @@ def restored_params(exp, workdir):
 
 def test_an_xl_workdir_evaluated_with_trams(xl_workdir):
     """memjax.evaluate on an XL checkpoint with --config.eval.model.memory=trams scores the split as
-    a hand-carried TRAMS loop does; selecting the whole pool scores as XL does."""
+    a hand-carried TRAMS loop does; selecting the whole pool scores as XL does, and XL's evaluation
+    (its key-value pool unless told 'xl') as XL re-projecting its memory."""
     corpus, workdir = xl_workdir
     pool = dict(eval__batch_size=1, eval__model__mem_len=16)
     config = training_fixtures.tiny_config(corpus, eval__model__memory='trams', eval__model__trams_select=6,
@@ -262,6 +292,10 @@ def test_an_xl_workdir_evaluated_with_trams(xl_workdir):
         corpus, eval__model__memory='trams', eval__model__trams_select=16, eval__model__trams_remain=2, **pool),
         workdir)
     xl = evaluate.evaluate_checkpoint(training_fixtures.tiny_config(corpus, **pool), workdir)
+    reprojected = evaluate.evaluate_checkpoint(training_fixtures.tiny_config(corpus, eval__model__memory='xl', **pool),
+                                               workdir)
+    assert (xl['settings']['memory'], reprojected['settings']['memory']) == ('xl_cached', 'xl')
+    assert xl['loss'] == pytest.approx(reprojected['loss'], rel=1e-6)
     assert whole['loss'] == pytest.approx(xl['loss'], rel=1e-6)
     assert summary['loss'] != pytest.approx(xl['loss'], rel=1e-6)
 

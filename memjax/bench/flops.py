@@ -65,9 +65,11 @@ def forward_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float
     tokens = batch * tgt_len
     klen = cfg.mem_len + tgt_len
     inner = cfg.n_head * cfg.d_head
+    # 'xl_cached' keeps the memory's keys and values as projected: only the segment is projected.
+    projected = tgt_len if cfg.memory == 'xl_cached' else klen
     per_layer = {
         'q_proj': 2.0 * tokens * cfg.d_model * inner,
-        'kv_proj': 2 * 2.0 * batch * klen * cfg.d_model * inner,
+        'kv_proj': 2 * 2.0 * batch * projected * cfg.d_model * inner,
         'pos_proj': 2.0 * klen * cfg.d_model * inner,  # Shared by the batch.
         'content_scores': 2.0 * batch * cfg.n_head * tgt_len * klen * cfg.d_head,
         'position_scores': 2.0 * batch * cfg.n_head * tgt_len * klen * cfg.d_head,
@@ -75,6 +77,8 @@ def forward_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float
         'out_proj': 2.0 * tokens * inner * cfg.d_model,
         'feed_forward': 2 * 2.0 * tokens * cfg.d_model * cfg.d_inner,
     }
+    if cfg.memory == 'xl_cached' and cfg.memory_start == 'zeros':
+        per_layer['zero_row_kv'] = 2 * 2.0 * cfg.d_model * inner  # The key and value of a zero input.
     per_layer.update(_memory_row_flops(cfg, batch, tgt_len))
     flops = {name: cfg.n_layer * value for name, value in per_layer.items()}
     flops['embedding'] = _embedding_flops(cfg, tokens)

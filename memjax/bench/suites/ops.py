@@ -33,6 +33,7 @@ from memjax.bench.suites import peer
 # its CPU client (`python -m memjax.bench ops` sets it; see memjax/bench/__main__.py).
 XLA_FLAGS = ('--xla_cpu_enable_xprof_traceme=true',)
 TOP = 10  # Ops listed per step; the rest are summed in one row.
+TARGET = 1.5  # The speed-up over torch.compile that issue 29 asks for, which the roofline weighs.
 
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\S+?)(?:\{[^}]*\})? (\w[\w\-]*)\((.*)$')
 _COMPUTATION = re.compile(r'^\s*(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$')
@@ -229,7 +230,25 @@ def measure_vocab(vocab: peer.Vocab, shape: peer.Shape, ctx: harness.Context, pe
             impl_rows, totals = op_rows(seconds, flops, peak, {'vocab': vocab.name, 'mode': mode, 'impl': impl})
             rows += impl_rows
             figures.update({f'{impl}_{mode}_{vocab.name}_{k}': v for k, v in totals.items()})
+        rival = 'hf_compiled' if 'hf_compiled' in theirs else 'hf_eager'
+        ctx.log(f'ops: {vocab.name} {mode}: timing memjax and {rival} (no profiler) for the roofline')
+        timings = harness.time_interleaved({'memjax': loop, rival: theirs[rival][mode]}, warmup=ctx.warmup,
+                                           repeats=ctx.repeats)
+        gflop = figures[f'memjax_{mode}_{vocab.name}_matmul_gflop_per_step']
+        bound = roofline(gflop, peak, timings['memjax'].median_s, timings[rival].median_s)
+        figures.update({f'roofline_{mode}_{vocab.name}_{k}': v for k, v in {'rival': rival, **bound}.items()})
     return rows, figures
+
+
+def roofline(gflop: float, peak: float, memjax_s: float, rival_s: float) -> dict[str, float]:
+    """What the matmul peak allows a step of `gflop` GFLOP of matrix products: at least `floor_ms`
+    even if everything ran at the peak and nothing else took time. `memjax_of_peak` is the share of
+    the peak the whole measured step sustains; `needed_of_peak` the share it would need to be
+    TARGET x faster than the rival's measured step (above 1: impossible at these FLOPs)."""
+    floor_s = gflop / peak
+    return {'floor_ms': floor_s * 1e3, 'memjax_ms': memjax_s * 1e3, 'rival_ms': rival_s * 1e3,
+            'speedup': rival_s / memjax_s, 'memjax_of_peak': floor_s / memjax_s,
+            'needed_of_peak': floor_s / (rival_s / TARGET)}
 
 
 @harness.register('ops')
@@ -270,5 +289,9 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
             'gflops_per_s: ops that multiply matrices (memjax: 2 x output x contracted size of every dot, '
             'fusions included; torch: its profiler\'s FLOP count); of_matmul_peak: against the best '
             f'GFLOP/s of this model\'s float32 matmul shapes measured in this invocation ({peak:.1f}).',
+            'roofline_*: memjax and torch.compile (hf_eager at --size=tiny) timed round-robin without the '
+            'profiler; floor_ms = memjax\'s matrix-product GFLOP per step / the peak; memjax_of_peak = floor / '
+            f'memjax\'s step; needed_of_peak = floor / (the rival\'s step / {TARGET}): the share of the peak a '
+            f'whole step must sustain to be {TARGET}x faster (above 1: impossible with these FLOPs).',
             *(['torch.compile not profiled at --size=tiny (it compiles for minutes).'] if not try_compile else []),
         ])

@@ -14,6 +14,9 @@ What each side is allowed (identical unless stated):
   too slow for CI); evaluation under `torch.no_grad`.
 - memjax: one jitted step per segment (`memjax.bench.workload`'s training step, the project's
   evaluation step `train_step.eval_step_fn`), parameters, optimizer state and memory donated.
+  Evaluation runs the model `memjax.evaluate` runs (the memory as its layers projected it,
+  memory='xl_cached': the same log-probs, asserted); `memjax_reprojecting` is the evaluation that
+  projects the memory again every segment, as HF and training do.
 - Timing: per mode (train, then eval), memjax and every torch variant run round-robin, one step
   of each per round (`harness.time_interleaved`), so load from other processes hits all alike.
 - HF scores T - 1 targets per segment (its labels shift inside the model), memjax all T: both
@@ -35,6 +38,7 @@ import optax
 
 from memjax import convert
 from memjax import model as model_lib
+from memjax.model import memories
 from memjax.bench import harness
 from memjax.bench import workload
 from memjax.bench.suites import eval_speed
@@ -155,13 +159,16 @@ def max_logprob_difference(hf_model, mcfg: model_lib.ModelConfig, params, tokens
 
 
 def check_same_model(hf_model, mcfg: model_lib.ModelConfig, params, shape: Shape) -> dict[str, Any]:
-    """Asserts equal parameter counts and agreeing log-probs; returns both figures."""
+    """Asserts equal parameter counts and agreeing log-probs (training's model and evaluation's);
+    returns both figures."""
     counts = {'hf_params': hf_param_count(hf_model), 'memjax_params': memjax_param_count(params)}
     if counts['hf_params'] != counts['memjax_params']:
         raise AssertionError(f'the peer models differ: HF has {counts["hf_params"]} parameters, memjax '
                              f'{counts["memjax_params"]}; the importer or the HF config is wrong.')
     tokens = random_tokens(mcfg.vocab_size, shape.batch_size, 2 * shape.tgt_len + 1, seed=1)
-    diff = max_logprob_difference(hf_model, mcfg, params, tokens, shape.tgt_len)
+    # The trained kind's model and the one evaluation runs (memory='xl_cached') alike.
+    diff = max(max_logprob_difference(hf_model, cfg, params, tokens, shape.tgt_len)
+               for cfg in {mcfg, memories.evaluation_config(mcfg, {})})
     if not diff < LOGPROB_TOLERANCE:
         raise AssertionError(f'HF and memjax log-probs differ by {diff:.3g} (> {LOGPROB_TOLERANCE}) on the '
                              'same weights; refusing to time two different models.')
@@ -210,7 +217,8 @@ class HFEvalLoop:
 
 def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape: Shape) -> dict[str, Any]:
     """Compiled memjax train and eval loops on the peer's weights and tokens: per mode (loop, compile
-    seconds, the optimized HLO text, whose op names the profiler reports)."""
+    seconds, the optimized HLO text, whose op names the profiler reports). 'eval' is the model
+    `memjax.evaluate` runs, 'eval_reprojecting' the trained kind's own."""
     inputs = jnp.asarray(tokens[:, :shape.tgt_len], jnp.int32)
     targets = jnp.asarray(tokens[:, 1:shape.tgt_len + 1], jnp.int32)
     tx = optax.adam(LEARNING_RATE)
@@ -221,10 +229,12 @@ def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape:
         memory=model_lib.init_memory(mcfg, shape.batch_size),
         batch={'inputs': inputs, 'targets': targets}, key=jax.random.PRNGKey(0))
     train = workload.compile_step(work)
-    evaluate, eval_loop = eval_speed.compile_eval(mcfg, params, eval_speed.eval_batch(inputs, targets))
-    return {'train': (workload.StepLoop(train.executable, work), train.lower_s + train.compile_s,
-                      train.executable.as_text()),
-            'eval': (eval_loop, evaluate.lower_s + evaluate.compile_s, evaluate.executable.as_text())}
+    loops = {'train': (workload.StepLoop(train.executable, work), train.lower_s + train.compile_s,
+                       train.executable.as_text())}
+    for mode, eval_mcfg in (('eval', memories.evaluation_config(mcfg, {})), ('eval_reprojecting', mcfg)):
+        evaluate, eval_loop = eval_speed.compile_eval(eval_mcfg, params, eval_speed.eval_batch(inputs, targets))
+        loops[mode] = (eval_loop, evaluate.lower_s + evaluate.compile_s, evaluate.executable.as_text())
+    return loops
 
 
 def hf_loops(hf_model, forward: Callable, tokens: np.ndarray, shape: Shape) -> dict[str, Any]:
@@ -277,6 +287,9 @@ def measure_vocab(vocab: Vocab, shape: Shape, ctx: harness.Context, try_compile:
     for mode in ('train', 'eval'):
         calls = {'memjax': memjax_modes[mode][0]}
         compile_s = {'memjax': memjax_modes[mode][1]}
+        if mode == 'eval':
+            calls['memjax_reprojecting'], compile_s['memjax_reprojecting'] = memjax_modes['eval_reprojecting'][:2]
+            first_call_seconds(calls['memjax_reprojecting'])
         first_call_seconds(calls['memjax'])
         for impl, (_, impl_threads) in impls.items():
             ctx.log(f'peer: {vocab.name} {impl} {mode}: first call')

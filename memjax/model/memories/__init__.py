@@ -114,6 +114,9 @@ class MemoryKind:
     runs_on: ClassVar[tuple[str, ...]] = ()
     # False for a training-free kind: it only evaluates parameters trained as one of `runs_on`.
     trainable: ClassVar[bool] = True
+    # The kind evaluation runs for parameters trained as this one when config.eval.model.memory is
+    # not set (one of the kinds that run on them, computing the same numbers faster), or ''.
+    evaluated_by: ClassVar[str] = ''
     # True for a kind whose skipped layer may keep its state for a step (Skip-Retain): its memory
     # then ages (`LayerMemory.skipped`).
     skip_retain: ClassVar[bool] = False
@@ -242,12 +245,16 @@ def run_time_fields(memory: Optional[str] = None) -> tuple[str, ...]:
 def evaluation_config(trained: ModelConfig, overrides: dict[str, Any],
                       segment_len: Optional[int] = None) -> ModelConfig:
     """The model evaluation runs: `overrides` (config.eval.model's set fields) over the `trained`
-    one, with segments of `segment_len` (None: as trained) and the training switches off.
+    one, with segments of `segment_len` (None: as trained) and the training switches off; the
+    memory kind is the trained kind's `evaluated_by` unless the overrides name one.
 
     Raises ValueError for a kind that cannot run on the trained parameters, for a field that would
     change them (not a run-time field of the kind), and for invalid values.
     """
-    memory = overrides.get('memory', trained.memory)
+    faster = kind_class(trained.memory).evaluated_by
+    # A subclass inherits `evaluated_by`; only a kind that names the trained one runs on it.
+    default = faster if faster and trained.memory in kind_class(faster).runs_on else trained.memory
+    memory = overrides.get('memory', default)
     users = [n for n in names() if trained.memory in kind_class(n).runs_on]
     if memory != trained.memory and memory not in users:
         raise ValueError(f'memory={memory!r} cannot run on parameters trained as memory={trained.memory!r}; '
@@ -261,7 +268,8 @@ def evaluation_config(trained: ModelConfig, overrides: dict[str, Any],
                                                  f'--config.eval.model.memory={hint[0]}.' if hint else '.'))
     # Evaluation never skips layers nor permutes heads.
     switches_off = {name: ModelConfig.defaults()[name] for name in TRAINING_FIELDS}
-    return trained.replace(**overrides, **switches_off, **({} if segment_len is None else {'segment_len': segment_len}))
+    return trained.replace(**{**overrides, 'memory': memory}, **switches_off,
+                           **({} if segment_len is None else {'segment_len': segment_len}))
 
 
 @register
@@ -269,4 +277,4 @@ class NoMemory(MemoryKind):
     """'none': the Transformer with relative positions and nothing carried. Skip-Retain only skips
     its layers (there is no memory to age)."""
     skip_retain = True
-from memjax.model.memories import infinity, lamemo, trams, xl  # noqa: E402,F401  pylint: disable=unused-import (register themselves)
+from memjax.model.memories import cached, infinity, lamemo, trams, xl  # noqa: E402,F401  pylint: disable=unused-import (register themselves)

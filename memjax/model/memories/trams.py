@@ -13,7 +13,7 @@ The two do not rank alike (the second ignores the sign). The released code also 
 keys at contiguous positions, right before the kept window, as if nothing between them had been
 dropped; `trams_positions='true'` (default) scores them at their real distances instead.
 
-Why this is cheaper than the memory it reads: evaluation weights do not change, so the pool holds
+Why this is cheaper than the memory it reads: the pool is 'xl_cached''s (memories/cached.py),
 each position's keys and values as its layer projected them when it was the segment, with its
 metric. A step ranks stored numbers, gathers `select` keys and values per head and scores those:
 no pool row is projected again (an XL memory re-projects its whole memory every segment), and the
@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import Attended, KeyBlock
 from memjax.model.config import KindFields, example
-from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, Problems, register
+from memjax.model.memories import Problems, register
+from memjax.model.memories.cached import CachedLayerMemory, CachedXLMemory
 
 METRICS = ('paper', 'released')
 POSITIONS = ('true', 'contiguous')
@@ -77,22 +78,24 @@ def _per_head(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index, axis=1)
 
 
-class TramsLayerMemory(LayerMemory):
+class TramsLayerMemory(CachedLayerMemory):
     """Ranks the pool's older rows per head, offers the selected keys and the kept window, and
     stores the segment's keys, values and metric."""
 
+    def pool(self, state, shared, maps):
+        pool = super().pool(state, shared, maps)
+        if self.config.memory_start == 'zeros':  # A zero row's key ranks as that key does.
+            zero_rank = key_metric(maps.key(jnp.zeros((1, 1, self.config.d_model), self.config.dtype)),
+                                   maps.query_kernel, self.config.trams_metric)
+            pool['rank'] = jnp.where(shared['fresh'][:, :, None], zero_rank, pool['rank'])
+        return pool
+
     def blocks(self, state, shared, layer_input, maps):
         cfg = self.config
-        keys, values, rank = state['keys'], state['values'], state['rank']
-        if cfg.memory_start == 'zeros':  # Rows never written are zero inputs, as XL's zero start.
-            zero = jnp.zeros((1, 1, cfg.d_model), layer_input.dtype)
-            zero_key, zero_value = maps.key(zero), maps.value(zero)
-            fresh = shared['fresh'][:, :, None]
-            keys = jnp.where(fresh[..., None], zero_key.astype(keys.dtype), keys)
-            values = jnp.where(fresh[..., None], zero_value.astype(values.dtype), values)
-            rank = jnp.where(fresh, key_metric(zero_key, maps.query_kernel, cfg.trams_metric), rank)
-        pool, seg_len = keys.shape[1], layer_input.shape[1]
-        candidates = pool - cfg.trams_remain
+        pool = self.pool(state, shared, maps)
+        keys, values, rank = pool['keys'], pool['values'], pool['rank']
+        size, seg_len = keys.shape[1], layer_input.shape[1]
+        candidates = size - cfg.trams_remain
         picks = cfg.trams_select - cfg.trams_remain
         valid = shared['valid']
         window = KeyBlock(None, valid[:, None, None, candidates:], keys=keys[:, candidates:],
@@ -108,38 +111,29 @@ class TramsLayerMemory(LayerMemory):
         self.sow('intermediates', 'selected', chosen)
         chosen_valid = jnp.take_along_axis(valid[:, None, :candidates], chosen, axis=-1)[:, :, None, :]
         distances = None
-        if cfg.trams_positions == 'true':  # Pool row p sits pool - p + i back from query i.
-            distances = (pool - chosen)[:, :, None, :] + jnp.arange(seg_len, dtype=jnp.int32)[None, None, :, None]
+        if cfg.trams_positions == 'true':  # Pool row p sits size - p + i back from query i.
+            distances = (size - chosen)[:, :, None, :] + jnp.arange(seg_len, dtype=jnp.int32)[None, None, :, None]
         return [KeyBlock(None, chosen_valid, distances, keys=_per_head(keys, chosen),
                          values=_per_head(values, chosen)), window]
 
     def attend(self, state, shared, view):
-        seg_len = view.query.shape[1]
-        keys, values = view.key[:, -seg_len:], view.value[:, -seg_len:]
-        return Attended(notes={'keys': keys, 'values': values,
+        attended = super().attend(state, shared, view)
+        keys = attended.notes['keys']
+        return Attended(notes={**attended.notes,
                                'rank': key_metric(keys, view.maps.query_kernel, self.config.trams_metric)})
-
-    def write(self, state, shared, layer_input, notes):
-        pool = state['keys'].shape[1]
-        written = {name: jnp.concatenate([state[name], notes[name].astype(state[name].dtype)], axis=1)[:, -pool:]
-                   for name in ('keys', 'values', 'rank')}
-        return jax.lax.stop_gradient(written), {}
 
 
 @register
-class TramsMemory(MemoryKind):
+class TramsMemory(CachedXLMemory):
+    """The pool of 'xl_cached' (layers.keys, .values; shared.valid, .fresh) and layers.rank
+    [n_layer, B, mem_len, H] float32: each pool row's metric."""
+
     fields = TramsFields
-    """layers.keys, .values [n_layer, B, mem_len, H, d_head]: the pool as each layer projected it;
-    layers.rank [n_layer, B, mem_len, H] float32: its metric. shared.valid [B, mem_len]: positions
-    that may be attended; shared.fresh [B, mem_len]: never written (zero rows with
-    memory_start='zeros')."""
 
     name = 'trams'
     layer = TramsLayerMemory
     run_time_fields = ('mem_len', 'memory_start', 'trams_select', 'trams_remain', 'trams_metric',
                        'trams_positions', 'trams_layers')
-    runs_on = ('xl',)
-    trainable = False
 
     @classmethod
     def validate(cls, config):
@@ -160,26 +154,15 @@ class TramsMemory(MemoryKind):
         return problems
 
     def init(self, batch_size):
+        state = super().init(batch_size)
         cfg = self.config
-        rows = (cfg.n_layer, batch_size, cfg.mem_len, cfg.n_head)
-        return MemoryState(
-            layers={'keys': jnp.zeros(rows + (cfg.d_head,), cfg.dtype),
-                    'values': jnp.zeros(rows + (cfg.d_head,), cfg.dtype),
-                    'rank': jnp.zeros(rows, jnp.float32)},
-            shared={'valid': jnp.full((batch_size, cfg.mem_len), cfg.memory_start == 'zeros'),
-                    'fresh': jnp.ones((batch_size, cfg.mem_len), bool)})
+        rank = jnp.zeros((cfg.n_layer, batch_size, cfg.mem_len, cfg.n_head), jnp.float32)
+        return state.replace(layers={**state.layers, 'rank': rank})
 
     def logical_axes(self):
-        rows = (None, 'activation_batch', 'activation_length', 'activation_heads')
-        return MemoryState(
-            layers={'keys': P(*rows, 'activation_kv'), 'values': P(*rows, 'activation_kv'), 'rank': P(*rows)},
-            shared={name: P('activation_batch', 'activation_length') for name in ('valid', 'fresh')})
-
-    def advance(self, shared, embedded):
-        batch, seg_len = embedded.shape[:2]
-        pool = shared['valid'].shape[1]
-        shift = lambda x, new: jnp.concatenate([x, jnp.full((batch, seg_len), new)], axis=1)[:, -pool:]
-        return {'valid': shift(shared['valid'], True), 'fresh': shift(shared['fresh'], False)}
+        axes = super().logical_axes()
+        return axes.replace(layers={**axes.layers, 'rank': P(None, 'activation_batch', 'activation_length',
+                                                             'activation_heads')})
 
     def position_rows(self, seg_len):
         cfg = self.config

@@ -62,6 +62,8 @@ class XLMemory(MemoryKind):
     layer = XLLayerMemory
     run_time_fields = ('mem_len', 'memory_start')
     skip_retain = True
+    # Evaluation keeps the keys and values it projected instead of the inputs (memories/cached.py).
+    evaluated_by = 'xl_cached'
 
     @classmethod
     def validate(cls, config):
