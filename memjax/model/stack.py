@@ -35,10 +35,15 @@ class FeedForward(nn.Module):
                             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]))
 
         x = layer_norm(cfg, 'layer_norm')(h) if cfg.pre_lnorm else h
+        # Both products on [B*T, d] rows: on [B, T, d] XLA:CPU copies the hidden gradient into a
+        # transposed layout for the weight gradients (training steps 6-8 % slower at the peer shape,
+        # BENCHMARKS.md, ops). The rows are batch-major, so they shard as the batch does.
+        x = x.reshape(-1, x.shape[-1])
         x = BLOCKS[cfg.block].activation(dense(cfg.d_inner, 'inner', ('embed', 'mlp'))(x))
-        x = nn.with_logical_constraint(x, ('activation_batch', 'activation_length', 'activation_mlp'))
+        x = nn.with_logical_constraint(x, ('activation_batch', 'activation_mlp'))
         x = Dropout(cfg.dropout)(x, deterministic=deterministic)
-        return dropout_residual_norm(cfg, h, dense(cfg.d_model, 'outer', ('mlp', 'embed'))(x), deterministic)
+        out = dense(cfg.d_model, 'outer', ('mlp', 'embed'))(x).reshape(h.shape[:-1] + (cfg.d_model,))
+        return dropout_residual_norm(cfg, h, out, deterministic)
 
 
 class DecoderLayer(nn.Module):
