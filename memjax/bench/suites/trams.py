@@ -4,9 +4,9 @@ One evaluation segment (n = 64 tokens x batch 10) of the WikiText-103 base archi
 10 heads x 41, d_inner 2100; a byte vocabulary, so the softmax does not hide the attention) with
 the same weights: XL attending m = 200 rows (re-projecting its memory every segment, as trained,
 and keeping it as projected, 'xl_cached', as `memjax.evaluate` runs XL), XL attending the whole
-pool of 600, and TRAMS selecting 200 of 600 (150 kept + 50 ranked) with each metric and each position rule. Every memory
-is first filled by real segments, so TRAMS ranks a full pool. The paper pays +49 % over XL at
-equal attended memory (its table 2, on a GPU).
+pool of 600, and TRAMS selecting 200 of 600 (150 kept + 50 ranked) with each metric and each
+position rule. Every memory is first filled by real segments, so TRAMS ranks a full pool. The
+paper pays +49 % over XL at equal attended memory (its table 2, on a GPU).
 """
 
 from __future__ import annotations
