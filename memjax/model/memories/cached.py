@@ -28,16 +28,19 @@ class CachedLayerMemory(LayerMemory):
     """Offers the pool's keys and values as one block right before the segment; keeps the
     segment's, as the attention projected them, for the next one."""
 
+    def zero_row(self, maps) -> dict:
+        """Each pool leaf's value for a zero input row: [1, 1, ...] per leaf."""
+        zero = jnp.zeros((1, 1, self.config.d_model), self.config.dtype)
+        return {'keys': maps.key(zero), 'values': maps.value(zero)}
+
     def pool(self, state, shared, maps) -> dict:
-        """The layer's pool, rows never written replaced by a zero input's key and value when the
+        """The layer's pool, rows never written replaced by a zero input's (`zero_row`) when the
         memory starts as zeros (XL attends mem_len zero vectors before the first segment)."""
-        pool = dict(state)
-        if self.config.memory_start == 'zeros':
-            zero = jnp.zeros((1, 1, self.config.d_model), self.config.dtype)
-            fresh = shared['fresh'][:, :, None, None]
-            for name, layer_map in (('keys', maps.key), ('values', maps.value)):
-                pool[name] = jnp.where(fresh, layer_map(zero).astype(pool[name].dtype), pool[name])
-        return pool
+        if self.config.memory_start != 'zeros':
+            return state
+        fresh, zero = shared['fresh'], self.zero_row(maps)  # fresh [B, M]; leaves [B, M, ...]
+        at_fresh = lambda leaf: fresh.reshape(fresh.shape + (1,) * (leaf.ndim - 2))
+        return {name: jnp.where(at_fresh(leaf), zero[name].astype(leaf.dtype), leaf) for name, leaf in state.items()}
 
     def blocks(self, state, shared, layer_input, maps):
         pool = self.pool(state, shared, maps)

@@ -82,13 +82,9 @@ class TramsLayerMemory(CachedLayerMemory):
     """Ranks the pool's older rows per head, offers the selected keys and the kept window, and
     stores the segment's keys, values and metric."""
 
-    def pool(self, state, shared, maps):
-        pool = super().pool(state, shared, maps)
-        if self.config.memory_start == 'zeros':  # A zero row's key ranks as that key does.
-            zero_rank = key_metric(maps.key(jnp.zeros((1, 1, self.config.d_model), self.config.dtype)),
-                                   maps.query_kernel, self.config.trams_metric)
-            pool['rank'] = jnp.where(shared['fresh'][:, :, None], zero_rank, pool['rank'])
-        return pool
+    def zero_row(self, maps):
+        row = super().zero_row(maps)  # A zero row's key ranks as that key does.
+        return {**row, 'rank': key_metric(row['keys'], maps.query_kernel, self.config.trams_metric)}
 
     def blocks(self, state, shared, layer_input, maps):
         cfg = self.config
