@@ -360,8 +360,8 @@ def _token_attention(cfg: ModelConfig, query, key, value, cache: LayerCache, pos
         content_query, position_query = query + u_bias.astype(cfg.dtype), query + v_bias.astype(cfg.dtype)
     scores = jnp.einsum('bthd,bhkd->bhtk', content_query, keys, preferred_element_type=jnp.float32)
     if cache.pos_key is not None:
-        # One query: the plain product (position_scores broadcasts the table over the batch, which
-        # pays off for a segment's queries, not for one).
+        # One query: the product comes out in the order `_gather_rows` reads (position_scores
+        # swaps the batch and head axes afterwards, which pays off for a segment's queries).
         every_row = jnp.einsum('bthd,rhd->bhtr', position_query, cache.pos_key, preferred_element_type=jnp.float32)
         scores += _gather_rows(every_row, distance)
     scores = jnp.where(visible, scores * (cfg.d_head ** -0.5), jnp.finfo(jnp.float32).min)
