@@ -283,3 +283,21 @@ def test_suite_runs_tiny_from_the_command_line(suite, tmp_path):
     for row in report['rows']:
         assert set(report['columns']) <= set(row)
     CHECKS[suite](report)
+
+
+@pytest.mark.parametrize('cpuinfo,expected', [
+    # A VM's generic names; the family and model say which core it is (AMD's and Intel's tables).
+    ('processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n'
+     '\nprocessor\t: 1\nmodel name\t: other\n', 'AMD EPYC (family 25 model 17: Zen 4)'),
+    ('vendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC 7B13\n',
+     'AMD EPYC 7B13 (family 25 model 1: Zen 3)'),
+    ('vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC 7B12\n',
+     'AMD EPYC 7B12 (family 23 model 49: Zen 2)'),
+    ('vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C\n',
+     'Intel(R) Xeon(R) Platinum 8481C (family 6 model 143: Sapphire Rapids)'),
+    ('vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 999\nmodel name\t: Intel Xeon Processor\n',
+     'Intel Xeon Processor (family 6 model 999)'),  # Unknown to the table: the numbers alone.
+    ('processor\t: 0\nmodel name\t: Neoverse\n', 'Neoverse'),  # No family: the name alone.
+])
+def test_cpu_model_names_the_microarchitecture_behind_a_generic_name(cpuinfo, expected):
+    assert harness.cpu_model(cpuinfo) == expected

@@ -209,15 +209,42 @@ def compile_fn(fn: Callable, *args, clock: Callable[[], float] = time.perf_count
     return Compiled(executable, lowered_at - start, clock() - lowered_at)
 
 
+# (vendor_id, cpu family) -> [(first model, last model, microarchitecture)]: a VM often reports a
+# bare "AMD EPYC" or "Intel Xeon Processor", and speed figures hold for one microarchitecture only.
+_MICROARCHITECTURES = {
+    ('AuthenticAMD', 23): [(0x00, 0x2f, 'Zen / Zen+'), (0x30, 0xff, 'Zen 2')],
+    ('AuthenticAMD', 25): [(0x00, 0x0f, 'Zen 3'), (0x10, 0x1f, 'Zen 4'), (0x20, 0x5f, 'Zen 3'),
+                           (0x60, 0x7f, 'Zen 4'), (0xa0, 0xaf, 'Zen 4c')],
+    ('AuthenticAMD', 26): [(0x00, 0xff, 'Zen 5')],
+    ('GenuineIntel', 6): [(0x3f, 0x3f, 'Haswell-EP'), (0x4f, 0x4f, 'Broadwell-EP'), (0x55, 0x55, 'Skylake-SP / Cascade Lake'), (0x6a, 0x6c, 'Ice Lake-SP'),
+                          (0x8f, 0x8f, 'Sapphire Rapids'), (0xcf, 0xcf, 'Emerald Rapids'),
+                          (0xad, 0xae, 'Granite Rapids')],
+}
+
+
+def cpu_model(cpuinfo: str) -> str:
+    """The first processor of a /proc/cpuinfo text as 'name (family F model M: microarchitecture)'."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break
+        key, _, value = line.partition(':')
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get('model name') or platform.processor() or platform.machine()
+    if not (fields.get('cpu family', '').isdigit() and fields.get('model', '').isdigit()):
+        return name
+    family, model = int(fields['cpu family']), int(fields['model'])
+    known = [arch for first, last, arch in _MICROARCHITECTURES.get((fields.get('vendor_id'), family), [])
+             if first <= model <= last]
+    return f'{name} (family {family} model {model}' + (f': {known[0]})' if known else ')')
+
+
 def _cpu_model() -> str:
     try:
         with open('/proc/cpuinfo', encoding='utf-8') as f:
-            for line in f:
-                if line.startswith('model name'):
-                    return line.split(':', 1)[1].strip()
+            return cpu_model(f.read())
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
 
 
 def _version(package: str) -> Optional[str]:
@@ -339,7 +366,7 @@ def report_text(report: dict[str, Any]) -> str:
     lines += [f'- {key}: {_cell(value)}' for key, value in report['figures'].items()]
     lines += [f'- note: {note}' for note in report['notes']]
     machine = report['machine']
-    lines.append(f"- machine: {machine['cpu_model']} ({machine.get('vector_isa', 'vector ISA not recorded')}), "
+    lines.append(f"- machine: {machine['cpu_model']}; {machine.get('vector_isa', 'vector ISA not recorded')}; "
                  f"{machine['usable_cores']} usable cores, "
                  f"{machine['device_count']} x {machine['device_kind']}, jax {machine['versions']['jax']}, "
                  f"load {machine['load_average_1m_5m_15m']}")
