@@ -124,6 +124,15 @@ def test_ops_suite_profiles_every_matrix_product_of_both_steps(tmp_path):
             assert bound['floor_ms'] == pytest.approx(model_flops / 1e6 / figures['matmul_peak_gflops_per_s'])
             assert bound['memjax_of_peak'] == pytest.approx(bound['floor_ms'] / bound['memjax_ms'])
             assert bound['needed_of_peak'] == pytest.approx(bound['floor_ms'] * 1.5 / bound['rival_ms'])
+    # Each layer's products timed alone under XLA and torch: the attention's are the model's own
+    # (their FLOPs over the layers are the analytic count), and the peak is the best XLA rate.
+    products = {r['matmul'].split()[0]: r for r in report['config']['matmul_peak_rows']}
+    layer_flops = lambda r: 2.0 * r['batch'] * r['m'] * r['k'] * r['n'] * mcfg.n_layer
+    model_flops = flops.forward_flops(mcfg, shape.batch_size, shape.tgt_len)
+    assert layer_flops(products['scores']) == model_flops['content_scores']
+    assert layer_flops(products['attend']) == model_flops['attend_values']
+    assert figures['matmul_peak_gflops_per_s'] == max(figures[f'matmul_{p}_xla_gflops_per_s'] for p in products)
+    assert all(figures[f'matmul_{p}_torch_gflops_per_s'] > 0 for p in products)
     assert report['machine']['cpu_model'] and report['machine']['vector_isa']
 
 

@@ -251,6 +251,20 @@ def roofline(gflop: float, peak: float, memjax_s: float, rival_s: float) -> dict
             'needed_of_peak': floor_s / (rival_s / TARGET)}
 
 
+def torch_matmul_gflops(shape: tuple[int, int, int, int], ctx: harness.Context) -> float:
+    """GFLOP/s of torch.matmul (MKL / oneDNN through aten) on the (batch, m, k, n) float32 product that
+    `peak_suite.measure` times with XLA: the same shapes, so the two rates say whose kernel is faster."""
+    torch, _ = peer.import_torch()
+    batch, m, k, n = shape
+    generator = torch.Generator().manual_seed(0)
+    lhs = torch.randn(batch, m, k, generator=generator)
+    rhs = torch.randn(batch, k, n, generator=generator)
+    with torch.no_grad():
+        timing = harness.time_interleaved({'torch': lambda: torch.matmul(lhs, rhs)}, warmup=ctx.warmup,
+                                          repeats=ctx.repeats)['torch']
+    return 2.0 * batch * m * k * n / timing.median_s / 1e9
+
+
 @harness.register('ops')
 def run(ctx: harness.Context) -> harness.SuiteResult:
     torch, transformers = peer.import_torch()
@@ -262,10 +276,15 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     peak_rows = []
     for name, matmul in peak_suite.matmul_shapes(shape.batch_size, shape.tgt_len, shape.mem_len, shape.d_model,
                                                  shape.n_head, shape.d_head, shape.d_inner):
-        ctx.log(f'ops: model-shaped matmul {name}')
-        peak_rows.append({'matmul': name, **peak_suite.measure(matmul, 'float32', ctx)})
+        ctx.log(f'ops: model-shaped matmul {name}, XLA and torch')
+        peak_rows.append({'matmul': name, **peak_suite.measure(matmul, 'float32', ctx),
+                          'torch_gflops_per_s': torch_matmul_gflops(matmul, ctx)})
     peak = max(r['gflops_per_s'] for r in peak_rows)
     rows, figures = [], {'matmul_peak_gflops_per_s': peak, 'torch_threads': threads}
+    for r in peak_rows:
+        product = r['matmul'].split()[0]
+        figures[f'matmul_{product}_xla_gflops_per_s'] = r['gflops_per_s']
+        figures[f'matmul_{product}_torch_gflops_per_s'] = r['torch_gflops_per_s']
     try:
         for vocab in peer.VOCABS[ctx.size]:
             vocab_rows, vocab_figures = measure_vocab(vocab, shape, ctx, peak, try_compile)
@@ -289,6 +308,9 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
             'gflops_per_s: ops that multiply matrices (memjax: 2 x output x contracted size of every dot, '
             'fusions included; torch: its profiler\'s FLOP count); of_matmul_peak: against the best '
             f'GFLOP/s of this model\'s float32 matmul shapes measured in this invocation ({peak:.1f}).',
+            'matmul_<product>_{xla,torch}_gflops_per_s: each model-shaped float32 product (one layer\'s, '
+            'config matmul_peak_rows) timed alone, as one jitted XLA einsum and as torch.matmul: whose '
+            'kernel is faster on the same shape.',
             'roofline_*: memjax and torch.compile (hf_eager at --size=tiny) timed round-robin without the '
             'profiler; floor_ms = memjax\'s matrix-product GFLOP per step / the peak; memjax_of_peak = floor / '
             f'memjax\'s step; needed_of_peak = floor / (the rival\'s step / {TARGET}): the share of the peak a '
