@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from memjax.kernels import cpu as cpu_kernels
 from memjax.model.config import ModelConfig
 from memjax.model import stochastic
 from memjax.model.positions import POSITIONS, position_scores, rel_shift
@@ -369,6 +370,14 @@ def _token_attention(cfg: ModelConfig, query, key, value, cache: LayerCache, pos
     return jnp.einsum('bhtk,bhkd->bthd', probs, values), scores, cache.replace(keys=keys, values=values)
 
 
+def _content_scores(query, key):
+    return jnp.einsum('bhtd,bhkd->bhtk', query, key, preferred_element_type=jnp.float32)
+
+
+def _weighted_values(probs, value):
+    return jnp.einsum('bhtk,bhkd->bhtd', probs, value)
+
+
 def dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
     """Closes a sub-block: dropout on the branch, residual add, LayerNorm when post-LN."""
     out = h + Dropout(cfg.dropout)(branch, deterministic=deterministic)
@@ -489,8 +498,9 @@ class RelativeAttention(nn.Module):
         # Both products with heads before positions ([B, H, T|K, Dh]): XLA:CPU runs them faster so,
         # and lays the key and value projections out for them (evaluation steps 7-16 % faster at
         # the peer shape, training unchanged; BENCHMARKS.md, ops); either transpose alone was slower.
-        scores = jnp.einsum('bhtd,bhkd->bhtk', content_query.transpose(0, 2, 1, 3), key.transpose(0, 2, 1, 3),
-                            preferred_element_type=jnp.float32)
+        # On CPU both products run memjax's kernel where it applies (memjax/kernels/cpu.py).
+        scores = cpu_kernels.product(_content_scores, content_query.transpose(0, 2, 1, 3),
+                                     key.transpose(0, 2, 1, 3), transpose_rhs=True)
         position, mask = _scores_and_mask(position_query, pos_key, blocks, qlen, cfg.same_length,
                                           ctx.window, shifted_pos_key)
         if position is not None:
@@ -503,7 +513,7 @@ class RelativeAttention(nn.Module):
         self.sow('intermediates', 'attention', {'probs': probs, 'mask': mask, 'query': query, 'key': key,
                                                 'pos_key': pos_key, 'u_bias': u_bias, 'v_bias': v_bias})
         probs = Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
-        attended = jnp.einsum('bhtk,bhkd->bhtd', probs, value.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        attended = cpu_kernels.product(_weighted_values, probs, value.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
         out = out_proj(attended)
         result = Attended()
         if attend is not None:

@@ -28,6 +28,7 @@ import jax
 from memjax.bench import harness
 from memjax.bench.suites import peak as peak_suite
 from memjax.bench.suites import peer
+from memjax.kernels import cpu as cpu_kernels
 
 # XLA:CPU names its ops in the profile only with this flag, which must be set before JAX starts
 # its CPU client (`python -m memjax.bench ops` sets it; see memjax/bench/__main__.py).
@@ -57,9 +58,10 @@ def _dot_flops(output: str, lhs: str, rest: str) -> float:
 
 def hlo_op_flops(hlo: str) -> dict[str, float]:
     """{op name of the optimized HLO: FLOPs of the matrix products it runs}; a fusion counts the dots
-    of the computations it calls."""
+    of the computations it calls, and memjax's own CPU kernel counts its product."""
     shapes: dict[str, str] = {}
     dots: dict[str, tuple[str, str, str]] = {}
+    kernels: dict[str, float] = {}
     calls: dict[str, list[str]] = {}
     members: dict[str, list[str]] = collections.defaultdict(list)
     computation = None
@@ -74,13 +76,17 @@ def hlo_op_flops(hlo: str) -> dict[str, float]:
         shapes[name] = output
         if opcode == 'dot':
             dots[name] = (output, re.match(r'\s*%?([\w.\-]+)', rest).group(1), rest)
+        if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.TARGET}"' in rest:
+            # memjax's batched product (memjax/kernels/cpu.py): lhs [..., M, K] @ rhs [..., K, N].
+            lhs_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
+            kernels[name] = 2.0 * math.prod(_dims(output)) * _dims(lhs_shape)[-1]
         # Fusions only: the ops of a loop's body are profiled as ops of their own.
         calls[name] = re.findall(r'calls=%?([\w.\-]+)', rest)
         if computation is not None:
             members[computation].append(name)
 
     def total(name: str, seen: frozenset = frozenset()) -> float:
-        flops = 0.0
+        flops = kernels.get(name, 0.0)
         if name in dots:
             output, lhs, rest = dots[name]
             flops = _dot_flops(output, shapes.get(lhs, ''), rest)

@@ -1,0 +1,127 @@
+// memjax's float32 batched matrix product for XLA:CPU (an XLA FFI handler; memjax/kernels/cpu.py).
+//
+// Why: XLA:CPU runs the attention's small batched products ([B*H] products of 128 x 64 x 256 at
+// the peer shape) at about half the rate MKL reaches on the same shapes (BENCHMARKS.md, ops). This
+// register-blocked kernel, compiled for the host CPU, reaches that rate.
+//
+// out[b] = lhs[b] @ rhs[b] for every b over the leading axes, all row-major: lhs [..., M, K],
+// rhs [..., K, N], out [..., M, N]. Products are spread over XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// 16 floats: GCC lowers it to one AVX-512 register, two AVX2 ones, or four SSE ones.
+typedef float f32x16 __attribute__((vector_size(64)));
+
+constexpr int64_t kRows = 6;   // Rows of out per register block: 6 x 2 vectors of accumulators.
+constexpr int64_t kCols = 32;  // Columns of out per register block.
+
+inline f32x16 load(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, const f32x16& v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Rows [i, i + rows) x columns [j, j + 32) of out, rows <= kRows: the K loop reads one 32-wide row
+// of rhs per step and broadcasts one lhs element per row.
+template <int64_t rows>
+inline void block(const float* lhs, const float* rhs, float* out, int64_t i, int64_t j, int64_t k_len,
+                  int64_t n_len) {
+  f32x16 acc[rows][2] = {};
+  for (int64_t k = 0; k < k_len; ++k) {
+    const f32x16 b0 = load(rhs + k * n_len + j);
+    const f32x16 b1 = load(rhs + k * n_len + j + 16);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float a = lhs[(i + r) * k_len + k];
+      acc[r][0] += a * b0;
+      acc[r][1] += a * b1;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    store(out + (i + r) * n_len + j, acc[r][0]);
+    store(out + (i + r) * n_len + j + 16, acc[r][1]);
+  }
+}
+
+void matmul(const float* lhs, const float* rhs, float* out, int64_t m_len, int64_t k_len, int64_t n_len) {
+  const int64_t full_cols = n_len - n_len % kCols;
+  for (int64_t j = 0; j < full_cols; j += kCols) {
+    int64_t i = 0;
+    for (; i + kRows <= m_len; i += kRows) block<kRows>(lhs, rhs, out, i, j, k_len, n_len);
+    for (; i < m_len; ++i) block<1>(lhs, rhs, out, i, j, k_len, n_len);
+  }
+  // The last n_len % 32 columns, one element at a time, summed in the same order.
+  for (int64_t i = 0; i < m_len; ++i) {
+    for (int64_t j = full_cols; j < n_len; ++j) {
+      float acc = 0.0f;
+      for (int64_t k = 0; k < k_len; ++k) acc += lhs[i * k_len + k] * rhs[k * n_len + j];
+      out[i * n_len + j] = acc;
+    }
+  }
+}
+
+// Shared with the pool's tasks by ownership: a task that starts after the call returned finds no
+// product left and touches nothing else.
+struct Work {
+  const float* lhs;
+  const float* rhs;
+  float* out;
+  int64_t count, m_len, k_len, n_len;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+
+  void run() {
+    for (int64_t b; (b = next.fetch_add(1)) < count;) {
+      matmul(lhs + b * m_len * k_len, rhs + b * k_len * n_len, out + b * m_len * n_len, m_len, k_len, n_len);
+      finished.fetch_add(1);
+    }
+  }
+};
+
+ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  const auto lhs_dims = lhs.dimensions();
+  const auto rhs_dims = rhs.dimensions();
+  const int64_t rank = lhs_dims.size();
+  if (rank < 2 || static_cast<int64_t>(rhs_dims.size()) != rank || lhs.element_type() != ffi::F32 ||
+      rhs.element_type() != ffi::F32) {
+    return ffi::Error::InvalidArgument("memjax_batched_matmul: float32 operands of equal rank >= 2");
+  }
+  auto work = std::make_shared<Work>();
+  work->lhs = lhs.typed_data<float>();
+  work->rhs = rhs.typed_data<float>();
+  work->out = out->typed_data<float>();
+  work->m_len = lhs_dims[rank - 2];
+  work->k_len = lhs_dims[rank - 1];
+  work->n_len = rhs_dims[rank - 1];
+  work->count = 1;
+  for (int64_t axis = 0; axis < rank - 2; ++axis) work->count *= lhs_dims[axis];
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->count) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { work->run(); });
+  work->run();
+  // Only products some thread has claimed are left, and those threads are running: no task that
+  // never started is waited for (the pool may be busy with other ops).
+  while (work->finished.load() < work->count) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_batched_matmul, BatchedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -1,0 +1,123 @@
+"""A batched matrix product for XLA:CPU, built for this CPU on first use and called as an FFI target.
+
+Why: XLA:CPU runs the attention's small batched products (the scores, the weighted values) at
+about half the rate MKL reaches on the same shapes, and they are a quarter of an evaluation step
+(BENCHMARKS.md, ops). `batched_matmul.cc` is a register-blocked product compiled with
+`-march=native`; the attention calls it through `product`, which keeps XLA's own einsum for the
+gradient, on other platforms, and wherever the kernel does not apply.
+
+It applies to float32 operands on a single-device CPU process (a custom call has no sharding
+rule, so meshes of several devices keep XLA's products), when a C++ compiler (`$CXX`, else g++)
+and jaxlib's FFI headers are there, and unless `MEMJAX_CPU_KERNELS=off`. The library is cached
+under `$XDG_CACHE_HOME/memjax/kernels` (default ~/.cache), keyed by the source, the compiler, the
+CPU's flags and jax's version; a failed build logs one line and memjax goes on with XLA's products.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = pathlib.Path(__file__).with_name('batched_matmul.cc')
+TARGET = 'memjax_batched_matmul'
+SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
+
+
+def _cpu_flags() -> str:
+    try:
+        with open('/proc/cpuinfo', encoding='utf-8') as f:
+            return next((line for line in f if line.startswith(('flags', 'Features'))), '')
+    except OSError:
+        return ''
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get('XDG_CACHE_HOME') or os.path.join(os.path.expanduser('~'), '.cache')
+    return pathlib.Path(root) / 'memjax' / 'kernels'
+
+
+def _build(compiler: str) -> pathlib.Path:
+    """The shared library for this CPU, compiled once (concurrent builders race to the same file)."""
+    version = subprocess.run([compiler, '--version'], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256('\0'.join([SOURCE.read_text(), version, _cpu_flags(), jax.__version__]).encode())
+    library = _cache_dir() / f'batched_matmul-{key.hexdigest()[:16]}.so'
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        built = pathlib.Path(scratch) / library.name
+        subprocess.run([compiler, '-O3', '-march=native', '-std=c++17', '-shared', '-fPIC',
+                        f'-I{jax.ffi.include_dir()}', str(SOURCE), '-o', str(built)],
+                       capture_output=True, text=True, check=True)
+        os.replace(built, library)  # Atomic: another process sees the whole file or none.
+    return library
+
+
+def register(compiler: Optional[str]) -> bool:
+    """Builds the kernel with `compiler`, loads it and registers its FFI target; False, with one
+    log line saying why, if it cannot."""
+    if compiler is None:
+        logging.warning('memjax: no C++ compiler (set CXX, or install g++): the attention uses XLA\'s '
+                        'batched products on CPU, about half as fast.')
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.memjax_batched_matmul), platform='cpu')
+    except (OSError, subprocess.CalledProcessError, AttributeError) as error:
+        detail = (getattr(error, 'stderr', None) or str(error)).strip().splitlines()
+        logging.warning('memjax: the CPU kernel did not build with %s (%s): the attention uses XLA\'s '
+                        'batched products.', compiler, detail[-1] if detail else type(error).__name__)
+        return False
+    return True
+
+
+@functools.cache
+def _registered() -> bool:
+    return register(shutil.which(os.environ.get('CXX', 'g++')))
+
+
+def applies(*operands: jax.Array) -> bool:
+    """Whether `product` runs the kernel for these operands (decided while tracing)."""
+    return (os.environ.get(SWITCH, 'on') != 'off' and jax.device_count() == 1
+            and jax.devices()[0].platform == 'cpu' and all(x.dtype == jnp.float32 for x in operands)
+            and _registered())
+
+
+def _kernel(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
+    out = jax.ShapeDtypeStruct(lhs.shape[:-1] + rhs.shape[-1:], jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method='broadcast_all')(lhs, rhs)
+
+
+def product(reference: Callable, lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool = False) -> jax.Array:
+    """`reference(lhs, rhs)`, a batched einsum whose output is `lhs @ rhs` (`lhs @ rhs^T` with
+    `transpose_rhs`) over the leading axes, computed by the kernel where it applies. Its gradient is
+    always XLA's, of `reference`: the backward's products keep the layouts XLA chose for them."""
+    if not applies(lhs, rhs):
+        return reference(lhs, rhs)
+
+    def kernel(a, b):
+        return _kernel(a, jnp.swapaxes(b, -1, -2) if transpose_rhs else b)
+
+    @jax.custom_vjp
+    def run(a, b):
+        return jax.lax.platform_dependent(a, b, cpu=kernel, default=reference)
+
+    def forward(a, b):
+        return run(a, b), (a, b)
+
+    def backward(operands, grad):
+        return jax.vjp(reference, *operands)[1](grad)
+
+    run.defvjp(forward, backward)
+    return run(lhs, rhs)

@@ -1,0 +1,76 @@
+"""memjax's batched product for XLA:CPU (memjax/kernels/cpu.py) against XLA's einsum."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memjax.kernels import cpu
+
+needs_kernel = pytest.mark.skipif(not cpu.applies(jnp.zeros(1)), reason=(
+    'memjax\'s CPU kernel does not apply in this process: no C++ compiler (g++ or $CXX), a build '
+    'failure (logged), MEMJAX_CPU_KERNELS=off, or more than one device.'))
+
+
+def _nt(a, b):
+    return jnp.einsum('...md,...nd->...mn', a, b, preferred_element_type=jnp.float32)
+
+
+def _nn(a, b):
+    return jnp.einsum('...mk,...kn->...mn', a, b)
+
+
+def _hlo(fn, *args) -> str:
+    return jax.jit(fn).lower(*args).compile().as_text()
+
+
+@needs_kernel
+@pytest.mark.parametrize('lead,m,k,n', [((2, 3), 7, 5, 37), ((4,), 13, 64, 32), ((1, 2), 6, 3, 3), ((), 1, 1, 1)])
+@pytest.mark.parametrize('transpose_rhs', [False, True])
+def test_product_equals_the_einsum_for_tails_and_leading_axes(lead, m, k, n, transpose_rhs):
+    """Rows beyond the 6-row blocks, columns beyond the 32-wide blocks, any leading axes; the
+    program really calls the kernel."""
+    ka, kb = jax.random.split(jax.random.PRNGKey(0))
+    lhs = jax.random.normal(ka, lead + (m, k))
+    rhs = jax.random.normal(kb, lead + ((n, k) if transpose_rhs else (k, n)))
+    reference = _nt if transpose_rhs else _nn
+    fn = lambda a, b: cpu.product(reference, a, b, transpose_rhs=transpose_rhs)
+    np.testing.assert_allclose(jax.jit(fn)(lhs, rhs), reference(lhs, rhs), rtol=1e-5, atol=1e-5)
+    assert f'custom_call_target="{cpu.TARGET}"' in _hlo(fn, lhs, rhs)
+
+
+@needs_kernel
+def test_product_gradient_is_the_einsums_and_it_vmaps():
+    ka, kb, kc = jax.random.split(jax.random.PRNGKey(1), 3)
+    lhs, rhs, weight = (jax.random.normal(key, (3, 2, 9, 40)) for key in (ka, kb, kc))
+    loss = lambda product: lambda a, b: jnp.sum(product(a, b) * weight[..., :9])
+    got = jax.jit(jax.grad(loss(lambda a, b: cpu.product(_nt, a, b, transpose_rhs=True)), (0, 1)))(lhs, rhs)
+    expected = jax.grad(loss(_nt), (0, 1))(lhs, rhs)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+    batched = jax.jit(jax.vmap(lambda a, b: cpu.product(_nn, a, b)))(lhs, jnp.swapaxes(rhs, -1, -2))
+    np.testing.assert_allclose(batched, _nn(lhs, jnp.swapaxes(rhs, -1, -2)), rtol=1e-5, atol=1e-5)
+
+
+def test_xla_products_where_the_kernel_does_not_apply(monkeypatch):
+    """Switched off, or in bfloat16, the product is the einsum itself, bit for bit."""
+    a, b = jax.random.normal(jax.random.PRNGKey(2), (2, 4, 8)), jax.random.normal(jax.random.PRNGKey(3), (2, 8, 4))
+    monkeypatch.setenv(cpu.SWITCH, 'off')
+    assert not cpu.applies(a, b)
+    fn = lambda x, y: cpu.product(_nn, x, y)
+    assert cpu.TARGET not in _hlo(fn, a, b)
+    np.testing.assert_array_equal(jax.jit(fn)(a, b), jax.jit(_nn)(a, b))
+    monkeypatch.setenv(cpu.SWITCH, 'on')
+    assert not cpu.applies(a.astype(jnp.bfloat16), b)
+
+
+def test_a_failed_build_is_one_log_line_and_no_kernel(caplog, tmp_path, monkeypatch):
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        assert not cpu.register('/bin/false')
+        assert not cpu.register(None)
+    assert [r.getMessage().count('\n') for r in caplog.records] == [0, 0]
+    assert 'did not build with /bin/false' in caplog.records[0].getMessage()
+    assert 'no C++ compiler' in caplog.records[1].getMessage()
