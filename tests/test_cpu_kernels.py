@@ -43,13 +43,20 @@ def test_product_equals_the_einsum_for_tails_and_leading_axes(lead, m, k, n, tra
 
 @needs_kernel
 def test_product_gradient_is_the_einsums_and_it_vmaps():
+    """Both layouts of rhs; rows of 9 and columns of 40 leave tails in the gradient's products."""
     ka, kb, kc = jax.random.split(jax.random.PRNGKey(1), 3)
     lhs, rhs, weight = (jax.random.normal(key, (3, 2, 9, 40)) for key in (ka, kb, kc))
     loss = lambda product: lambda a, b: jnp.sum(product(a, b) * weight[..., :9])
-    got = jax.jit(jax.grad(loss(lambda a, b: cpu.product(_nt, a, b, transpose_rhs=True)), (0, 1)))(lhs, rhs)
-    expected = jax.grad(loss(_nt), (0, 1))(lhs, rhs)
-    for g, e in zip(got, expected):
-        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+    for reference, transpose_rhs, b in ((_nt, True, rhs), (_nn, False, jnp.swapaxes(rhs, -1, -2))):
+        fn = lambda x, y: cpu.product(reference, x, y, transpose_rhs=transpose_rhs)
+        got = jax.jit(jax.grad(loss(fn), (0, 1)))(lhs, b)
+        expected = jax.grad(loss(reference), (0, 1))(lhs, b)
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+        # The gradient's two products run the kernel too (the loss is linear: no forward is left),
+        # one of them reading its lhs transposed.
+        hlo = _hlo(jax.grad(loss(fn), (0, 1)), lhs, b)
+        assert hlo.count(f'custom_call_target="{cpu.TARGET}"') == 2 and 'transpose_lhs = true' in hlo
     batched = jax.jit(jax.vmap(lambda a, b: cpu.product(_nn, a, b)))(lhs, jnp.swapaxes(rhs, -1, -2))
     np.testing.assert_allclose(batched, _nn(lhs, jnp.swapaxes(rhs, -1, -2)), rtol=1e-5, atol=1e-5)
 

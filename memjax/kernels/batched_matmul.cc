@@ -2,9 +2,10 @@
 //
 // Why: XLA:CPU runs the attention's small batched products ([B*H] products of 128 x 64 x 256 at
 // the peer shape) at about half the rate MKL reaches on the same shapes (BENCHMARKS.md, ops). This
-// register-blocked kernel, compiled for the host CPU, reaches that rate.
+// register-blocked kernel, compiled for the host CPU (-march=native), reaches that rate.
 //
-// out[b] = lhs[b] @ rhs[b] for every b over the leading axes, all row-major: lhs [..., M, K],
+// out[b] = lhs[b] @ rhs[b] for every b over the leading axes, all row-major: lhs [..., M, K] (or
+// [..., K, M] with transpose_lhs, read as its transpose: a gradient's lhs^T @ g without a copy),
 // rhs [..., K, N], out [..., M, N]. Products are spread over XLA's intra-op thread pool.
 
 #include <algorithm>
@@ -20,53 +21,60 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// 16 floats: GCC lowers it to one AVX-512 register, two AVX2 ones, or four SSE ones.
-typedef float f32x16 __attribute__((vector_size(64)));
+// A register block of out: kRows x kVectors accumulators of kLanes floats plus the rhs row's
+// vectors, within the vector registers: AVX-512 has 32 of 16 floats, AVX2 16 of 8 (GCC's vector
+// extensions lower a vector of the register's width to single instructions).
+#ifdef __AVX512F__
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRows = 8;
+#else
+constexpr int64_t kLanes = 8;
+constexpr int64_t kRows = 6;
+#endif
+constexpr int64_t kVectors = 2;
+constexpr int64_t kCols = kLanes * kVectors;
+typedef float vec __attribute__((vector_size(4 * kLanes)));
 
-constexpr int64_t kRows = 6;   // Rows of out per register block: 6 x 2 vectors of accumulators.
-constexpr int64_t kCols = 32;  // Columns of out per register block.
-
-inline f32x16 load(const float* p) {
-  f32x16 v;
+inline vec load(const float* p) {
+  vec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline void store(float* p, const f32x16& v) { std::memcpy(p, &v, sizeof(v)); }
+inline void store(float* p, const vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Rows [i, i + rows) x columns [j, j + 32) of out, rows <= kRows: the K loop reads one 32-wide row
-// of rhs per step and broadcasts one lhs element per row.
-template <int64_t rows>
-inline void block(const float* lhs, const float* rhs, float* out, int64_t i, int64_t j, int64_t k_len,
-                  int64_t n_len) {
-  f32x16 acc[rows][2] = {};
+// Rows [i, i + rows) x columns [j, j + kCols) of out, rows <= kRows: the K loop reads one row of
+// rhs per step and broadcasts one lhs element per row.
+template <int64_t rows, bool lhs_t>
+inline void block(const float* lhs, const float* rhs, float* out, int64_t i, int64_t j, int64_t m_len,
+                  int64_t k_len, int64_t n_len) {
+  vec acc[rows][kVectors] = {};
   for (int64_t k = 0; k < k_len; ++k) {
-    const f32x16 b0 = load(rhs + k * n_len + j);
-    const f32x16 b1 = load(rhs + k * n_len + j + 16);
+    vec b[kVectors];
+    for (int64_t v = 0; v < kVectors; ++v) b[v] = load(rhs + k * n_len + j + kLanes * v);
     for (int64_t r = 0; r < rows; ++r) {
-      const float a = lhs[(i + r) * k_len + k];
-      acc[r][0] += a * b0;
-      acc[r][1] += a * b1;
+      const float a = lhs_t ? lhs[k * m_len + i + r] : lhs[(i + r) * k_len + k];
+      for (int64_t v = 0; v < kVectors; ++v) acc[r][v] += a * b[v];
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    store(out + (i + r) * n_len + j, acc[r][0]);
-    store(out + (i + r) * n_len + j + 16, acc[r][1]);
+    for (int64_t v = 0; v < kVectors; ++v) store(out + (i + r) * n_len + j + kLanes * v, acc[r][v]);
   }
 }
 
+template <bool lhs_t>
 void matmul(const float* lhs, const float* rhs, float* out, int64_t m_len, int64_t k_len, int64_t n_len) {
   const int64_t full_cols = n_len - n_len % kCols;
   for (int64_t j = 0; j < full_cols; j += kCols) {
     int64_t i = 0;
-    for (; i + kRows <= m_len; i += kRows) block<kRows>(lhs, rhs, out, i, j, k_len, n_len);
-    for (; i < m_len; ++i) block<1>(lhs, rhs, out, i, j, k_len, n_len);
+    for (; i + kRows <= m_len; i += kRows) block<kRows, lhs_t>(lhs, rhs, out, i, j, m_len, k_len, n_len);
+    for (; i < m_len; ++i) block<1, lhs_t>(lhs, rhs, out, i, j, m_len, k_len, n_len);
   }
-  // The last n_len % 32 columns, one element at a time, summed in the same order.
+  // The last n_len % kCols columns, one element at a time, summed in the same order.
   for (int64_t i = 0; i < m_len; ++i) {
     for (int64_t j = full_cols; j < n_len; ++j) {
       float acc = 0.0f;
-      for (int64_t k = 0; k < k_len; ++k) acc += lhs[i * k_len + k] * rhs[k * n_len + j];
+      for (int64_t k = 0; k < k_len; ++k) acc += (lhs_t ? lhs[k * m_len + i] : lhs[i * k_len + k]) * rhs[k * n_len + j];
       out[i * n_len + j] = acc;
     }
   }
@@ -79,19 +87,21 @@ struct Work {
   const float* rhs;
   float* out;
   int64_t count, m_len, k_len, n_len;
+  bool lhs_t;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
 
   void run() {
     for (int64_t b; (b = next.fetch_add(1)) < count;) {
-      matmul(lhs + b * m_len * k_len, rhs + b * k_len * n_len, out + b * m_len * n_len, m_len, k_len, n_len);
+      (lhs_t ? matmul<true> : matmul<false>)(lhs + b * m_len * k_len, rhs + b * k_len * n_len,
+                                             out + b * m_len * n_len, m_len, k_len, n_len);
       finished.fetch_add(1);
     }
   }
 };
 
 ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                         ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::Result<ffi::AnyBuffer> out, bool transpose_lhs) {
   const auto lhs_dims = lhs.dimensions();
   const auto rhs_dims = rhs.dimensions();
   const int64_t rank = lhs_dims.size();
@@ -103,8 +113,9 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
   work->lhs = lhs.typed_data<float>();
   work->rhs = rhs.typed_data<float>();
   work->out = out->typed_data<float>();
-  work->m_len = lhs_dims[rank - 2];
-  work->k_len = lhs_dims[rank - 1];
+  work->lhs_t = transpose_lhs;
+  work->m_len = lhs_dims[transpose_lhs ? rank - 1 : rank - 2];
+  work->k_len = lhs_dims[transpose_lhs ? rank - 2 : rank - 1];
   work->n_len = rhs_dims[rank - 1];
   work->count = 1;
   for (int64_t axis = 0; axis < rank - 2; ++axis) work->count *= lhs_dims[axis];
@@ -124,4 +135,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_batched_matmul, BatchedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("transpose_lhs"));

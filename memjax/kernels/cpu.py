@@ -3,8 +3,8 @@
 Why: XLA:CPU runs the attention's small batched products (the scores, the weighted values) at
 about half the rate MKL reaches on the same shapes, and they are a quarter of an evaluation step
 (BENCHMARKS.md, ops). `batched_matmul.cc` is a register-blocked product compiled with
-`-march=native`; the attention calls it through `product`, which keeps XLA's own einsum for the
-gradient, on other platforms, and wherever the kernel does not apply.
+`-march=native`; the attention calls it through `product`, for the forward and the gradient's
+products, and keeps XLA's own einsum on other platforms and wherever the kernel does not apply.
 
 It applies to float32 operands on a single-device CPU process (a custom call has no sharding
 rule, so meshes of several devices keep XLA's products), when a C++ compiler (`$CXX`, else g++)
@@ -94,30 +94,41 @@ def applies(*operands: jax.Array) -> bool:
             and _registered())
 
 
-def _kernel(lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-    out = jax.ShapeDtypeStruct(lhs.shape[:-1] + rhs.shape[-1:], jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method='broadcast_all')(lhs, rhs)
+def _kernel(lhs: jax.Array, rhs: jax.Array, transpose_lhs: bool = False) -> jax.Array:
+    rows = lhs.shape[-1] if transpose_lhs else lhs.shape[-2]
+    out = jax.ShapeDtypeStruct(lhs.shape[:-2] + (rows, rhs.shape[-1]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method='broadcast_all')(lhs, rhs, transpose_lhs=transpose_lhs)
 
 
 def product(reference: Callable, lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool = False) -> jax.Array:
     """`reference(lhs, rhs)`, a batched einsum whose output is `lhs @ rhs` (`lhs @ rhs^T` with
-    `transpose_rhs`) over the leading axes, computed by the kernel where it applies. Its gradient is
-    always XLA's, of `reference`: the backward's products keep the layouts XLA chose for them."""
+    `transpose_rhs`) over the leading axes, computed by the kernel where it applies, its gradient's
+    two products too (`g @ rhs^T`-like and `lhs^T @ g`-like, the transposed lhs read in place)."""
     if not applies(lhs, rhs):
         return reference(lhs, rhs)
+    swap = lambda x: jnp.swapaxes(x, -1, -2)
 
-    def kernel(a, b):
-        return _kernel(a, jnp.swapaxes(b, -1, -2) if transpose_rhs else b)
+    def forward(a, b):
+        return _kernel(a, swap(b) if transpose_rhs else b)
+
+    def gradients(a, b, grad):
+        grad_a = _kernel(grad, b if transpose_rhs else swap(b))
+        grad_b = _kernel(grad, a, transpose_lhs=True) if transpose_rhs else _kernel(a, grad, transpose_lhs=True)
+        return grad_a, grad_b
+
+    def reference_gradients(a, b, grad):
+        return jax.vjp(reference, a, b)[1](grad)
 
     @jax.custom_vjp
     def run(a, b):
-        return jax.lax.platform_dependent(a, b, cpu=kernel, default=reference)
+        return jax.lax.platform_dependent(a, b, cpu=forward, default=reference)
 
-    def forward(a, b):
+    def run_forward(a, b):
         return run(a, b), (a, b)
 
-    def backward(operands, grad):
-        return jax.vjp(reference, *operands)[1](grad)
+    def run_backward(operands, grad):
+        return jax.lax.platform_dependent(*operands, grad.astype(jnp.float32), cpu=gradients,
+                                          default=reference_gradients)
 
-    run.defvjp(forward, backward)
+    run.defvjp(run_forward, run_backward)
     return run(lhs, rhs)
