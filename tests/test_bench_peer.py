@@ -17,6 +17,7 @@ from memjax.bench import harness
 from memjax.bench.suites import eval_speed
 from memjax.bench.suites import peer  # Imports torch only when a peer model is built.
 from memjax.bench.suites import scaling
+from memjax.kernels import cpu as cpu_kernels
 from memjax.model import memories
 
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ('torch', 'transformers'))
@@ -133,6 +134,8 @@ def test_ops_suite_profiles_every_matrix_product_of_both_steps(tmp_path):
     assert layer_flops(products['attend']) == model_flops['attend_values']
     assert figures['matmul_peak_gflops_per_s'] == max(figures[f'matmul_{p}_xla_gflops_per_s'] for p in products)
     assert all(figures[f'matmul_{p}_torch_gflops_per_s'] > 0 for p in products)
+    # memjax's CPU kernel is timed on the same products wherever the model's steps would run it.
+    assert all((f'matmul_{p}_kernel_gflops_per_s' in figures) == cpu_kernels.applies(jnp.zeros(1)) for p in products)
     assert report['machine']['cpu_model'] and report['machine']['vector_isa']
 
 

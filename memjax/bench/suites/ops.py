@@ -24,6 +24,7 @@ import tempfile
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from memjax.bench import harness
 from memjax.bench.suites import peak as peak_suite
@@ -77,9 +78,11 @@ def hlo_op_flops(hlo: str) -> dict[str, float]:
         if opcode == 'dot':
             dots[name] = (output, re.match(r'\s*%?([\w.\-]+)', rest).group(1), rest)
         if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.TARGET}"' in rest:
-            # memjax's batched product (memjax/kernels/cpu.py): lhs [..., M, K] @ rhs [..., K, N].
+            # memjax's batched product (memjax/kernels/cpu.py): lhs [..., M, K] (or [..., K, M] read
+            # transposed) @ rhs [..., K, N].
             lhs_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
-            kernels[name] = 2.0 * math.prod(_dims(output)) * _dims(lhs_shape)[-1]
+            contracted = _dims(lhs_shape)[-2 if re.search(r'transpose_lhs = true', rest) else -1]
+            kernels[name] = 2.0 * math.prod(_dims(output)) * contracted
         # Fusions only: the ops of a loop's body are profiled as ops of their own.
         calls[name] = re.findall(r'calls=%?([\w.\-]+)', rest)
         if computation is not None:
@@ -257,6 +260,21 @@ def roofline(gflop: float, peak: float, memjax_s: float, rival_s: float) -> dict
             'needed_of_peak': floor_s / (rival_s / TARGET)}
 
 
+def kernel_matmul_gflops(shape: tuple[int, int, int, int], ctx: harness.Context) -> float | None:
+    """GFLOP/s of memjax's CPU kernel (memjax/kernels/cpu.py) on the (batch, m, k, n) float32 product,
+    or None where it does not apply (then the model's steps use XLA's products)."""
+    batch, m, k, n = shape
+    lhs_key, rhs_key = jax.random.split(jax.random.PRNGKey(0))
+    lhs = jax.random.normal(lhs_key, (batch, m, k))
+    rhs = jax.random.normal(rhs_key, (batch, k, n))
+    if not cpu_kernels.applies(lhs, rhs):
+        return None
+    reference = lambda a, b: jnp.einsum('bmk,bkn->bmn', a, b)
+    product = jax.jit(lambda a, b: cpu_kernels.product(reference, a, b))
+    timing = harness.time_fn(product, lhs, rhs, warmup=ctx.warmup, repeats=ctx.repeats)
+    return 2.0 * batch * m * k * n / timing.median_s / 1e9
+
+
 def torch_matmul_gflops(shape: tuple[int, int, int, int], ctx: harness.Context) -> float:
     """GFLOP/s of torch.matmul (MKL / oneDNN through aten) on the (batch, m, k, n) float32 product that
     `peak_suite.measure` times with XLA: the same shapes, so the two rates say whose kernel is faster."""
@@ -284,6 +302,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
                                                  shape.n_head, shape.d_head, shape.d_inner):
         ctx.log(f'ops: model-shaped matmul {name}, XLA and torch')
         peak_rows.append({'matmul': name, **peak_suite.measure(matmul, 'float32', ctx),
+                          'kernel_gflops_per_s': kernel_matmul_gflops(matmul, ctx),
                           'torch_gflops_per_s': torch_matmul_gflops(matmul, ctx)})
     peak = max(r['gflops_per_s'] for r in peak_rows)
     rows, figures = [], {'matmul_peak_gflops_per_s': peak, 'torch_threads': threads}
@@ -291,6 +310,8 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
         product = r['matmul'].split()[0]
         figures[f'matmul_{product}_xla_gflops_per_s'] = r['gflops_per_s']
         figures[f'matmul_{product}_torch_gflops_per_s'] = r['torch_gflops_per_s']
+        if r['kernel_gflops_per_s'] is not None:
+            figures[f'matmul_{product}_kernel_gflops_per_s'] = r['kernel_gflops_per_s']
     try:
         for vocab in peer.VOCABS[ctx.size]:
             vocab_rows, vocab_figures = measure_vocab(vocab, shape, ctx, peak, try_compile)
@@ -314,9 +335,10 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
             'gflops_per_s: ops that multiply matrices (memjax: 2 x output x contracted size of every dot, '
             'fusions included; torch: its profiler\'s FLOP count); of_matmul_peak: against the best '
             f'GFLOP/s of this model\'s float32 matmul shapes measured in this invocation ({peak:.1f}).',
-            'matmul_<product>_{xla,torch}_gflops_per_s: each model-shaped float32 product (one layer\'s, '
-            'config matmul_peak_rows) timed alone, as one jitted XLA einsum and as torch.matmul: whose '
-            'kernel is faster on the same shape.',
+            'matmul_<product>_{xla,kernel,torch}_gflops_per_s: each model-shaped float32 product (one layer\'s, '
+            'config matmul_peak_rows) timed alone, as one jitted XLA einsum, with memjax\'s CPU kernel '
+            '(memjax/kernels; absent where it does not apply) and as torch.matmul: whose kernel is faster on '
+            'the same shape.',
             'roofline_*: memjax and torch.compile (hf_eager at --size=tiny) timed round-robin without the '
             'profiler; floor_ms = memjax\'s matrix-product GFLOP per step / the peak; memjax_of_peak = floor / '
             f'memjax\'s step; needed_of_peak = floor / (the rival\'s step / {TARGET}): the share of the peak a '
