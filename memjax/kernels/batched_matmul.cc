@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -43,41 +44,47 @@ inline vec load(const float* p) {
 
 inline void store(float* p, const vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Rows [i, i + rows) x columns [j, j + kCols) of out, rows <= kRows: the K loop reads one row of
-// rhs per step and broadcasts one lhs element per row.
+// Rows [i, i + rows) of out x kCols columns, rows <= kRows: the K loop reads kCols floats of an rhs
+// row per step (`rhs` points at the block's first column, rows `rhs_stride` apart) and broadcasts
+// one lhs element per row; `out` points at the block's first element, rows `out_stride` apart.
 template <int64_t rows, bool lhs_t>
-inline void block(const float* lhs, const float* rhs, float* out, int64_t i, int64_t j, int64_t m_len,
-                  int64_t k_len, int64_t n_len) {
+inline void block(const float* lhs, int64_t m_len, int64_t k_len, int64_t i, const float* rhs, int64_t rhs_stride,
+                  float* out, int64_t out_stride) {
   vec acc[rows][kVectors] = {};
   for (int64_t k = 0; k < k_len; ++k) {
     vec b[kVectors];
-    for (int64_t v = 0; v < kVectors; ++v) b[v] = load(rhs + k * n_len + j + kLanes * v);
+    for (int64_t v = 0; v < kVectors; ++v) b[v] = load(rhs + k * rhs_stride + kLanes * v);
     for (int64_t r = 0; r < rows; ++r) {
       const float a = lhs_t ? lhs[k * m_len + i + r] : lhs[(i + r) * k_len + k];
       for (int64_t v = 0; v < kVectors; ++v) acc[r][v] += a * b[v];
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t v = 0; v < kVectors; ++v) store(out + (i + r) * n_len + j + kLanes * v, acc[r][v]);
+    for (int64_t v = 0; v < kVectors; ++v) store(out + r * out_stride + kLanes * v, acc[r][v]);
   }
+}
+
+// One column block of every row: kRows rows at a time, then one by one.
+template <bool lhs_t>
+void column_block(const float* lhs, int64_t m_len, int64_t k_len, const float* rhs, int64_t rhs_stride, float* out,
+                  int64_t out_stride) {
+  int64_t i = 0;
+  for (; i + kRows <= m_len; i += kRows) block<kRows, lhs_t>(lhs, m_len, k_len, i, rhs, rhs_stride, out + i * out_stride, out_stride);
+  for (; i < m_len; ++i) block<1, lhs_t>(lhs, m_len, k_len, i, rhs, rhs_stride, out + i * out_stride, out_stride);
 }
 
 template <bool lhs_t>
 void matmul(const float* lhs, const float* rhs, float* out, int64_t m_len, int64_t k_len, int64_t n_len) {
   const int64_t full_cols = n_len - n_len % kCols;
-  for (int64_t j = 0; j < full_cols; j += kCols) {
-    int64_t i = 0;
-    for (; i + kRows <= m_len; i += kRows) block<kRows, lhs_t>(lhs, rhs, out, i, j, m_len, k_len, n_len);
-    for (; i < m_len; ++i) block<1, lhs_t>(lhs, rhs, out, i, j, m_len, k_len, n_len);
-  }
-  // The last n_len % kCols columns, one element at a time, summed in the same order.
-  for (int64_t i = 0; i < m_len; ++i) {
-    for (int64_t j = full_cols; j < n_len; ++j) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < k_len; ++k) acc += (lhs_t ? lhs[k * m_len + i] : lhs[i * k_len + k]) * rhs[k * n_len + j];
-      out[i * n_len + j] = acc;
-    }
-  }
+  for (int64_t j = 0; j < full_cols; j += kCols) column_block<lhs_t>(lhs, m_len, k_len, rhs + j, n_len, out + j, n_len);
+  const int64_t tail = n_len - full_cols;
+  if (tail == 0) return;
+  // The last n_len % kCols columns (a head size of 41, say) as one block of their own: rhs's
+  // columns zero-padded to kCols, out computed into a buffer, its first `tail` columns kept.
+  std::vector<float> padded(k_len * kCols, 0.0f), block_out(m_len * kCols);
+  for (int64_t k = 0; k < k_len; ++k) std::memcpy(&padded[k * kCols], rhs + k * n_len + full_cols, tail * sizeof(float));
+  column_block<lhs_t>(lhs, m_len, k_len, padded.data(), kCols, block_out.data(), kCols);
+  for (int64_t i = 0; i < m_len; ++i) std::memcpy(out + i * n_len + full_cols, &block_out[i * kCols], tail * sizeof(float));
 }
 
 // Shared with the pool's tasks by ownership: a task that starts after the call returned finds no
