@@ -216,7 +216,8 @@ _MICROARCHITECTURES = {
     ('AuthenticAMD', 25): [(0x00, 0x0f, 'Zen 3'), (0x10, 0x1f, 'Zen 4'), (0x20, 0x5f, 'Zen 3'),
                            (0x60, 0x7f, 'Zen 4'), (0xa0, 0xaf, 'Zen 4c')],
     ('AuthenticAMD', 26): [(0x00, 0xff, 'Zen 5')],
-    ('GenuineIntel', 6): [(0x3f, 0x3f, 'Haswell-EP'), (0x4f, 0x4f, 'Broadwell-EP'), (0x55, 0x55, 'Skylake-SP / Cascade Lake'), (0x6a, 0x6c, 'Ice Lake-SP'),
+    ('GenuineIntel', 6): [(0x3f, 0x3f, 'Haswell-EP'), (0x4f, 0x4f, 'Broadwell-EP'),
+                          (0x55, 0x55, 'Skylake-SP / Cascade Lake'), (0x6a, 0x6c, 'Ice Lake-SP'),
                           (0x8f, 0x8f, 'Sapphire Rapids'), (0xcf, 0xcf, 'Emerald Rapids'),
                           (0xad, 0xae, 'Granite Rapids')],
 }

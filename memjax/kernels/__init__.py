@@ -1,1 +1,1 @@
-"""memjax's own kernels, for the products where the backend's lag (memjax/kernels/cpu.py)."""
+"""memjax's own kernels, for the products a backend runs well below its peak (memjax/kernels/cpu.py)."""

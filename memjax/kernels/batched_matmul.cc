@@ -69,22 +69,30 @@ template <bool lhs_t>
 void column_block(const float* lhs, int64_t m_len, int64_t k_len, const float* rhs, int64_t rhs_stride, float* out,
                   int64_t out_stride) {
   int64_t i = 0;
-  for (; i + kRows <= m_len; i += kRows) block<kRows, lhs_t>(lhs, m_len, k_len, i, rhs, rhs_stride, out + i * out_stride, out_stride);
+  for (; i + kRows <= m_len; i += kRows) {
+    block<kRows, lhs_t>(lhs, m_len, k_len, i, rhs, rhs_stride, out + i * out_stride, out_stride);
+  }
   for (; i < m_len; ++i) block<1, lhs_t>(lhs, m_len, k_len, i, rhs, rhs_stride, out + i * out_stride, out_stride);
 }
 
 template <bool lhs_t>
 void matmul(const float* lhs, const float* rhs, float* out, int64_t m_len, int64_t k_len, int64_t n_len) {
   const int64_t full_cols = n_len - n_len % kCols;
-  for (int64_t j = 0; j < full_cols; j += kCols) column_block<lhs_t>(lhs, m_len, k_len, rhs + j, n_len, out + j, n_len);
+  for (int64_t j = 0; j < full_cols; j += kCols) {
+    column_block<lhs_t>(lhs, m_len, k_len, rhs + j, n_len, out + j, n_len);
+  }
   const int64_t tail = n_len - full_cols;
   if (tail == 0) return;
   // The last n_len % kCols columns (a head size of 41, say) as one block of their own: rhs's
   // columns zero-padded to kCols, out computed into a buffer, its first `tail` columns kept.
   std::vector<float> padded(k_len * kCols, 0.0f), block_out(m_len * kCols);
-  for (int64_t k = 0; k < k_len; ++k) std::memcpy(&padded[k * kCols], rhs + k * n_len + full_cols, tail * sizeof(float));
+  for (int64_t k = 0; k < k_len; ++k) {
+    std::memcpy(&padded[k * kCols], rhs + k * n_len + full_cols, tail * sizeof(float));
+  }
   column_block<lhs_t>(lhs, m_len, k_len, padded.data(), kCols, block_out.data(), kCols);
-  for (int64_t i = 0; i < m_len; ++i) std::memcpy(out + i * n_len + full_cols, &block_out[i * kCols], tail * sizeof(float));
+  for (int64_t i = 0; i < m_len; ++i) {
+    std::memcpy(out + i * n_len + full_cols, &block_out[i * kCols], tail * sizeof(float));
+  }
 }
 
 // Shared with the pool's tasks by ownership: a task that starts after the call returned finds no
