@@ -11,7 +11,14 @@ import os
 import shutil
 import tempfile
 
-import jax
+# Most of a small program's XLA:CPU compile time is LLVM optimising the generated code, and the
+# suite checks results, not speed (numerics are the same: no fast-math either way). Set before
+# JAX starts its backend; subprocesses inherit it (notebooks, which train for minutes, drop it).
+FAST_COMPILE_FLAG = '--xla_backend_optimization_level=0'
+if FAST_COMPILE_FLAG not in os.environ.get('XLA_FLAGS', ''):
+    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest
 
 import training_fixtures

@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+import conftest
+
 nbformat = pytest.importorskip('nbformat', reason="the notebooks are run with nbclient: pip install -e '.[test]'")
 nbclient = pytest.importorskip('nbclient', reason="the notebooks are run with nbclient: pip install -e '.[test]'")
 
@@ -30,7 +32,9 @@ def test_notebook_runs_and_shows_its_plots(path):
     notebook = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name='python3',
                                      resources={'metadata': {'path': os.path.dirname(path)}})
-    client.execute()  # Raises CellExecutionError, with the cell and its traceback, on any error.
+    # The notebooks train for minutes, so their kernel compiles optimised code, as a user's would.
+    env = dict(os.environ, XLA_FLAGS=os.environ.get('XLA_FLAGS', '').replace(conftest.FAST_COMPILE_FLAG, '').strip())
+    client.execute(env=env)  # Raises CellExecutionError, with the cell and its traceback, on any error.
     images = [output for cell in notebook.cells if cell.cell_type == 'code' for output in cell.outputs
               if 'image/png' in output.get('data', {})]
     assert images, f'{path} drew no plot'

@@ -16,6 +16,7 @@ from jax.sharding import AbstractMesh, AxisType
 from memjax import config_lib
 from memjax import model as model_lib
 from memjax.runtime import sharding
+import conftest
 import training_fixtures
 
 SHARDED_MESHES = ('data8', 'data2_tensor4', 'fsdp4_tensor2')
@@ -28,7 +29,7 @@ BATCH_AXES = ('data', 'fsdp')
 def driver(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp('sharding'))
     env = dict(os.environ, PYTHONPATH=training_fixtures.REPO)
-    env.pop('XLA_FLAGS', None)
+    env['XLA_FLAGS'] = conftest.FAST_COMPILE_FLAG  # The driver adds its 8 devices.
     script = os.path.join(training_fixtures.REPO, 'tests', 'sharding_driver.py')
     done = subprocess.run([sys.executable, script, workdir], env=env, capture_output=True,
                           text=True, timeout=600, cwd=training_fixtures.REPO)
