@@ -81,3 +81,58 @@ def test_a_failed_build_is_one_log_line_and_no_kernel(caplog, tmp_path, monkeypa
     assert [r.getMessage().count('\n') for r in caplog.records] == [0, 0]
     assert 'did not build with /bin/false' in caplog.records[0].getMessage()
     assert 'no C++ compiler' in caplog.records[1].getMessage()
+
+
+def _naive_span_scores(cq, k, pq, r, valid, scale):
+    """Each score from its definition: query i sits at key K - T + i; against key j at distance
+    d = K - T + i - j it adds the positional key of distance d (table row K - 1 - d); keys in the
+    query's future or not valid get the float32 minimum."""
+    cq, k, pq, r, valid = map(np.asarray, (cq, k, pq, r, valid))
+    (batch, qlen, heads, _), klen = cq.shape, k.shape[1]
+    out = np.full((batch, heads, qlen, klen), np.finfo(np.float32).min, np.float32)
+    for i in range(qlen):
+        for j in range(klen):
+            distance = klen - qlen + i - j
+            if distance >= 0:
+                score = np.einsum('bhd,bhd->bh', cq[:, i], k[:, j]) + np.einsum('bhd,hd->bh', pq[:, i], r[klen - 1 - distance])
+                out[:, :, i, j] = np.where(valid[:, j, None], score * scale, out[:, :, i, j])
+    return out
+
+
+def _span_operands(batch, qlen, klen, heads, dim, seed=4):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    cq, pq = (jax.random.normal(key, (batch, qlen, heads, dim)) for key in keys[:2])
+    k, r = jax.random.normal(keys[2], (batch, klen, heads, dim)), jax.random.normal(keys[3], (klen, heads, dim))
+    valid = jax.random.bernoulli(keys[4], 0.8, (batch, klen)).at[:, klen - qlen:].set(True)
+    return cq, k, pq, r, valid
+
+
+@needs_kernel
+@pytest.mark.parametrize('batch,qlen,klen,heads,dim', [(2, 7, 19, 3, 5), (1, 16, 16, 2, 8), (2, 9, 41, 1, 64),
+                                                       (1, 1, 33, 2, 4)])
+def test_span_scores_equal_their_definition(batch, qlen, klen, heads, dim):
+    """The fused scores (content + rel-shifted positions, scaled, masked) against a per-score naive
+    computation: memory longer than, or absent from, the span; rows and columns beyond the
+    register blocks; invalid memory keys. The reference they fall back to agrees too."""
+    from memjax.model import attention  # pylint: disable=g-import-not-at-top
+    operands = _span_operands(batch, qlen, klen, heads, dim)
+    reference = lambda *x: attention._span_scores_masked(0.3, *x)  # pylint: disable=protected-access
+    fn = lambda *x: cpu.relative_scores(reference, *x, 0.3)
+    expected = _naive_span_scores(*operands, 0.3)
+    np.testing.assert_allclose(jax.jit(fn)(*operands), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(reference)(*operands), expected, rtol=1e-5, atol=1e-5)
+    assert f'custom_call_target="{cpu.SCORES_TARGET}"' in _hlo(fn, *operands)
+
+
+@needs_kernel
+def test_span_scores_gradient_is_the_references():
+    from memjax.model import attention  # pylint: disable=g-import-not-at-top
+    operands = _span_operands(2, 9, 20, 2, 6, seed=5)
+    reference = lambda *x: attention._span_scores_masked(0.3, *x)  # pylint: disable=protected-access
+    weight = jax.random.normal(jax.random.PRNGKey(6), (2, 2, 9, 20))
+    # The loss sees each score through a softmax, as the attention does (masked scores add nothing).
+    loss = lambda scores: lambda *x: jnp.sum(jax.nn.softmax(scores(*x), axis=-1) * weight)
+    fused = lambda *x: cpu.relative_scores(reference, *x, 0.3)
+    got = jax.jit(jax.grad(loss(fused), (0, 1, 2, 3)))(*operands)
+    for g, e in zip(got, jax.grad(loss(reference), (0, 1, 2, 3))(*operands)):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)

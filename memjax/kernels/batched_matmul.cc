@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -46,16 +47,17 @@ inline void store(float* p, const vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Rows [i, i + rows) of out x kCols columns, rows <= kRows: the K loop reads kCols floats of an rhs
 // row per step (`rhs` points at the block's first column, rows `rhs_stride` apart) and broadcasts
-// one lhs element per row; `out` points at the block's first element, rows `out_stride` apart.
+// one lhs element per row (lhs's rows, or with lhs_t its columns, `lhs_stride` apart); `out` points
+// at the block's first element, rows `out_stride` apart.
 template <int64_t rows, bool lhs_t>
-inline void block(const float* lhs, int64_t m_len, int64_t k_len, int64_t i, const float* rhs, int64_t rhs_stride,
-                  float* out, int64_t out_stride) {
+inline void block(const float* lhs, int64_t lhs_stride, int64_t k_len, int64_t i, const float* rhs,
+                  int64_t rhs_stride, float* out, int64_t out_stride) {
   vec acc[rows][kVectors] = {};
   for (int64_t k = 0; k < k_len; ++k) {
     vec b[kVectors];
     for (int64_t v = 0; v < kVectors; ++v) b[v] = load(rhs + k * rhs_stride + kLanes * v);
     for (int64_t r = 0; r < rows; ++r) {
-      const float a = lhs_t ? lhs[k * m_len + i + r] : lhs[(i + r) * k_len + k];
+      const float a = lhs_t ? lhs[k * lhs_stride + i + r] : lhs[(i + r) * lhs_stride + k];
       for (int64_t v = 0; v < kVectors; ++v) acc[r][v] += a * b[v];
     }
   }
@@ -66,20 +68,25 @@ inline void block(const float* lhs, int64_t m_len, int64_t k_len, int64_t i, con
 
 // One column block of every row: kRows rows at a time, then one by one.
 template <bool lhs_t>
-void column_block(const float* lhs, int64_t m_len, int64_t k_len, const float* rhs, int64_t rhs_stride, float* out,
-                  int64_t out_stride) {
+void column_block(const float* lhs, int64_t lhs_stride, int64_t m_len, int64_t k_len, const float* rhs,
+                  int64_t rhs_stride, float* out, int64_t out_stride) {
   int64_t i = 0;
   for (; i + kRows <= m_len; i += kRows) {
-    block<kRows, lhs_t>(lhs, m_len, k_len, i, rhs, rhs_stride, out + i * out_stride, out_stride);
+    block<kRows, lhs_t>(lhs, lhs_stride, k_len, i, rhs, rhs_stride, out + i * out_stride, out_stride);
   }
-  for (; i < m_len; ++i) block<1, lhs_t>(lhs, m_len, k_len, i, rhs, rhs_stride, out + i * out_stride, out_stride);
+  for (; i < m_len; ++i) {
+    block<1, lhs_t>(lhs, lhs_stride, k_len, i, rhs, rhs_stride, out + i * out_stride, out_stride);
+  }
 }
 
+// out [M, N] = lhs [M, K] @ rhs [K, N] (lhs_t: lhs [K, M] read as its transpose), lhs's rows (or
+// columns) `lhs_stride` apart, so that one head of a [T, H, D] array is read in place.
 template <bool lhs_t>
-void matmul(const float* lhs, const float* rhs, float* out, int64_t m_len, int64_t k_len, int64_t n_len) {
+void matmul(const float* lhs, int64_t lhs_stride, const float* rhs, float* out, int64_t m_len, int64_t k_len,
+            int64_t n_len) {
   const int64_t full_cols = n_len - n_len % kCols;
   for (int64_t j = 0; j < full_cols; j += kCols) {
-    column_block<lhs_t>(lhs, m_len, k_len, rhs + j, n_len, out + j, n_len);
+    column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, rhs + j, n_len, out + j, n_len);
   }
   const int64_t tail = n_len - full_cols;
   if (tail == 0) return;
@@ -89,7 +96,7 @@ void matmul(const float* lhs, const float* rhs, float* out, int64_t m_len, int64
   for (int64_t k = 0; k < k_len; ++k) {
     std::memcpy(&padded[k * kCols], rhs + k * n_len + full_cols, tail * sizeof(float));
   }
-  column_block<lhs_t>(lhs, m_len, k_len, padded.data(), kCols, block_out.data(), kCols);
+  column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, padded.data(), kCols, block_out.data(), kCols);
   for (int64_t i = 0; i < m_len; ++i) {
     std::memcpy(out + i * n_len + full_cols, &block_out[i * kCols], tail * sizeof(float));
   }
@@ -108,7 +115,7 @@ struct Work {
 
   void run() {
     for (int64_t b; (b = next.fetch_add(1)) < count;) {
-      (lhs_t ? matmul<true> : matmul<false>)(lhs + b * m_len * k_len, rhs + b * k_len * n_len,
+      (lhs_t ? matmul<true> : matmul<false>)(lhs + b * m_len * k_len, lhs_t ? m_len : k_len, rhs + b * k_len * n_len,
                                              out + b * m_len * n_len, m_len, k_len, n_len);
       finished.fetch_add(1);
     }
@@ -143,6 +150,79 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+// Transformer-XL's attention scores, (a) + (c) and (b) + (d) in one pass over each head:
+//   out[b, h, i, j] = (cq[b, i, h] . k[b, j, h] + pq[b, i, h] . r[T - 1 - i + j, h]) * scale
+// where key j is visible to query i (j <= K - T + i) and valid[b, j], the float32 minimum
+// elsewhere. r's rows are the distance table (row p: distance K - 1 - p). A head's content scores
+// go straight to out, its positional scores P = pq @ r^T to a [T, K] buffer that stays in cache,
+// and one pass adds P's rows at their rel-shift offsets (query i reads P[i, T - 1 - i + j]),
+// scales and masks: XLA's version makes three passes over the [B, H, T, K] scores in memory.
+// Layouts: cq, pq [B, T, H, D] (read in place), kt [B, H, D, K], rt [H, D, K], valid [B, K].
+struct Scores {
+  const float *cq, *kt, *pq, *rt;
+  const bool* valid;
+  float* out;
+  int64_t heads, t_len, k_len, d_len;
+  float scale;
+};
+
+void score_head(const Scores& s, int64_t bh, std::vector<float>& position) {
+  const int64_t b = bh / s.heads, h = bh % s.heads, t_len = s.t_len, k_len = s.k_len, d_len = s.d_len;
+  const int64_t q_offset = b * t_len * s.heads * d_len + h * d_len, q_stride = s.heads * d_len;
+  float* out = s.out + bh * t_len * k_len;
+  position.resize(t_len * k_len);
+  matmul<false>(s.cq + q_offset, q_stride, s.kt + bh * d_len * k_len, out, t_len, d_len, k_len);
+  matmul<false>(s.pq + q_offset, q_stride, s.rt + h * d_len * k_len, position.data(), t_len, d_len, k_len);
+  const float lowest = std::numeric_limits<float>::lowest();
+  const bool* valid = s.valid + b * k_len;
+  const int64_t past = k_len - t_len;  // Query i sees keys j <= past + i.
+  for (int64_t i = 0; i < t_len; ++i) {
+    float* row = out + i * k_len;
+    const float* shifted = position.data() + i * k_len + (t_len - 1 - i);
+    const int64_t seen = past + i + 1;
+    for (int64_t j = 0; j < seen; ++j) row[j] = valid[j] ? (row[j] + shifted[j]) * s.scale : lowest;
+    std::fill(row + seen, row + k_len, lowest);
+  }
+}
+
+struct ScoresWork {
+  Scores s;
+  int64_t count;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+
+  void run() {
+    std::vector<float> position;  // This thread's [T, K] positional scores.
+    for (int64_t bh; (bh = next.fetch_add(1)) < count;) {
+      score_head(s, bh, position);
+      finished.fetch_add(1);
+    }
+  }
+};
+
+ffi::Error RelativeScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> cq, ffi::Buffer<ffi::F32> kt,
+                          ffi::Buffer<ffi::F32> pq, ffi::Buffer<ffi::F32> rt, ffi::Buffer<ffi::PRED> valid,
+                          ffi::Result<ffi::Buffer<ffi::F32>> out, float scale) {
+  const auto q_dims = cq.dimensions();
+  const auto k_dims = kt.dimensions();
+  const auto r_dims = rt.dimensions();
+  const auto v_dims = valid.dimensions();
+  if (q_dims.size() != 4 || k_dims.size() != 4 || r_dims.size() != 3 || v_dims.size() != 2 ||
+      r_dims[2] != k_dims[3] || v_dims[0] != q_dims[0] || v_dims[1] != k_dims[3] || q_dims[1] > k_dims[3]) {
+    return ffi::Error::InvalidArgument("memjax_relative_scores: queries [B, T, H, D], keys [B, H, D, K], "
+                                       "table [H, D, K], validity [B, K], T <= K");
+  }
+  auto work = std::make_shared<ScoresWork>();
+  work->s = Scores{cq.typed_data(), kt.typed_data(), pq.typed_data(), rt.typed_data(), valid.typed_data(),
+                   out->typed_data(), q_dims[2], q_dims[1], k_dims[3], q_dims[3], scale};
+  work->count = q_dims[0] * q_dims[2];
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->count) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { work->run(); });
+  work->run();
+  while (work->finished.load() < work->count) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_batched_matmul, BatchedMatmul,
@@ -152,3 +232,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_batched_matmul, BatchedMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_lhs"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_relative_scores, RelativeScores,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));

@@ -28,9 +28,11 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name('batched_matmul.cc')
 TARGET = 'memjax_batched_matmul'
+SCORES_TARGET = 'memjax_relative_scores'
 SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
 
 
@@ -73,7 +75,8 @@ def register(compiler: Optional[str]) -> bool:
         return False
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.memjax_batched_matmul), platform='cpu')
+        for target in (TARGET, SCORES_TARGET):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
     except (OSError, subprocess.CalledProcessError, AttributeError) as error:
         detail = (getattr(error, 'stderr', None) or str(error)).strip().splitlines()
         logging.warning('memjax: the CPU kernel did not build with %s (%s): the attention uses XLA\'s '
@@ -132,3 +135,33 @@ def product(reference: Callable, lhs: jax.Array, rhs: jax.Array, transpose_rhs: 
 
     run.defvjp(run_forward, run_backward)
     return run(lhs, rhs)
+
+
+def relative_scores(reference: Callable, content_query: jax.Array, key: jax.Array, position_query: jax.Array,
+                    pos_key: jax.Array, valid: jax.Array, scale: float) -> jax.Array:
+    """`reference(content_query, key, position_query, pos_key, valid)`: Transformer-XL's masked
+    attention scores [B, H, T, K] over a contiguous span of K keys, the segment's T queries last
+    (queries [B, T, H, D], keys [B, K, H, D], distance rows [K, H, D], key validity [B, K]), computed
+    by the kernel where it applies: the content and positional products, the rel-shift, the scale
+    and the mask in one pass, blocks wholly in the future skipped. The gradient is the reference's."""
+    if not applies(content_query, key, position_query, pos_key):
+        return reference(content_query, key, position_query, pos_key, valid)
+
+    def forward(cq, k, pq, r, ok):
+        out = jax.ShapeDtypeStruct((cq.shape[0], cq.shape[2], cq.shape[1], k.shape[1]), jnp.float32)
+        return jax.ffi.ffi_call(SCORES_TARGET, out)(cq, k.transpose(0, 2, 3, 1), pq, r.transpose(1, 2, 0), ok,
+                                                     scale=np.float32(scale))
+
+    @jax.custom_vjp
+    def run(cq, k, pq, r, ok):
+        return jax.lax.platform_dependent(cq, k, pq, r, ok, cpu=forward, default=reference)
+
+    def run_forward(cq, k, pq, r, ok):
+        return run(cq, k, pq, r, ok), (cq, k, pq, r, ok)
+
+    def run_backward(operands, grad):
+        *differentiable, ok = operands
+        return (*jax.vjp(lambda *x: reference(*x, ok), *differentiable)[1](grad), None)
+
+    run.defvjp(run_forward, run_backward)
+    return run(content_query, key, position_query, pos_key, valid)

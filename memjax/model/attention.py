@@ -21,6 +21,7 @@ refreshed memory).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
@@ -371,7 +372,34 @@ def _token_attention(cfg: ModelConfig, query, key, value, cache: LayerCache, pos
 
 
 def _content_scores(query, key):
+    """[B, T, H, D] queries x [B, K, H, D] keys -> [B, H, T, K] float32, with heads before positions
+    (XLA:CPU runs the product faster so, and lays the key projection out for it: evaluation steps
+    7-16 % faster at the peer shape, BENCHMARKS.md, ops); on CPU memjax's kernel where it applies."""
+    return cpu_kernels.product(_heads_first_scores, query.transpose(0, 2, 1, 3), key.transpose(0, 2, 1, 3),
+                               transpose_rhs=True)
+
+
+def _heads_first_scores(query, key):
     return jnp.einsum('bhtd,bhkd->bhtk', query, key, preferred_element_type=jnp.float32)
+
+
+def _span_key_validity(blocks: Sequence[KeyBlock], batch: int, qlen: int) -> Optional[jax.Array]:
+    """[B, K] validity of the keys of one contiguous span (the segment last), or None where the
+    keys are not one span or a block's validity differs per head or query."""
+    if not all(b.contiguous and b.valid.shape[1:3] == (1, 1) for b in blocks):
+        return None
+    return jnp.concatenate([jnp.broadcast_to(b.valid[:, 0, 0, :], (batch, b.length)) for b in blocks]
+                           + [jnp.ones((batch, qlen), bool)], axis=-1)
+
+
+def _span_scores_masked(scale: float, content_query, key, position_query, pos_key, key_valid):
+    """Masked scores [B, H, T, K] of one contiguous span of K keys (`pos_key`: its K distance rows),
+    the segment's T queries last: (content + rel-shifted position scores) * scale, where each key
+    is valid and not in the query's future; the float32 minimum elsewhere."""
+    qlen, klen = content_query.shape[1], key.shape[1]
+    scores = _content_scores(content_query, key) + rel_shift(position_scores(position_query, pos_key))
+    visible = (jnp.arange(klen)[None, :] <= klen - qlen + jnp.arange(qlen)[:, None]) & key_valid[:, None, None, :]
+    return jnp.where(visible, scores * scale, jnp.finfo(jnp.float32).min)
 
 
 def _weighted_values(probs, value):
@@ -495,18 +523,20 @@ class RelativeAttention(nn.Module):
             content_query, position_query = query + u_bias.astype(cfg.dtype), query + v_bias.astype(cfg.dtype)
         else:
             content_query = position_query = query
-        # Both products with heads before positions ([B, H, T|K, Dh]): XLA:CPU runs them faster so,
-        # and lays the key and value projections out for them (evaluation steps 7-16 % faster at
-        # the peer shape, training unchanged; BENCHMARKS.md, ops); either transpose alone was slower.
-        # On CPU both products run memjax's kernel where it applies (memjax/kernels/cpu.py).
-        scores = cpu_kernels.product(_content_scores, content_query.transpose(0, 2, 1, 3),
-                                     key.transpose(0, 2, 1, 3), transpose_rhs=True)
+        # On CPU the scores and the weighted values run memjax's kernels where they apply
+        # (memjax/kernels/cpu.py): one contiguous span's scores in one pass, other blocks term by term.
         position, mask = _scores_and_mask(position_query, pos_key, blocks, qlen, cfg.same_length,
                                           ctx.window, shifted_pos_key)
-        if position is not None:
-            scores = scores + position
-        scores = scores * (cfg.d_head ** -0.5)
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        key_valid = _span_key_validity(blocks, query.shape[0], qlen) if pos_key is not None and not cfg.same_length else None
+        if key_valid is not None:  # One contiguous span: the rel-shift is a fixed offset per query.
+            scores = cpu_kernels.relative_scores(functools.partial(_span_scores_masked, cfg.d_head ** -0.5),
+                                                 content_query, key, position_query, pos_key, key_valid,
+                                                 cfg.d_head ** -0.5)
+        else:
+            scores = _content_scores(content_query, key)
+            if position is not None:
+                scores = scores + position
+            scores = jnp.where(mask, scores * (cfg.d_head ** -0.5), jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1)
         # For analysis (memjax.analysis; a no-op unless applied with mutable=['intermediates']): what
         # the scores were made of, keys in attended order, the segment last.

@@ -83,6 +83,11 @@ def hlo_op_flops(hlo: str) -> dict[str, float]:
             lhs_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
             contracted = _dims(lhs_shape)[-2 if re.search(r'transpose_lhs = true', rest) else -1]
             kernels[name] = 2.0 * math.prod(_dims(output)) * contracted
+        if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.SCORES_TARGET}"' in rest:
+            # memjax's span scores: a content and a positional product per score, over the queries'
+            # last axis (queries [B, T, H, D] first).
+            query_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
+            kernels[name] = 2 * 2.0 * math.prod(_dims(output)) * _dims(query_shape)[-1]
         # Fusions only: the ops of a loop's body are profiled as ops of their own.
         calls[name] = re.findall(r'calls=%?([\w.\-]+)', rest)
         if computation is not None:
