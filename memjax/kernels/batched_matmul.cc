@@ -1,4 +1,5 @@
-// memjax's float32 batched matrix product for XLA:CPU (an XLA FFI handler; memjax/kernels/cpu.py).
+// memjax's float32 batched matrix product and Transformer-XL's span scores for XLA:CPU (XLA FFI
+// handlers; memjax/kernels/cpu.py).
 //
 // Why: XLA:CPU runs the attention's small batched products ([B*H] products of 128 x 64 x 256 at
 // the peer shape) at about half the rate MKL reaches on the same shapes (BENCHMARKS.md, ops). This

@@ -1,10 +1,12 @@
-"""A batched matrix product for XLA:CPU, built for this CPU on first use and called as an FFI target.
+"""A batched matrix product and Transformer-XL's span scores for XLA:CPU, built for this CPU on
+first use and called as FFI targets.
 
 Why: XLA:CPU runs the attention's small batched products (the scores, the weighted values) at
 about half the rate MKL reaches on the same shapes, and they are a quarter of an evaluation step
 (BENCHMARKS.md, ops). `batched_matmul.cc` is a register-blocked product compiled with
 `-march=native`; the attention calls it through `product`, for the forward and the gradient's
-products, and keeps XLA's own einsum on other platforms and wherever the kernel does not apply.
+products, and through `relative_scores` for one contiguous span's masked scores in one pass; it
+keeps XLA's own einsums on other platforms and wherever the kernel does not apply.
 
 It applies to float32 operands on a single-device CPU process (a custom call has no sharding
 rule, so meshes of several devices keep XLA's products), when a C++ compiler (`$CXX`, else g++)
