@@ -144,8 +144,9 @@ def relative_scores(reference: Callable, content_query: jax.Array, key: jax.Arra
     """`reference(content_query, key, position_query, pos_key, valid)`: Transformer-XL's masked
     attention scores [B, H, T, K] over a contiguous span of K keys, the segment's T queries last
     (queries [B, T, H, D], keys [B, K, H, D], distance rows [K, H, D], key validity [B, K]), computed
-    by the kernel where it applies: the content and positional products, the rel-shift, the scale
-    and the mask in one pass, blocks wholly in the future skipped. The gradient is the reference's."""
+    by the kernel where it applies: each head's content and positional products, then one pass that
+    adds the positional scores at their rel-shift offsets, scales and masks. The gradient is the
+    reference's."""
     if not applies(content_query, key, position_query, pos_key):
         return reference(content_query, key, position_query, pos_key, valid)
 

@@ -527,7 +527,9 @@ class RelativeAttention(nn.Module):
         # (memjax/kernels/cpu.py): one contiguous span's scores in one pass, other blocks term by term.
         position, mask = _scores_and_mask(position_query, pos_key, blocks, qlen, cfg.same_length,
                                           ctx.window, shifted_pos_key)
-        key_valid = _span_key_validity(blocks, query.shape[0], qlen) if pos_key is not None and not cfg.same_length else None
+        key_valid = None
+        if pos_key is not None and pos_key.shape[0] == key.shape[1] and not cfg.same_length:
+            key_valid = _span_key_validity(blocks, query.shape[0], qlen)
         if key_valid is not None:  # One contiguous span: the rel-shift is a fixed offset per query.
             scores = cpu_kernels.relative_scores(functools.partial(_span_scores_masked, cfg.d_head ** -0.5),
                                                  content_query, key, position_query, pos_key, key_valid,
