@@ -118,7 +118,9 @@ def test_ops_suite_profiles_every_matrix_product_of_both_steps(tmp_path):
                 rows = [r for r in report['rows'] if (r['vocab'], r['mode'], r['impl']) == (vocab.name, mode, impl)]
                 assert sum(r['share'] for r in rows) == pytest.approx(1.0)
                 assert sum(r['ms_per_step'] for r in rows) == pytest.approx(figures[f'{impl}_{mode}_{vocab.name}_op_ms_per_step'])
-                assert any(r['kind'] == 'matmul' and r['gflops_per_s'] > 0 for r in rows)
+                # Products were found and rated (which ops make the top rows depends on timing).
+                assert figures[f'{impl}_{mode}_{vocab.name}_share_matmul'] > 0
+                assert figures[f'{impl}_{mode}_{vocab.name}_matmul_gflops_per_s'] > 0
             # The roofline: the step's matrix products at the peak, against its measured time.
             prefix = f'roofline_{mode}_{vocab.name}_'
             bound = {k[len(prefix):]: v for k, v in figures.items() if k.startswith(prefix)}
