@@ -172,7 +172,12 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int = 2, repeats
             start = clock()
             jax.block_until_ready(fn())
             times[name].append(clock() - start)
-    return {name: Timing(tuple(t), warmup) for name, t in times.items()}
+    timings = {name: Timing(tuple(t), warmup) for name, t in times.items()}
+    # Each figure as soon as it exists: a suite killed at a deadline (a lent GPU's minutes) still
+    # leaves what it measured in its progress log, although its table prints only at the end.
+    print('[bench] timed ' + ', '.join(f'{name}: {t.median_s * 1e3:.3f} ms' for name, t in timings.items()),
+          file=sys.stderr, flush=True)
+    return timings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +211,10 @@ def compile_fn(fn: Callable, *args, clock: Callable[[], float] = time.perf_count
     lowered = jax.jit(fn, **jit_kwargs).lower(*args)
     lowered_at = clock()
     executable = lowered.compile()
-    return Compiled(executable, lowered_at - start, clock() - lowered_at)
+    compiled = Compiled(executable, lowered_at - start, clock() - lowered_at)
+    print(f'[bench] compiled in {compiled.lower_s:.1f} s + {compiled.compile_s:.1f} s', file=sys.stderr,
+          flush=True)
+    return compiled
 
 
 # (vendor_id, cpu family) -> [(first model, last model, microarchitecture)]: a VM often reports a
