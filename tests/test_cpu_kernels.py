@@ -107,32 +107,70 @@ def _span_operands(batch, qlen, klen, heads, dim, seed=4):
     return cq, k, pq, r, valid
 
 
+def _naive_softmax(scores):
+    """Softmax and logsumexp over the last axis in float64 (masked scores, at the float32 minimum,
+    weigh nothing unless a row has nothing else: then it is uniform)."""
+    scores = scores.astype(np.float64)
+    top = scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores - top)
+    total = weights.sum(axis=-1, keepdims=True)
+    return weights / total, (top + np.log(total))[..., 0]
+
+
 @needs_kernel
-@pytest.mark.parametrize('batch,qlen,klen,heads,dim', [(2, 7, 19, 3, 5), (1, 16, 16, 2, 8), (2, 9, 41, 1, 64),
-                                                       (1, 1, 33, 2, 4)])
-def test_span_scores_equal_their_definition(batch, qlen, klen, heads, dim):
-    """The fused scores (content + rel-shifted positions, scaled, masked) against a per-score naive
-    computation: memory longer than, or absent from, the span; rows and columns beyond the
-    register blocks; invalid memory keys. The reference they fall back to agrees too."""
+@pytest.mark.parametrize('batch,qlen,klen,heads,dim,spread', [
+    (2, 7, 19, 3, 5, 1.0), (1, 16, 16, 2, 8, 1.0), (2, 9, 41, 1, 64, 1.0), (1, 1, 33, 2, 4, 1.0),
+    (2, 5, 37, 2, 16, 30.0)])
+def test_span_softmax_equals_its_definition(batch, qlen, klen, heads, dim, spread):
+    """The fused weights (content + rel-shifted positions, scaled, masked, softmax) and their
+    log-denominator against a per-score naive computation: memory longer than, or absent from, the
+    span; rows and columns beyond the register blocks and vector lanes; invalid memory keys; scores
+    spread over hundreds (exponents far into float32's range, probabilities that underflow). The
+    reference they fall back to agrees too."""
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
-    operands = _span_operands(batch, qlen, klen, heads, dim)
+    cq, k, pq, r, valid = _span_operands(batch, qlen, klen, heads, dim)
+    operands = (cq * spread, k, pq * spread, r, valid)
     reference = lambda *x: attention._span_scores_masked(0.3, *x)  # pylint: disable=protected-access
-    fn = lambda *x: cpu.relative_scores(reference, *x, 0.3)
-    expected = _naive_span_scores(*operands, 0.3)
-    np.testing.assert_allclose(jax.jit(fn)(*operands), expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(jax.jit(reference)(*operands), expected, rtol=1e-5, atol=1e-5)
-    assert f'custom_call_target="{cpu.SCORES_TARGET}"' in _hlo(fn, *operands)
+    fn = lambda *x: cpu.relative_softmax(reference, *x, 0.3)
+    probs, log_norm = _naive_softmax(_naive_span_scores(*operands, 0.3))
+    # A probability's relative error is its float32 score's absolute error, which grows with the
+    # scores' size (about 1e-7 of the largest terms summed into them).
+    rtol = 1e-5 * spread
+    for got in (jax.jit(fn)(*operands), jax.jit(lambda *x: _softmax_of(reference(*x)))(*operands)):
+        np.testing.assert_allclose(got[0], probs, rtol=rtol, atol=1e-7)
+        np.testing.assert_allclose(got[1], log_norm, rtol=1e-5, atol=1e-5)
+    assert f'custom_call_target="{cpu.SOFTMAX_TARGET}"' in _hlo(fn, *operands)
+
+
+def _softmax_of(scores):
+    return jax.nn.softmax(scores, axis=-1), jax.nn.logsumexp(scores, axis=-1)
 
 
 @needs_kernel
-def test_span_scores_gradient_is_the_references():
+def test_span_softmax_of_a_row_with_no_visible_key_is_uniform_as_xlas():
+    """A batch row whose keys are all invalid (no real caller has one: the segment's own keys are
+    always valid) gets XLA's softmax of equal scores, every key 1 / K, not NaNs."""
+    from memjax.model import attention  # pylint: disable=g-import-not-at-top
+    cq, k, pq, r, valid = _span_operands(2, 4, 11, 2, 8)
+    operands = (cq, k, pq, r, valid.at[0].set(False))
+    reference = lambda *x: attention._span_scores_masked(0.3, *x)  # pylint: disable=protected-access
+    got = jax.jit(lambda *x: cpu.relative_softmax(reference, *x, 0.3))(*operands)
+    expected = _softmax_of(reference(*operands))
+    np.testing.assert_allclose(got[0][0], np.full((2, 4, 11), 1 / 11), rtol=1e-6)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(got[1][0], expected[1][0])
+
+
+@needs_kernel
+def test_span_softmax_gradient_is_the_references():
+    """Both outputs carry gradient (LaMemo's memory update reads the log-denominator)."""
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
     operands = _span_operands(2, 9, 20, 2, 6, seed=5)
     reference = lambda *x: attention._span_scores_masked(0.3, *x)  # pylint: disable=protected-access
-    weight = jax.random.normal(jax.random.PRNGKey(6), (2, 2, 9, 20))
-    # The loss sees each score through a softmax, as the attention does (masked scores add nothing).
-    loss = lambda scores: lambda *x: jnp.sum(jax.nn.softmax(scores(*x), axis=-1) * weight)
-    fused = lambda *x: cpu.relative_scores(reference, *x, 0.3)
+    keys = jax.random.split(jax.random.PRNGKey(6))
+    weight, norm_weight = jax.random.normal(keys[0], (2, 2, 9, 20)), jax.random.normal(keys[1], (2, 2, 9))
+    loss = lambda weights: lambda *x: jnp.sum(weights(*x)[0] * weight) + jnp.sum(weights(*x)[1] * norm_weight)
+    fused = lambda *x: cpu.relative_softmax(reference, *x, 0.3)
     got = jax.jit(jax.grad(loss(fused), (0, 1, 2, 3)))(*operands)
-    for g, e in zip(got, jax.grad(loss(reference), (0, 1, 2, 3))(*operands)):
+    for g, e in zip(got, jax.grad(loss(lambda *x: _softmax_of(reference(*x))), (0, 1, 2, 3))(*operands)):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,4 @@
-// memjax's float32 batched matrix product and Transformer-XL's span scores for XLA:CPU (XLA FFI
+// memjax's float32 batched matrix product and Transformer-XL's span attention weights for XLA:CPU (XLA FFI
 // handlers; memjax/kernels/cpu.py).
 //
 // Why: XLA:CPU runs the attention's small batched products ([B*H] products of 128 x 64 x 256 at
@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -151,42 +152,102 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-// Transformer-XL's attention scores, (a) + (c) and (b) + (d) in one pass over each head:
-//   out[b, h, i, j] = (cq[b, i, h] . k[b, j, h] + pq[b, i, h] . r[T - 1 - i + j, h]) * scale
-// where key j is visible to query i (j <= K - T + i) and valid[b, j], the float32 minimum
-// elsewhere. r's rows are the distance table (row p: distance K - 1 - p). A head's content scores
-// go straight to out, its positional scores P = pq @ r^T to a [T, K] buffer that stays in cache,
-// and one pass adds P's rows at their rel-shift offsets (query i reads P[i, T - 1 - i + j]),
-// scales and masks: XLA's version makes three passes over the [B, H, T, K] scores in memory.
+// e^x, float32, within about 2 ulp for x <= 0 (a softmax's exponents) and 0 below -87.3 where
+// float32 goes subnormal: e^x = 2^n e^r, |r| <= ln 2 / 2, e^r by Cephes' expf polynomial. Written
+// once for a vector and a lone float (a row's tail); GCC's vector extensions give a vector the
+// same operators, selects included.
+inline vec to_float_bits(const vec&, const vec& n) {
+  typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+  vec out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline float to_float_bits(float, float n) {
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+template <typename F>
+inline F exp_nonpositive(F x) {
+  const F underflow = x < -87.3f ? F{} + 1 : F{};  // 1 where e^x is taken as 0.
+  x = x < -87.3f ? F{} - 87.3f : x;
+  F n = x * 1.44269504088896341f + 12582912.0f;  // Rounded to the nearest integer by the add of 1.5 * 2^23.
+  n = n - 12582912.0f;
+  const F r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  F p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const F y = (p * r * r + r + 1.0f) * to_float_bits(x, n);
+  return underflow > 0.5f ? F{} : y;
+}
+
+// Transformer-XL's attention weights over a span of keys, scores to softmax in one pass per head:
+//   scores[b, h, i, j] = (cq[b, i, h] . k[b, j, h] + pq[b, i, h] . r[T - 1 - i + j, h]) * scale
+// where key j is visible to query i (j <= K - T + i) and valid[b, j]; probs = softmax over j of the
+// visible scores (0 elsewhere; a row with none visible is uniform, as a softmax of equal scores),
+// log_norm = the softmax's log-denominator (the scores' logsumexp). r's rows are the distance table
+// (row p: distance K - 1 - p). A head's content scores go straight to probs, its positional scores
+// P = pq @ r^T to a [T, K] buffer that stays in cache; then each row, in cache, takes P's row at
+// its rel-shift offset (query i reads P[i, T - 1 - i + j]), is scaled and masked, and becomes its
+// softmax: XLA's version makes five passes over the [B, H, T, K] scores in memory.
 // Layouts: cq, pq [B, T, H, D] (read in place), kt [B, H, D, K], rt [H, D, K], valid [B, K].
 struct Scores {
   const float *cq, *kt, *pq, *rt;
   const bool* valid;
-  float* out;
+  float *probs, *log_norm;
   int64_t heads, t_len, k_len, d_len;
   float scale;
 };
 
-void score_head(const Scores& s, int64_t bh, std::vector<float>& position) {
+// Row i of a head: `row` holds its content scores, `shifted` its positional ones at their offset.
+float softmax_row(const Scores& s, const bool* valid, float* row, const float* shifted, int64_t seen) {
+  const float lowest = std::numeric_limits<float>::lowest();
+  float top = lowest;
+  for (int64_t j = 0; j < seen; ++j) {
+    row[j] = valid[j] ? (row[j] + shifted[j]) * s.scale : lowest;
+    top = std::max(top, row[j]);
+  }
+  if (top == lowest) {  // Nothing visible: every key, the future's too, equally likely.
+    std::fill(row, row + s.k_len, 1.0f / s.k_len);
+    return lowest;
+  }
+  vec sums = {};
+  int64_t j = 0;
+  for (; j + kLanes <= seen; j += kLanes) {
+    const vec e = exp_nonpositive(load(row + j) - top);
+    store(row + j, e);
+    sums += e;
+  }
+  float sum = 0.0f;
+  for (; j < seen; ++j) sum += row[j] = exp_nonpositive(row[j] - top);
+  for (int64_t lane = 0; lane < kLanes; ++lane) sum += sums[lane];
+  const float inverse = 1.0f / sum;
+  for (j = 0; j < seen; ++j) row[j] *= inverse;
+  std::fill(row + seen, row + s.k_len, 0.0f);
+  return top + std::log(sum);
+}
+
+void softmax_head(const Scores& s, int64_t bh, std::vector<float>& position) {
   const int64_t b = bh / s.heads, h = bh % s.heads, t_len = s.t_len, k_len = s.k_len, d_len = s.d_len;
   const int64_t q_offset = b * t_len * s.heads * d_len + h * d_len, q_stride = s.heads * d_len;
-  float* out = s.out + bh * t_len * k_len;
+  float* out = s.probs + bh * t_len * k_len;
   position.resize(t_len * k_len);
   matmul<false>(s.cq + q_offset, q_stride, s.kt + bh * d_len * k_len, out, t_len, d_len, k_len);
   matmul<false>(s.pq + q_offset, q_stride, s.rt + h * d_len * k_len, position.data(), t_len, d_len, k_len);
-  const float lowest = std::numeric_limits<float>::lowest();
-  const bool* valid = s.valid + b * k_len;
   const int64_t past = k_len - t_len;  // Query i sees keys j <= past + i.
   for (int64_t i = 0; i < t_len; ++i) {
-    float* row = out + i * k_len;
-    const float* shifted = position.data() + i * k_len + (t_len - 1 - i);
-    const int64_t seen = past + i + 1;
-    for (int64_t j = 0; j < seen; ++j) row[j] = valid[j] ? (row[j] + shifted[j]) * s.scale : lowest;
-    std::fill(row + seen, row + k_len, lowest);
+    s.log_norm[bh * t_len + i] = softmax_row(s, s.valid + b * k_len, out + i * k_len,
+                                             position.data() + i * k_len + (t_len - 1 - i), past + i + 1);
   }
 }
 
-struct ScoresWork {
+struct SoftmaxWork {
   Scores s;
   int64_t count;
   std::atomic<int64_t> next{0};
@@ -195,27 +256,29 @@ struct ScoresWork {
   void run() {
     std::vector<float> position;  // This thread's [T, K] positional scores.
     for (int64_t bh; (bh = next.fetch_add(1)) < count;) {
-      score_head(s, bh, position);
+      softmax_head(s, bh, position);
       finished.fetch_add(1);
     }
   }
 };
 
-ffi::Error RelativeScores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> cq, ffi::Buffer<ffi::F32> kt,
-                          ffi::Buffer<ffi::F32> pq, ffi::Buffer<ffi::F32> rt, ffi::Buffer<ffi::PRED> valid,
-                          ffi::Result<ffi::Buffer<ffi::F32>> out, float scale) {
+ffi::Error RelativeSoftmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> cq, ffi::Buffer<ffi::F32> kt,
+                           ffi::Buffer<ffi::F32> pq, ffi::Buffer<ffi::F32> rt, ffi::Buffer<ffi::PRED> valid,
+                           ffi::Result<ffi::Buffer<ffi::F32>> probs, ffi::Result<ffi::Buffer<ffi::F32>> log_norm,
+                           float scale) {
   const auto q_dims = cq.dimensions();
   const auto k_dims = kt.dimensions();
   const auto r_dims = rt.dimensions();
   const auto v_dims = valid.dimensions();
   if (q_dims.size() != 4 || k_dims.size() != 4 || r_dims.size() != 3 || v_dims.size() != 2 ||
       r_dims[2] != k_dims[3] || v_dims[0] != q_dims[0] || v_dims[1] != k_dims[3] || q_dims[1] > k_dims[3]) {
-    return ffi::Error::InvalidArgument("memjax_relative_scores: queries [B, T, H, D], keys [B, H, D, K], "
+    return ffi::Error::InvalidArgument("memjax_relative_softmax: queries [B, T, H, D], keys [B, H, D, K], "
                                        "table [H, D, K], validity [B, K], T <= K");
   }
-  auto work = std::make_shared<ScoresWork>();
+  auto work = std::make_shared<SoftmaxWork>();
   work->s = Scores{cq.typed_data(), kt.typed_data(), pq.typed_data(), rt.typed_data(), valid.typed_data(),
-                   out->typed_data(), q_dims[2], q_dims[1], k_dims[3], q_dims[3], scale};
+                   probs->typed_data(), log_norm->typed_data(), q_dims[2], q_dims[1], k_dims[3], q_dims[3],
+                   scale};
   work->count = q_dims[0] * q_dims[2];
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->count) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { work->run(); });
@@ -234,7 +297,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_batched_matmul, BatchedMatmul,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_lhs"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_relative_scores, RelativeScores,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_relative_softmax, RelativeSoftmax,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -242,5 +305,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_relative_scores, RelativeScores,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));

@@ -1,11 +1,11 @@
-"""A batched matrix product and Transformer-XL's span scores for XLA:CPU, built for this CPU on
+"""A batched matrix product and Transformer-XL's span attention weights for XLA:CPU, built for this CPU on
 first use and called as FFI targets.
 
 Why: XLA:CPU runs the attention's small batched products (the scores, the weighted values) at
 about half the rate MKL reaches on the same shapes, and they are a quarter of an evaluation step
 (BENCHMARKS.md, ops). `batched_matmul.cc` is a register-blocked product compiled with
 `-march=native`; the attention calls it through `product`, for the forward and the gradient's
-products, and through `relative_scores` for one contiguous span's masked scores in one pass; it
+products, and through `relative_softmax` for one contiguous span's scores and softmax in one pass; it
 keeps XLA's own einsums on other platforms and wherever the kernel does not apply.
 
 It applies to float32 operands on a single-device CPU process (a custom call has no sharding
@@ -34,7 +34,7 @@ import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name('batched_matmul.cc')
 TARGET = 'memjax_batched_matmul'
-SCORES_TARGET = 'memjax_relative_scores'
+SOFTMAX_TARGET = 'memjax_relative_softmax'
 SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
 
 
@@ -77,7 +77,7 @@ def register(compiler: Optional[str]) -> bool:
         return False
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-        for target in (TARGET, SCORES_TARGET):
+        for target in (TARGET, SOFTMAX_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
     except (OSError, subprocess.CalledProcessError, AttributeError) as error:
         detail = (getattr(error, 'stderr', None) or str(error)).strip().splitlines()
@@ -139,32 +139,44 @@ def product(reference: Callable, lhs: jax.Array, rhs: jax.Array, transpose_rhs: 
     return run(lhs, rhs)
 
 
-def relative_scores(reference: Callable, content_query: jax.Array, key: jax.Array, position_query: jax.Array,
-                    pos_key: jax.Array, valid: jax.Array, scale: float) -> jax.Array:
-    """`reference(content_query, key, position_query, pos_key, valid)`: Transformer-XL's masked
-    attention scores [B, H, T, K] over a contiguous span of K keys, the segment's T queries last
-    (queries [B, T, H, D], keys [B, K, H, D], distance rows [K, H, D], key validity [B, K]), computed
-    by the kernel where it applies: each head's content and positional products, then one pass that
-    adds the positional scores at their rel-shift offsets, scales and masks. The gradient is the
-    reference's."""
+def relative_softmax(reference: Callable, content_query: jax.Array, key: jax.Array, position_query: jax.Array,
+                     pos_key: jax.Array, valid: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    """(probs [B, H, T, K], log_norm [B, H, T]): the softmax over keys of Transformer-XL's masked
+    scores `reference(content_query, key, position_query, pos_key, valid)` and its log-denominator
+    (the scores' logsumexp), for a contiguous span of K keys, the segment's T queries last (queries
+    [B, T, H, D], keys [B, K, H, D], distance rows [K, H, D], key validity [B, K]). The kernel, where
+    it applies, forms each head's content and positional products, then takes each query's row in
+    cache from scores (positional scores at their rel-shift offsets, scaled, masked) to softmax.
+    The gradient is the softmax's, then the reference's: the kernel's probabilities are kept, the
+    scores never stored."""
+    def softmax(*operands):
+        scores = reference(*operands)
+        return jax.nn.softmax(scores, axis=-1), jax.nn.logsumexp(scores, axis=-1)
+
     if not applies(content_query, key, position_query, pos_key):
-        return reference(content_query, key, position_query, pos_key, valid)
+        return softmax(content_query, key, position_query, pos_key, valid)
 
     def forward(cq, k, pq, r, ok):
-        out = jax.ShapeDtypeStruct((cq.shape[0], cq.shape[2], cq.shape[1], k.shape[1]), jnp.float32)
-        return jax.ffi.ffi_call(SCORES_TARGET, out)(cq, k.transpose(0, 2, 3, 1), pq, r.transpose(1, 2, 0), ok,
-                                                     scale=np.float32(scale))
+        shape = (cq.shape[0], cq.shape[2], cq.shape[1], k.shape[1])
+        out = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
+        return tuple(jax.ffi.ffi_call(SOFTMAX_TARGET, out)(cq, k.transpose(0, 2, 3, 1), pq, r.transpose(1, 2, 0),
+                                                           ok, scale=np.float32(scale)))
 
     @jax.custom_vjp
     def run(cq, k, pq, r, ok):
-        return jax.lax.platform_dependent(cq, k, pq, r, ok, cpu=forward, default=reference)
+        return jax.lax.platform_dependent(cq, k, pq, r, ok, cpu=forward, default=softmax)
 
     def run_forward(cq, k, pq, r, ok):
-        return run(cq, k, pq, r, ok), (cq, k, pq, r, ok)
+        probs, log_norm = run(cq, k, pq, r, ok)
+        return (probs, log_norm), ((cq, k, pq, r, ok), probs)
 
-    def run_backward(operands, grad):
-        *differentiable, ok = operands
-        return (*jax.vjp(lambda *x: reference(*x, ok), *differentiable)[1](grad), None)
+    def run_backward(residuals, grads):
+        (*differentiable, ok), probs = residuals
+        grad_probs, grad_log_norm = grads
+        # d/ds of softmax(s) . g and of logsumexp(s) g': p (g - <p, g>) and p g'.
+        grad_scores = probs * (grad_probs - jnp.sum(grad_probs * probs, axis=-1, keepdims=True)
+                               + grad_log_norm[..., None])
+        return (*jax.vjp(lambda *x: reference(*x, ok), *differentiable)[1](grad_scores), None)
 
     run.defvjp(run_forward, run_backward)
     return run(content_query, key, position_query, pos_key, valid)

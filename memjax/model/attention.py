@@ -142,8 +142,8 @@ class AttentionView:
     key: jax.Array  # [B, K, H, Dh] every block's keys, segment last.
     value: jax.Array  # [B, K, H, Dh]
     maps: LayerMaps  # The layer's own maps.
-    scores: jax.Array  # [B, H, T, K] float32 logits of the segment's queries: scaled, masked keys at
-    #                    the float32 minimum (their logsumexp is the softmax's log-denominator).
+    log_norm: jax.Array  # [B, H, T] float32: the softmax's log-denominator, the logsumexp over keys
+    #                      of the segment's queries' scaled scores (masked keys: the float32 minimum).
     attended: jax.Array  # [B, T, H, Dh] the segment's attention output before the output map.
     positions: Optional[jax.Array]  # The context's distance table (rows for distances R-1 ... 0).
     u_bias: Optional[jax.Array]  # [H, Dh] this layer's content and position biases, and its kind's own.
@@ -345,8 +345,8 @@ def _recorded(blocks: Sequence[KeyBlock], key, value, pos_key, qlen: int, n_head
 
 def _token_attention(cfg: ModelConfig, query, key, value, cache: LayerCache, position, u_bias, v_bias,
                      window: int):
-    """One token at segment `position` against the segment's cache: (attended [B, 1, H, Dh],
-    scores [B, H, 1, K] as `AttentionView.scores`, the cache holding the token's key and value).
+    """One token at segment `position` against the segment's cache: (attended [B, 1, H, Dh], the
+    scores' logsumexp [B, H, 1] as `AttentionView.log_norm`, the cache holding the token's key and value).
     The same scores as the whole segment's row `position`: positional ones are gathered at each
     key's distance instead of lined up by `rel_shift`."""
     slot = cache.first_slot + position
@@ -368,7 +368,8 @@ def _token_attention(cfg: ModelConfig, query, key, value, cache: LayerCache, pos
         scores += _gather_rows(every_row, distance)
     scores = jnp.where(visible, scores * (cfg.d_head ** -0.5), jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(cfg.dtype)
-    return jnp.einsum('bhtk,bhkd->bthd', probs, values), scores, cache.replace(keys=keys, values=values)
+    return (jnp.einsum('bhtk,bhkd->bthd', probs, values), jax.nn.logsumexp(scores, axis=-1),
+            cache.replace(keys=keys, values=values))
 
 
 def _content_scores(query, key):
@@ -471,12 +472,12 @@ class RelativeAttention(nn.Module):
             query_kernel=_kernel(query_proj), key_kernel=_kernel(key_proj),
             value_kernel=_kernel(value_proj), output_kernel=_kernel(out_proj))
         if cache is not None:  # A token step: every earlier key is in the cache.
-            attended, scores, cache = _token_attention(cfg, query, segment_key, segment_value, cache, position,
+            attended, log_norm, cache = _token_attention(cfg, query, segment_key, segment_value, cache, position,
                                                        u_bias, v_bias, ctx.window)
             out = out_proj(attended)
             if attend is not None:
                 view = AttentionView(query=query, key=cache.keys.transpose(0, 2, 1, 3),
-                                     value=cache.values.transpose(0, 2, 1, 3), maps=maps, scores=scores,
+                                     value=cache.values.transpose(0, 2, 1, 3), maps=maps, log_norm=log_norm,
                                      attended=attended, positions=ctx.positions, u_bias=u_bias, v_bias=v_bias,
                                      biases=biases or {}, rows=None, deterministic=deterministic, cached=cache.kind)
                 extra = attend(view).extra
@@ -531,15 +532,15 @@ class RelativeAttention(nn.Module):
         if pos_key is not None and pos_key.shape[0] == key.shape[1] and not cfg.same_length:
             key_valid = _span_key_validity(blocks, query.shape[0], qlen)
         if key_valid is not None:  # One contiguous span: the rel-shift is a fixed offset per query.
-            scores = cpu_kernels.relative_scores(functools.partial(_span_scores_masked, cfg.d_head ** -0.5),
-                                                 content_query, key, position_query, pos_key, key_valid,
-                                                 cfg.d_head ** -0.5)
+            probs, log_norm = cpu_kernels.relative_softmax(
+                functools.partial(_span_scores_masked, cfg.d_head ** -0.5), content_query, key, position_query,
+                pos_key, key_valid, cfg.d_head ** -0.5)
         else:
             scores = _content_scores(content_query, key)
             if position is not None:
                 scores = scores + position
             scores = jnp.where(mask, scores * (cfg.d_head ** -0.5), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1)
+            probs, log_norm = jax.nn.softmax(scores, axis=-1), jax.nn.logsumexp(scores, axis=-1)
         # For analysis (memjax.analysis; a no-op unless applied with mutable=['intermediates']): what
         # the scores were made of, keys in attended order, the segment last.
         self.sow('intermediates', 'attention', {'probs': probs, 'mask': mask, 'query': query, 'key': key,
@@ -549,7 +550,7 @@ class RelativeAttention(nn.Module):
         out = out_proj(attended)
         result = Attended()
         if attend is not None:
-            view = AttentionView(query=query, key=key, value=value, maps=maps, scores=scores, attended=attended,
+            view = AttentionView(query=query, key=key, value=value, maps=maps, log_norm=log_norm, attended=attended,
                                  positions=ctx.positions, u_bias=u_bias, v_bias=v_bias, biases=biases or {},
                                  rows=None if rows is None else rows.rows, deterministic=deterministic)
             result = attend(view)

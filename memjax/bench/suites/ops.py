@@ -37,13 +37,13 @@ XLA_FLAGS = ('--xla_cpu_enable_xprof_traceme=true',)
 TOP = 10  # Ops listed per step; the rest are summed in one row.
 TARGET = 1.5  # The speed-up over torch.compile that issue 29 asks for, which the roofline weighs.
 
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\S+?)(?:\{[^}]*\})? (\w[\w\-]*)\((.*)$')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\([^)]*\)|\S+?)(?:\{[^}]*\})? (\w[\w\-]*)\((.*)$')
 _COMPUTATION = re.compile(r'^\s*(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$')
 _SHAPE = re.compile(r'\w+\[([\d,]*)\]')
 
 
 def _dims(shape: str) -> list[int]:
-    found = _SHAPE.match(shape)
+    found = _SHAPE.search(shape)
     return [int(d) for d in found.group(1).split(',') if d] if found else []
 
 
@@ -83,9 +83,9 @@ def hlo_op_flops(hlo: str) -> dict[str, float]:
             lhs_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
             contracted = _dims(lhs_shape)[-2 if re.search(r'transpose_lhs = true', rest) else -1]
             kernels[name] = 2.0 * math.prod(_dims(output)) * contracted
-        if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.SCORES_TARGET}"' in rest:
-            # memjax's span scores: a content and a positional product per score, over the queries'
-            # last axis (queries [B, T, H, D] first).
+        if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.SOFTMAX_TARGET}"' in rest:
+            # memjax's span softmax: a content and a positional product per score (the first output),
+            # over the queries' last axis (queries [B, T, H, D] first).
             query_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
             kernels[name] = 2 * 2.0 * math.prod(_dims(output)) * _dims(query_shape)[-1]
         # Fusions only: the ops of a loop's body are profiled as ops of their own.

@@ -163,7 +163,7 @@ class LaMemoLayerMemory(LayerMemory):
         else:  # The memory keeps its causal outputs: Transformer-XL's memory, recomputed.
             context, log_norm = prev, log_prev
         context = context.astype(cfg.dtype)
-        segment_log_norm = jax.nn.logsumexp(view.scores, axis=-1)  # [B, H, T]
+        segment_log_norm = view.log_norm  # [B, H, T]
         return Attended(rows=view.maps.output(context),
                         notes={'context': context, 'log_norm': log_norm,
                                'segment_context': view.attended, 'segment_log_norm': segment_log_norm})
