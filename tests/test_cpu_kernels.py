@@ -149,7 +149,7 @@ def _softmax_of(scores):
 @needs_kernel
 def test_span_softmax_of_a_row_with_no_visible_key_is_uniform_as_xlas():
     """A batch row whose keys are all invalid (no real caller has one: the segment's own keys are
-    always valid) gets XLA's softmax of equal scores, every key 1 / K, not NaNs."""
+    always valid) gets XLA's softmax of equal scores, every key 1 / K, not NaNs, and no gradient."""
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
     cq, k, pq, r, valid = _span_operands(2, 4, 11, 2, 8)
     operands = (cq, k, pq, r, valid.at[0].set(False))
@@ -159,18 +159,27 @@ def test_span_softmax_of_a_row_with_no_visible_key_is_uniform_as_xlas():
     np.testing.assert_allclose(got[0][0], np.full((2, 4, 11), 1 / 11), rtol=1e-6)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(got[1][0], expected[1][0])
+    loss = lambda weights: lambda *x: jnp.sum(weights(*x)[0] * jnp.arange(11.0))
+    fused = jax.grad(loss(lambda *x: cpu.relative_softmax(reference, *x, 0.3)), (0, 1, 2, 3))
+    for g, e in zip(jax.jit(fused)(*operands), jax.grad(loss(lambda *x: _softmax_of(reference(*x))), (0, 1, 2, 3))(*operands)):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
 @needs_kernel
-def test_span_softmax_gradient_is_the_references():
-    """Both outputs carry gradient (LaMemo's memory update reads the log-denominator)."""
+@pytest.mark.parametrize('batch,qlen,klen,heads,dim', [(2, 9, 20, 2, 6), (3, 16, 16, 2, 41), (1, 1, 35, 3, 32)])
+def test_span_softmax_gradient_is_the_references(batch, qlen, klen, heads, dim):
+    """Both outputs carry gradient (LaMemo's memory update reads the log-denominator); the kernel's
+    gradient, with rows and head sizes beyond its register blocks and invalid memory keys, equals
+    XLA's of the reference."""
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
-    operands = _span_operands(2, 9, 20, 2, 6, seed=5)
+    operands = _span_operands(batch, qlen, klen, heads, dim, seed=5)
     reference = lambda *x: attention._span_scores_masked(0.3, *x)  # pylint: disable=protected-access
     keys = jax.random.split(jax.random.PRNGKey(6))
-    weight, norm_weight = jax.random.normal(keys[0], (2, 2, 9, 20)), jax.random.normal(keys[1], (2, 2, 9))
+    weight = jax.random.normal(keys[0], (batch, heads, qlen, klen))
+    norm_weight = jax.random.normal(keys[1], (batch, heads, qlen))
     loss = lambda weights: lambda *x: jnp.sum(weights(*x)[0] * weight) + jnp.sum(weights(*x)[1] * norm_weight)
-    fused = lambda *x: cpu.relative_softmax(reference, *x, 0.3)
-    got = jax.jit(jax.grad(loss(fused), (0, 1, 2, 3)))(*operands)
+    fused = jax.grad(loss(lambda *x: cpu.relative_softmax(reference, *x, 0.3)), (0, 1, 2, 3))
+    got = jax.jit(fused)(*operands)
     for g, e in zip(got, jax.grad(loss(lambda *x: _softmax_of(reference(*x))), (0, 1, 2, 3))(*operands)):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    assert f'custom_call_target="{cpu.SOFTMAX_GRADIENT_TARGET}"' in _hlo(fused, *operands)

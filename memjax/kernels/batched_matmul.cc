@@ -16,7 +16,9 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -82,13 +84,14 @@ void column_block(const float* lhs, int64_t lhs_stride, int64_t m_len, int64_t k
 }
 
 // out [M, N] = lhs [M, K] @ rhs [K, N] (lhs_t: lhs [K, M] read as its transpose), lhs's rows (or
-// columns) `lhs_stride` apart, so that one head of a [T, H, D] array is read in place.
+// columns), rhs's rows and out's rows `lhs_stride`, `rhs_stride` and `out_stride` apart, so that
+// one head of a [T, H, D] array is read or written in place.
 template <bool lhs_t>
-void matmul(const float* lhs, int64_t lhs_stride, const float* rhs, float* out, int64_t m_len, int64_t k_len,
-            int64_t n_len) {
+void matmul(const float* lhs, int64_t lhs_stride, const float* rhs, int64_t rhs_stride, float* out,
+            int64_t out_stride, int64_t m_len, int64_t k_len, int64_t n_len) {
   const int64_t full_cols = n_len - n_len % kCols;
   for (int64_t j = 0; j < full_cols; j += kCols) {
-    column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, rhs + j, n_len, out + j, n_len);
+    column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, rhs + j, rhs_stride, out + j, out_stride);
   }
   const int64_t tail = n_len - full_cols;
   if (tail == 0) return;
@@ -96,33 +99,42 @@ void matmul(const float* lhs, int64_t lhs_stride, const float* rhs, float* out, 
   // columns zero-padded to kCols, out computed into a buffer, its first `tail` columns kept.
   std::vector<float> padded(k_len * kCols, 0.0f), block_out(m_len * kCols);
   for (int64_t k = 0; k < k_len; ++k) {
-    std::memcpy(&padded[k * kCols], rhs + k * n_len + full_cols, tail * sizeof(float));
+    std::memcpy(&padded[k * kCols], rhs + k * rhs_stride + full_cols, tail * sizeof(float));
   }
   column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, padded.data(), kCols, block_out.data(), kCols);
   for (int64_t i = 0; i < m_len; ++i) {
-    std::memcpy(out + i * n_len + full_cols, &block_out[i * kCols], tail * sizeof(float));
+    std::memcpy(out + i * out_stride + full_cols, &block_out[i * kCols], tail * sizeof(float));
   }
 }
 
-// Shared with the pool's tasks by ownership: a task that starts after the call returned finds no
-// product left and touches nothing else.
-struct Work {
-  const float* lhs;
-  const float* rhs;
-  float* out;
-  int64_t count, m_len, k_len, n_len;
-  bool lhs_t;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
+// Runs task(i, scratch) for every i in [0, count) on the calling thread and XLA's intra-op pool,
+// `scratch` a buffer of the running thread's own. The state is shared with the pool's tasks by
+// ownership: a task that starts after the call returned finds nothing left and touches nothing else.
+template <typename Task>
+void parallel_for(ffi::ThreadPool& pool, int64_t count, Task task) {
+  struct Shared {
+    Shared(Task task, int64_t count) : task(std::move(task)), count(count) {}
+    Task task;
+    int64_t count;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> finished{0};
 
-  void run() {
-    for (int64_t b; (b = next.fetch_add(1)) < count;) {
-      (lhs_t ? matmul<true> : matmul<false>)(lhs + b * m_len * k_len, lhs_t ? m_len : k_len, rhs + b * k_len * n_len,
-                                             out + b * m_len * n_len, m_len, k_len, n_len);
-      finished.fetch_add(1);
+    void run() {
+      std::vector<float> scratch;
+      for (int64_t i; (i = next.fetch_add(1)) < count;) {
+        task(i, scratch);
+        finished.fetch_add(1);
+      }
     }
-  }
-};
+  };
+  auto shared = std::make_shared<Shared>(task, count);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([shared]() { shared->run(); });
+  shared->run();
+  // Only tasks some thread has claimed are left, and those threads are running: no task that never
+  // started is waited for (the pool may be busy with other ops).
+  while (shared->finished.load() < count) std::this_thread::yield();
+}
 
 ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
                          ffi::Result<ffi::AnyBuffer> out, bool transpose_lhs) {
@@ -133,22 +145,19 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
       rhs.element_type() != ffi::F32) {
     return ffi::Error::InvalidArgument("memjax_batched_matmul: float32 operands of equal rank >= 2");
   }
-  auto work = std::make_shared<Work>();
-  work->lhs = lhs.typed_data<float>();
-  work->rhs = rhs.typed_data<float>();
-  work->out = out->typed_data<float>();
-  work->lhs_t = transpose_lhs;
-  work->m_len = lhs_dims[transpose_lhs ? rank - 1 : rank - 2];
-  work->k_len = lhs_dims[transpose_lhs ? rank - 2 : rank - 1];
-  work->n_len = rhs_dims[rank - 1];
-  work->count = 1;
-  for (int64_t axis = 0; axis < rank - 2; ++axis) work->count *= lhs_dims[axis];
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->count) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { work->run(); });
-  work->run();
-  // Only products some thread has claimed are left, and those threads are running: no task that
-  // never started is waited for (the pool may be busy with other ops).
-  while (work->finished.load() < work->count) std::this_thread::yield();
+  const float* lhs_data = lhs.typed_data<float>();
+  const float* rhs_data = rhs.typed_data<float>();
+  float* out_data = out->typed_data<float>();
+  const int64_t m_len = lhs_dims[transpose_lhs ? rank - 1 : rank - 2];
+  const int64_t k_len = lhs_dims[transpose_lhs ? rank - 2 : rank - 1];
+  const int64_t n_len = rhs_dims[rank - 1];
+  int64_t count = 1;
+  for (int64_t axis = 0; axis < rank - 2; ++axis) count *= lhs_dims[axis];
+  parallel_for(pool, count, [=](int64_t b, std::vector<float>&) {
+    (transpose_lhs ? matmul<true> : matmul<false>)(lhs_data + b * m_len * k_len, transpose_lhs ? m_len : k_len,
+                                                   rhs_data + b * k_len * n_len, n_len, out_data + b * m_len * n_len,
+                                                   n_len, m_len, k_len, n_len);
+  });
   return ffi::Error::Success();
 }
 
@@ -198,11 +207,16 @@ inline F exp_nonpositive(F x) {
 // softmax: XLA's version makes five passes over the [B, H, T, K] scores in memory.
 // Layouts: cq, pq [B, T, H, D] (read in place), kt [B, H, D, K], rt [H, D, K], valid [B, K].
 struct Scores {
-  const float *cq, *kt, *pq, *rt;
+  const float *cq, *k, *pq, *r;
   const bool* valid;
-  float *probs, *log_norm;
   int64_t heads, t_len, k_len, d_len;
   float scale;
+
+  // Where head h of batch row b starts in a [B, T, H, D] query array, and in a [B, K, H, D] key one;
+  // rows of both are `stride` apart.
+  int64_t query(int64_t b, int64_t h) const { return (b * t_len * heads + h) * d_len; }
+  int64_t key(int64_t b, int64_t h) const { return (b * k_len * heads + h) * d_len; }
+  int64_t stride() const { return heads * d_len; }
 };
 
 // Row i of a head: `row` holds its content scores, `shifted` its positional ones at their offset.
@@ -233,57 +247,119 @@ float softmax_row(const Scores& s, const bool* valid, float* row, const float* s
   return top + std::log(sum);
 }
 
-void softmax_head(const Scores& s, int64_t bh, std::vector<float>& position) {
+// Layouts: kt [B, H, D, K] and rt [H, D, K] (the keys and distance rows transposed, read as a
+// product's rhs); probs [B, H, T, K], log_norm [B, H, T].
+void softmax_head(const Scores& s, const float* kt, const float* rt, float* probs, float* log_norm, int64_t bh,
+                  std::vector<float>& position) {
   const int64_t b = bh / s.heads, h = bh % s.heads, t_len = s.t_len, k_len = s.k_len, d_len = s.d_len;
-  const int64_t q_offset = b * t_len * s.heads * d_len + h * d_len, q_stride = s.heads * d_len;
-  float* out = s.probs + bh * t_len * k_len;
+  float* out = probs + bh * t_len * k_len;
   position.resize(t_len * k_len);
-  matmul<false>(s.cq + q_offset, q_stride, s.kt + bh * d_len * k_len, out, t_len, d_len, k_len);
-  matmul<false>(s.pq + q_offset, q_stride, s.rt + h * d_len * k_len, position.data(), t_len, d_len, k_len);
+  matmul<false>(s.cq + s.query(b, h), s.stride(), kt + bh * d_len * k_len, k_len, out, k_len, t_len, d_len, k_len);
+  matmul<false>(s.pq + s.query(b, h), s.stride(), rt + h * d_len * k_len, k_len, position.data(), k_len, t_len,
+                d_len, k_len);
   const int64_t past = k_len - t_len;  // Query i sees keys j <= past + i.
   for (int64_t i = 0; i < t_len; ++i) {
-    s.log_norm[bh * t_len + i] = softmax_row(s, s.valid + b * k_len, out + i * k_len,
-                                             position.data() + i * k_len + (t_len - 1 - i), past + i + 1);
+    log_norm[bh * t_len + i] = softmax_row(s, s.valid + b * k_len, out + i * k_len,
+                                           position.data() + i * k_len + (t_len - 1 - i), past + i + 1);
   }
 }
 
-struct SoftmaxWork {
-  Scores s;
-  int64_t count;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-
-  void run() {
-    std::vector<float> position;  // This thread's [T, K] positional scores.
-    for (int64_t bh; (bh = next.fetch_add(1)) < count;) {
-      softmax_head(s, bh, position);
-      finished.fetch_add(1);
-    }
-  }
+// The gradient of (probs, log_norm) with respect to cq, k, pq and r, given theirs (gp, gl), per head:
+// the scores' gradient dS = p (gp - <p, gp> + gl) * scale where visible (0 elsewhere), in cache;
+// its rows shifted back to the positional scores' columns (dP[i, T - 1 - i + j] = dS[i, j]); then
+// the four products dcq = dS k, dk = dS^T cq, dpq = dP r, dr += dP^T pq, written in place into
+// [B, T, H, D], [B, K, H, D], [B, T, H, D] and [K, H, D] (r's gradient sums the batch rows: each
+// head's product is made apart, then added under the head's lock, as rows run at once).
+// Layouts: k [B, K, H, D], r [K, H, D].
+struct Gradients {
+  const float *probs, *grad_probs, *grad_log_norm;
+  float *cq, *k, *pq, *r;
+  std::mutex* head_locks;
 };
+
+void gradient_head(const Scores& s, const Gradients& g, int64_t bh, std::vector<float>& scratch) {
+  const int64_t b = bh / s.heads, h = bh % s.heads, t_len = s.t_len, k_len = s.k_len, d_len = s.d_len;
+  scratch.resize(2 * t_len * k_len + k_len * d_len);
+  float* scores = scratch.data();
+  float* position = scores + t_len * k_len;
+  float* row_gradient = position + t_len * k_len;
+  const bool* valid = s.valid + b * k_len;
+  const int64_t past = k_len - t_len;
+  for (int64_t i = 0; i < t_len; ++i) {
+    const float* p = g.probs + (bh * t_len + i) * k_len;
+    const float* gp = g.grad_probs + (bh * t_len + i) * k_len;
+    float* row = scores + i * k_len;
+    const int64_t seen = past + i + 1;
+    float dot = 0.0f;
+    for (int64_t j = 0; j < seen; ++j) dot += p[j] * gp[j];
+    const float shift = g.grad_log_norm[bh * t_len + i] - dot;
+    for (int64_t j = 0; j < seen; ++j) row[j] = valid[j] ? p[j] * (gp[j] + shift) * s.scale : 0.0f;
+    std::fill(row + seen, row + k_len, 0.0f);
+    float* shifted = position + i * k_len;
+    std::fill(shifted, shifted + (t_len - 1 - i), 0.0f);
+    std::memcpy(shifted + (t_len - 1 - i), row, seen * sizeof(float));
+  }
+  const int64_t stride = s.stride(), q = s.query(b, h), k = s.key(b, h);
+  matmul<false>(scores, k_len, s.k + k, stride, g.cq + q, stride, t_len, k_len, d_len);
+  matmul<true>(scores, k_len, s.cq + q, stride, g.k + k, stride, k_len, t_len, d_len);
+  matmul<false>(position, k_len, s.r + h * d_len, stride, g.pq + q, stride, t_len, k_len, d_len);
+  matmul<true>(position, k_len, s.pq + q, stride, row_gradient, d_len, k_len, t_len, d_len);
+  std::lock_guard<std::mutex> lock(g.head_locks[h]);
+  for (int64_t c = 0; c < k_len; ++c) {
+    float* total = g.r + c * stride + h * d_len;
+    for (int64_t d = 0; d < d_len; ++d) total[d] += row_gradient[c * d_len + d];
+  }
+}
+
+bool span_shapes(ffi::Span<const int64_t> q_dims, ffi::Span<const int64_t> k_dims,
+                 ffi::Span<const int64_t> r_dims, ffi::Span<const int64_t> v_dims) {
+  return q_dims.size() == 4 && k_dims.size() == 4 && r_dims.size() == 3 && v_dims.size() == 2 &&
+         r_dims[0] == k_dims[1] && v_dims[0] == q_dims[0] && v_dims[1] == k_dims[1] && q_dims[1] <= k_dims[1];
+}
 
 ffi::Error RelativeSoftmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> cq, ffi::Buffer<ffi::F32> kt,
                            ffi::Buffer<ffi::F32> pq, ffi::Buffer<ffi::F32> rt, ffi::Buffer<ffi::PRED> valid,
                            ffi::Result<ffi::Buffer<ffi::F32>> probs, ffi::Result<ffi::Buffer<ffi::F32>> log_norm,
                            float scale) {
-  const auto q_dims = cq.dimensions();
-  const auto k_dims = kt.dimensions();
-  const auto r_dims = rt.dimensions();
-  const auto v_dims = valid.dimensions();
-  if (q_dims.size() != 4 || k_dims.size() != 4 || r_dims.size() != 3 || v_dims.size() != 2 ||
-      r_dims[2] != k_dims[3] || v_dims[0] != q_dims[0] || v_dims[1] != k_dims[3] || q_dims[1] > k_dims[3]) {
+  const auto q = cq.dimensions(), k = kt.dimensions(), r = rt.dimensions();
+  // The keys and rows as the gradient takes them, [B, K, H, D] and [K, H, D], to check them alike.
+  if (k.size() != 4 || r.size() != 3 ||
+      !span_shapes(q, std::vector<int64_t>{k[0], k[3], k[1], k[2]}, std::vector<int64_t>{r[2], r[0], r[1]},
+                   valid.dimensions())) {
     return ffi::Error::InvalidArgument("memjax_relative_softmax: queries [B, T, H, D], keys [B, H, D, K], "
                                        "table [H, D, K], validity [B, K], T <= K");
   }
-  auto work = std::make_shared<SoftmaxWork>();
-  work->s = Scores{cq.typed_data(), kt.typed_data(), pq.typed_data(), rt.typed_data(), valid.typed_data(),
-                   probs->typed_data(), log_norm->typed_data(), q_dims[2], q_dims[1], k_dims[3], q_dims[3],
-                   scale};
-  work->count = q_dims[0] * q_dims[2];
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->count) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work]() { work->run(); });
-  work->run();
-  while (work->finished.load() < work->count) std::this_thread::yield();
+  const Scores s{cq.typed_data(), nullptr, pq.typed_data(), nullptr, valid.typed_data(), q[2], q[1], k[3], q[3],
+                 scale};
+  const float *kt_data = kt.typed_data(), *rt_data = rt.typed_data();
+  float *probs_data = probs->typed_data(), *log_norm_data = log_norm->typed_data();
+  parallel_for(pool, q[0] * q[2], [=](int64_t bh, std::vector<float>& scratch) {
+    softmax_head(s, kt_data, rt_data, probs_data, log_norm_data, bh, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error RelativeSoftmaxGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs,
+                                   ffi::Buffer<ffi::F32> grad_probs, ffi::Buffer<ffi::F32> grad_log_norm,
+                                   ffi::Buffer<ffi::F32> cq, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> pq,
+                                   ffi::Buffer<ffi::F32> r, ffi::Buffer<ffi::PRED> valid,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> grad_cq, ffi::Result<ffi::Buffer<ffi::F32>> grad_k,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> grad_pq,
+                                   ffi::Result<ffi::Buffer<ffi::F32>> grad_r, float scale) {
+  const auto q = cq.dimensions();
+  if (!span_shapes(q, k.dimensions(), r.dimensions(), valid.dimensions())) {
+    return ffi::Error::InvalidArgument("memjax_relative_softmax_gradient: queries [B, T, H, D], keys [B, K, H, D], "
+                                       "table [K, H, D], validity [B, K], T <= K");
+  }
+  const Scores s{cq.typed_data(), k.typed_data(), pq.typed_data(), r.typed_data(), valid.typed_data(),
+                 q[2], q[1], k.dimensions()[1], q[3], scale};
+  float* grad_r_data = grad_r->typed_data();
+  std::fill(grad_r_data, grad_r_data + grad_r->element_count(), 0.0f);
+  // Every task that uses them has finished when parallel_for returns.
+  std::unique_ptr<std::mutex[]> head_locks(new std::mutex[q[2]]);
+  const Gradients g{probs.typed_data(), grad_probs.typed_data(), grad_log_norm.typed_data(), grad_cq->typed_data(),
+                    grad_k->typed_data(), grad_pq->typed_data(), grad_r_data, head_locks.get()};
+  parallel_for(pool, q[0] * q[2], [=](int64_t bh, std::vector<float>& scratch) { gradient_head(s, g, bh, scratch); });
   return ffi::Error::Success();
 }
 
@@ -305,6 +381,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_relative_softmax, RelativeSoftmax,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_relative_softmax_gradient, RelativeSoftmaxGradient,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));

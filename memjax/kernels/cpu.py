@@ -35,6 +35,7 @@ import numpy as np
 SOURCE = pathlib.Path(__file__).with_name('batched_matmul.cc')
 TARGET = 'memjax_batched_matmul'
 SOFTMAX_TARGET = 'memjax_relative_softmax'
+SOFTMAX_GRADIENT_TARGET = 'memjax_relative_softmax_gradient'
 SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
 
 
@@ -77,7 +78,7 @@ def register(compiler: Optional[str]) -> bool:
         return False
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-        for target in (TARGET, SOFTMAX_TARGET):
+        for target in (TARGET, SOFTMAX_TARGET, SOFTMAX_GRADIENT_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
     except (OSError, subprocess.CalledProcessError, AttributeError) as error:
         detail = (getattr(error, 'stderr', None) or str(error)).strip().splitlines()
@@ -146,9 +147,10 @@ def relative_softmax(reference: Callable, content_query: jax.Array, key: jax.Arr
     (the scores' logsumexp), for a contiguous span of K keys, the segment's T queries last (queries
     [B, T, H, D], keys [B, K, H, D], distance rows [K, H, D], key validity [B, K]). The kernel, where
     it applies, forms each head's content and positional products, then takes each query's row in
-    cache from scores (positional scores at their rel-shift offsets, scaled, masked) to softmax.
-    The gradient is the softmax's, then the reference's: the kernel's probabilities are kept, the
-    scores never stored."""
+    cache from scores (positional scores at their rel-shift offsets, scaled, masked) to softmax; its
+    gradient, from the probabilities, forms each head's scores gradient in cache and its four
+    products, written in place. Elsewhere XLA runs the reference and the same formulas.
+    """
     def softmax(*operands):
         scores = reference(*operands)
         return jax.nn.softmax(scores, axis=-1), jax.nn.logsumexp(scores, axis=-1)
@@ -170,13 +172,21 @@ def relative_softmax(reference: Callable, content_query: jax.Array, key: jax.Arr
         probs, log_norm = run(cq, k, pq, r, ok)
         return (probs, log_norm), ((cq, k, pq, r, ok), probs)
 
-    def run_backward(residuals, grads):
-        (*differentiable, ok), probs = residuals
-        grad_probs, grad_log_norm = grads
+    def kernel_gradients(cq, k, pq, r, ok, probs, grad_probs, grad_log_norm):
+        out = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (cq, k, pq, r))
+        return tuple(jax.ffi.ffi_call(SOFTMAX_GRADIENT_TARGET, out)(probs, grad_probs, grad_log_norm, cq, k, pq, r,
+                                                                    ok, scale=np.float32(scale)))
+
+    def reference_gradients(cq, k, pq, r, ok, probs, grad_probs, grad_log_norm):
         # d/ds of softmax(s) . g and of logsumexp(s) g': p (g - <p, g>) and p g'.
         grad_scores = probs * (grad_probs - jnp.sum(grad_probs * probs, axis=-1, keepdims=True)
                                + grad_log_norm[..., None])
-        return (*jax.vjp(lambda *x: reference(*x, ok), *differentiable)[1](grad_scores), None)
+        return jax.vjp(lambda *x: reference(*x, ok), cq, k, pq, r)[1](grad_scores)
+
+    def run_backward(residuals, grads):
+        operands, probs = residuals
+        return (*jax.lax.platform_dependent(*operands, probs, *grads, cpu=kernel_gradients,
+                                            default=reference_gradients), None)
 
     run.defvjp(run_forward, run_backward)
     return run(content_query, key, position_query, pos_key, valid)

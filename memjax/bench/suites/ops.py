@@ -88,6 +88,11 @@ def hlo_op_flops(hlo: str) -> dict[str, float]:
             # over the queries' last axis (queries [B, T, H, D] first).
             query_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
             kernels[name] = 2 * 2.0 * math.prod(_dims(output)) * _dims(query_shape)[-1]
+        if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.SOFTMAX_GRADIENT_TARGET}"' in rest:
+            # Its gradient: four products per score (probabilities [B, H, T, K] first), over the
+            # queries' last axis (the query gradient [B, T, H, D] is the first output).
+            probs_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
+            kernels[name] = 4 * 2.0 * math.prod(_dims(probs_shape)) * _dims(output)[-1]
         # Fusions only: the ops of a loop's body are profiled as ops of their own.
         calls[name] = re.findall(r'calls=%?([\w.\-]+)', rest)
         if computation is not None:
