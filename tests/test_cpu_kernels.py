@@ -130,7 +130,7 @@ def test_span_softmax_equals_its_definition(batch, qlen, klen, heads, dim, sprea
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
     cq, k, pq, r, valid = _span_operands(batch, qlen, klen, heads, dim)
     operands = (cq * spread, k, pq * spread, r, valid)
-    reference = lambda *x: attention._span_scores_masked(0.3, *x)  # pylint: disable=protected-access
+    reference = lambda *x: attention.span_scores_masked(0.3, *x)
     fn = lambda *x: cpu.relative_softmax(reference, *x, 0.3)
     probs, log_norm = _naive_softmax(_naive_span_scores(*operands, 0.3))
     # A probability's relative error is its float32 score's absolute error, which grows with the
@@ -153,7 +153,7 @@ def test_span_softmax_of_a_row_with_no_visible_key_is_uniform_as_xlas():
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
     cq, k, pq, r, valid = _span_operands(2, 4, 11, 2, 8)
     operands = (cq, k, pq, r, valid.at[0].set(False))
-    reference = lambda *x: attention._span_scores_masked(0.3, *x)  # pylint: disable=protected-access
+    reference = lambda *x: attention.span_scores_masked(0.3, *x)
     got = jax.jit(lambda *x: cpu.relative_softmax(reference, *x, 0.3))(*operands)
     expected = _softmax_of(reference(*operands))
     np.testing.assert_allclose(got[0][0], np.full((2, 4, 11), 1 / 11), rtol=1e-6)
@@ -173,7 +173,7 @@ def test_span_softmax_gradient_is_the_references(batch, qlen, klen, heads, dim):
     XLA's of the reference."""
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
     operands = _span_operands(batch, qlen, klen, heads, dim, seed=5)
-    reference = lambda *x: attention._span_scores_masked(0.3, *x)  # pylint: disable=protected-access
+    reference = lambda *x: attention.span_scores_masked(0.3, *x)
     keys = jax.random.split(jax.random.PRNGKey(6))
     weight = jax.random.normal(keys[0], (batch, heads, qlen, klen))
     norm_weight = jax.random.normal(keys[1], (batch, heads, qlen))

@@ -82,6 +82,18 @@ def test_look_ahead_positions_are_r_of_j_minus_i_with_v_minus(mem_len, seg_len):
                                            rtol=1e-5, atol=1e-5)
 
 
+def test_a_memory_no_longer_than_the_segment_refreshes_as_a_longer_one(forward):
+    """Two layers, so that the refreshed rows feed the next layer's keys. In the second segment a
+    memory of 8 rows holds the first segment's 4 behind 4 empty ones, a memory of 4 holds the same
+    4: the look-ahead sees the same keys at the same distances, computed by the older-rows path
+    (M > T) and by the reversed causal span (M <= T, memjax's CPU kernel where it applies), and
+    the log-probs agree."""
+    params = jax.tree.map(lambda x: x * 4.0, model_lib.init_params(tiny(n_layer=2, mem_len=8), jax.random.key(3)))
+    tokens = jax.random.randint(jax.random.key(4), (2, 2 * SEG), 0, 13)
+    logprobs = {m: run_segments(forward, tiny(n_layer=2, mem_len=m), params, tokens)[0] for m in (8, SEG)}
+    np.testing.assert_allclose(logprobs[SEG], logprobs[8], rtol=1e-5, atol=1e-5)
+
+
 def naive_bidirectional_memory(params, cfg, embedded, t_rows, n_keys):
     """Appendix A: sum_j beta_j v_j for the rows t_rows over keys 0 ... n_keys-1 of a one-layer
     model, with the causal scores for j <= t (R_(t-j), v+) and look-ahead ones for j > t (R_(j-t),
@@ -127,11 +139,13 @@ def test_interpolated_memory_is_attention_over_both_sides_appendix_a(forward, en
     assert np.abs(states[2].layers['context'][0][:, :4] - expected).max() > 1e-3
 
 
-@pytest.mark.parametrize('scan_layers', [False, True])
-def test_memorizing_coefficients_are_the_past_share_of_the_bidirectional_attention(scan_layers):
+@pytest.mark.parametrize('scan_layers,mem_len', [(False, 8), (True, 8), (False, SEG)])
+def test_memorizing_coefficients_are_the_past_share_of_the_bidirectional_attention(scan_layers, mem_len):
     """alpha (eq. 11), extracted for analysis, is the weight the appendix A attention gives the
-    keys left of each memory row, per layer (scan_layers: the same values, stacked by nn.scan)."""
-    cfg = tiny(n_layer=1, mem_len=8)
+    keys left of each memory row, per layer (scan_layers: the same values, stacked by nn.scan;
+    a memory no longer than the segment: the look-ahead as a reversed causal span, memjax's CPU
+    kernel where it applies)."""
+    cfg = tiny(n_layer=1, mem_len=mem_len)
     params = jax.tree.map(lambda x: x * 4.0, model_lib.init_params(cfg, jax.random.key(0)))
     tokens = jax.random.randint(jax.random.key(1), (2, 3 * SEG), 0, cfg.vocab_size)
     if scan_layers:  # Two layers with the same weights: the first sees what the one-layer model sees.
@@ -141,18 +155,18 @@ def test_memorizing_coefficients_are_the_past_share_of_the_bidirectional_attenti
     model = model_lib.build_model(cfg)
     extract = jax.jit(functools.partial(analysis_lamemo.memorizing_coefficients, model))
     memory = model_lib.init_memory(cfg, 2)
-    alphas = []
+    alphas, embedded = [], []
     for start in range(0, 3 * SEG, SEG):
-        alpha, next_memory = extract(params, tokens[:, start:start + SEG], memory)
-        embedded = jnp.concatenate([memory.shared['embedded'], next_memory.shared['embedded'][:, 4:]], axis=1)
+        alpha, memory = extract(params, tokens[:, start:start + SEG], memory)
+        embedded.append(memory.shared['embedded'][:, -SEG:])  # The segment's layer inputs.
         alphas.append(alpha)
-        memory = next_memory
+    embedded = jnp.concatenate(embedded, axis=1)
     assert alphas[0].shape == (cfg.n_layer, 2, cfg.n_head, cfg.mem_len)
     np.testing.assert_array_equal(alphas[0], 0.0)  # Nothing attended before: no past to keep.
     _, expected = naive_bidirectional_memory(params if not scan_layers else {
         **params, 'layer_0': layer}, cfg.replace(n_layer=1), embedded, range(4, 8), n_keys=9)
-    # Rows 4-7 of the memory 0-7 that segment 3 refreshed.
-    np.testing.assert_allclose(alphas[2][0, ..., 4:], expected, rtol=1e-4, atol=1e-5)
+    # Rows 4-7 of the memory (0-7, or 4-7) that segment 3 refreshed.
+    np.testing.assert_allclose(alphas[2][0, ..., mem_len - 4:], expected, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match='lamemo_interpolate=True'):
         analysis_lamemo.memorizing_coefficients(model_lib.build_model(cfg.replace(lamemo_interpolate=False)), params,
                                        tokens[:, :SEG], model_lib.init_memory(cfg, 2))

@@ -393,7 +393,7 @@ def _span_key_validity(blocks: Sequence[KeyBlock], batch: int, qlen: int) -> Opt
                            + [jnp.ones((batch, qlen), bool)], axis=-1)
 
 
-def _span_scores_masked(scale: float, content_query, key, position_query, pos_key, key_valid):
+def span_scores_masked(scale: float, content_query, key, position_query, pos_key, key_valid):
     """Masked scores [B, H, T, K] of one contiguous span of K keys (`pos_key`: its K distance rows),
     the segment's T queries last: (content + rel-shifted position scores) * scale, where each key
     is valid and not in the query's future; the float32 minimum elsewhere."""
@@ -403,7 +403,7 @@ def _span_scores_masked(scale: float, content_query, key, position_query, pos_ke
     return jnp.where(visible, scores * scale, jnp.finfo(jnp.float32).min)
 
 
-def _weighted_values(probs, value):
+def weighted_values(probs, value):
     return jnp.einsum('bhtk,bhkd->bhtd', probs, value)
 
 
@@ -533,7 +533,7 @@ class RelativeAttention(nn.Module):
             key_valid = _span_key_validity(blocks, query.shape[0], qlen)
         if key_valid is not None:  # One contiguous span: the rel-shift is a fixed offset per query.
             probs, log_norm = cpu_kernels.relative_softmax(
-                functools.partial(_span_scores_masked, cfg.d_head ** -0.5), content_query, key, position_query,
+                functools.partial(span_scores_masked, cfg.d_head ** -0.5), content_query, key, position_query,
                 pos_key, key_valid, cfg.d_head ** -0.5)
         else:
             scores = _content_scores(content_query, key)
@@ -546,7 +546,7 @@ class RelativeAttention(nn.Module):
         self.sow('intermediates', 'attention', {'probs': probs, 'mask': mask, 'query': query, 'key': key,
                                                 'pos_key': pos_key, 'u_bias': u_bias, 'v_bias': v_bias})
         probs = Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
-        attended = cpu_kernels.product(_weighted_values, probs, value.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        attended = cpu_kernels.product(weighted_values, probs, value.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
         out = out_proj(attended)
         result = Attended()
         if attend is not None:

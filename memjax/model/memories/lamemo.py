@@ -29,13 +29,15 @@ O(M x T) (the code's are O(M^2)).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from memjax.model.attention import Attended, KeyBlock
+from memjax.kernels import cpu as cpu_kernels
+from memjax.model.attention import Attended, KeyBlock, span_scores_masked, weighted_values
 from memjax.model.config import KindFields
 from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, register
 from memjax.model.positions import rel_shift
@@ -133,19 +135,30 @@ class LaMemoLayerMemory(LayerMemory):
         if not disentangled:  # R_(i-j) at i < j: the sine half changes sign.
             positions = positions * jnp.concatenate([-jnp.ones(cfg.d_model // 2), jnp.ones(cfg.d_model // 2)])
         v_ahead = view.biases['v_ahead_bias'] if disentangled else view.v_bias
-        scores = jnp.einsum('bmhd,bwhd->bhmw', query + view.u_bias.astype(query.dtype), view.key[:, window],
-                            preferred_element_type=jnp.float32)
-        scores += look_ahead_position_scores(query + v_ahead.astype(query.dtype), positions,
-                                             view.maps.position, seg_len)
-        scores *= cfg.d_head ** -0.5
+        content_query, position_query = query + view.u_bias.astype(query.dtype), query + v_ahead.astype(query.dtype)
         key_valid = jnp.concatenate([shared['valid'][:, mem_len - w + 1:],
                                      jnp.ones((shared['valid'].shape[0], 1), bool)], axis=1)
+        keys, values = view.key[:, window], view.value[:, window]
+        scale = cfg.d_head ** -0.5
+        if mem_len == w:
+            # Rows and keys both reversed, row a sees keys k <= a at distance a - k + 1: Transformer-XL's
+            # causal span over W keys with the distance rows W ... 1, so the span softmax (memjax's
+            # CPU kernel where it applies) serves, its output rows reversed back.
+            near = view.maps.position(positions[positions.shape[0] - 1 - w:positions.shape[0] - 1])
+            probs, log_norm = cpu_kernels.relative_softmax(
+                functools.partial(span_scores_masked, scale), content_query[:, ::-1], keys[:, ::-1],
+                position_query[:, ::-1], near, key_valid[:, ::-1], scale)
+            probs = self.dropatt(probs, deterministic=view.deterministic).astype(cfg.dtype)
+            attended = cpu_kernels.product(weighted_values, probs, values[:, ::-1].transpose(0, 2, 1, 3))
+            return attended.transpose(0, 2, 1, 3)[:, ::-1], log_norm[..., ::-1]
+        scores = jnp.einsum('bmhd,bwhd->bhmw', content_query, keys, preferred_element_type=jnp.float32)
+        scores += look_ahead_position_scores(position_query, positions, view.maps.position, seg_len)
         visible = (look_ahead_distances(mem_len, seg_len) >= 1)[None, None] & key_valid[:, None, None, :]
-        scores = jnp.where(visible, scores, _NEG)
+        scores = jnp.where(visible, scores * scale, _NEG)
         log_norm = jax.nn.logsumexp(scores, axis=-1)  # Every row sees key M: never empty.
         probs = jnp.exp(scores - log_norm[..., None])
         probs = self.dropatt(probs, deterministic=view.deterministic).astype(cfg.dtype)
-        return jnp.einsum('bhmw,bwhd->bmhd', probs, view.value[:, window]), log_norm
+        return jnp.einsum('bhmw,bwhd->bmhd', probs, values), log_norm
 
     def attend(self, state, shared, view):
         cfg = self.config
