@@ -16,7 +16,6 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -267,22 +266,20 @@ void softmax_head(const Scores& s, const float* kt, const float* rt, float* prob
 // The gradient of (probs, log_norm) with respect to cq, k, pq and r, given theirs (gp, gl), per head:
 // the scores' gradient dS = p (gp - <p, gp> + gl) * scale where visible (0 elsewhere), in cache;
 // its rows shifted back to the positional scores' columns (dP[i, T - 1 - i + j] = dS[i, j]); then
-// the four products dcq = dS k, dk = dS^T cq, dpq = dP r, dr += dP^T pq, written in place into
-// [B, T, H, D], [B, K, H, D], [B, T, H, D] and [K, H, D] (r's gradient sums the batch rows: each
-// head's product is made apart, then added under the head's lock, as rows run at once).
-// Layouts: k [B, K, H, D], r [K, H, D].
+// the four products dcq = dS k, dk = dS^T cq, dpq = dP r, dr_b = dP^T pq, written in place into
+// [B, T, H, D], [B, K, H, D], [B, T, H, D] and a [B, K, H, D] buffer whose batch rows the caller
+// then sums in order: added as heads finished, the sum would depend on the threads' timing, and a
+// resumed run would not repeat its gradients bit for bit. Layouts: k [B, K, H, D], r [K, H, D].
 struct Gradients {
   const float *probs, *grad_probs, *grad_log_norm;
-  float *cq, *k, *pq, *r;
-  std::mutex* head_locks;
+  float *cq, *k, *pq, *r_per_row;
 };
 
 void gradient_head(const Scores& s, const Gradients& g, int64_t bh, std::vector<float>& scratch) {
   const int64_t b = bh / s.heads, h = bh % s.heads, t_len = s.t_len, k_len = s.k_len, d_len = s.d_len;
-  scratch.resize(2 * t_len * k_len + k_len * d_len);
+  scratch.resize(2 * t_len * k_len);
   float* scores = scratch.data();
   float* position = scores + t_len * k_len;
-  float* row_gradient = position + t_len * k_len;
   const bool* valid = s.valid + b * k_len;
   const int64_t past = k_len - t_len;
   for (int64_t i = 0; i < t_len; ++i) {
@@ -303,12 +300,7 @@ void gradient_head(const Scores& s, const Gradients& g, int64_t bh, std::vector<
   matmul<false>(scores, k_len, s.k + k, stride, g.cq + q, stride, t_len, k_len, d_len);
   matmul<true>(scores, k_len, s.cq + q, stride, g.k + k, stride, k_len, t_len, d_len);
   matmul<false>(position, k_len, s.r + h * d_len, stride, g.pq + q, stride, t_len, k_len, d_len);
-  matmul<true>(position, k_len, s.pq + q, stride, row_gradient, d_len, k_len, t_len, d_len);
-  std::lock_guard<std::mutex> lock(g.head_locks[h]);
-  for (int64_t c = 0; c < k_len; ++c) {
-    float* total = g.r + c * stride + h * d_len;
-    for (int64_t d = 0; d < d_len; ++d) total[d] += row_gradient[c * d_len + d];
-  }
+  matmul<true>(position, k_len, s.pq + q, stride, g.r_per_row + k, stride, k_len, t_len, d_len);
 }
 
 bool span_shapes(ffi::Span<const int64_t> q_dims, ffi::Span<const int64_t> k_dims,
@@ -353,13 +345,22 @@ ffi::Error RelativeSoftmaxGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p
   }
   const Scores s{cq.typed_data(), k.typed_data(), pq.typed_data(), r.typed_data(), valid.typed_data(),
                  q[2], q[1], k.dimensions()[1], q[3], scale};
-  float* grad_r_data = grad_r->typed_data();
-  std::fill(grad_r_data, grad_r_data + grad_r->element_count(), 0.0f);
-  // Every task that uses them has finished when parallel_for returns.
-  std::unique_ptr<std::mutex[]> head_locks(new std::mutex[q[2]]);
+  // Every task that uses it has finished when parallel_for returns.
+  const int64_t row_size = grad_r->element_count(), batch = q[0];
+  std::vector<float> per_row(batch * row_size);
   const Gradients g{probs.typed_data(), grad_probs.typed_data(), grad_log_norm.typed_data(), grad_cq->typed_data(),
-                    grad_k->typed_data(), grad_pq->typed_data(), grad_r_data, head_locks.get()};
-  parallel_for(pool, q[0] * q[2], [=](int64_t bh, std::vector<float>& scratch) { gradient_head(s, g, bh, scratch); });
+                    grad_k->typed_data(), grad_pq->typed_data(), per_row.data()};
+  parallel_for(pool, batch * q[2], [=](int64_t bh, std::vector<float>& scratch) { gradient_head(s, g, bh, scratch); });
+  float* grad_r_data = grad_r->typed_data();
+  const float* rows = per_row.data();
+  const int64_t k_len = s.k_len, stride = s.stride();
+  parallel_for(pool, k_len, [=](int64_t c, std::vector<float>&) {
+    float* total = grad_r_data + c * stride;
+    std::copy(rows + c * stride, rows + (c + 1) * stride, total);
+    for (int64_t b = 1; b < batch; ++b) {
+      for (int64_t i = 0; i < stride; ++i) total[i] += rows[b * row_size + c * stride + i];
+    }
+  });
   return ffi::Error::Success();
 }
 
