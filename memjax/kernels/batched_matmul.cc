@@ -204,9 +204,10 @@ inline F exp_nonpositive(F x) {
 // P = pq @ r^T to a [T, K] buffer that stays in cache; then each row, in cache, takes P's row at
 // its rel-shift offset (query i reads P[i, T - 1 - i + j]), is scaled and masked, and becomes its
 // softmax: XLA's version makes five passes over the [B, H, T, K] scores in memory.
-// Layouts: cq, pq [B, T, H, D] (read in place), kt [B, H, D, K], rt [H, D, K], valid [B, K].
+// What the forward and the gradient share: the queries cq, pq [B, T, H, D] (read in place), the
+// keys' validity [B, K], the sizes and the scale.
 struct Scores {
-  const float *cq, *k, *pq, *r;
+  const float *cq, *pq;
   const bool* valid;
   int64_t heads, t_len, k_len, d_len;
   float scale;
@@ -271,8 +272,8 @@ void softmax_head(const Scores& s, const float* kt, const float* rt, float* prob
 // then sums in order: added as heads finished, the sum would depend on the threads' timing, and a
 // resumed run would not repeat its gradients bit for bit. Layouts: k [B, K, H, D], r [K, H, D].
 struct Gradients {
-  const float *probs, *grad_probs, *grad_log_norm;
-  float *cq, *k, *pq, *r_per_row;
+  const float *k, *r, *probs, *grad_probs, *grad_log_norm;
+  float *grad_cq, *grad_k, *grad_pq, *grad_r_per_row;
 };
 
 void gradient_head(const Scores& s, const Gradients& g, int64_t bh, std::vector<float>& scratch) {
@@ -297,10 +298,10 @@ void gradient_head(const Scores& s, const Gradients& g, int64_t bh, std::vector<
     std::memcpy(shifted + (t_len - 1 - i), row, seen * sizeof(float));
   }
   const int64_t stride = s.stride(), q = s.query(b, h), k = s.key(b, h);
-  matmul<false>(scores, k_len, s.k + k, stride, g.cq + q, stride, t_len, k_len, d_len);
-  matmul<true>(scores, k_len, s.cq + q, stride, g.k + k, stride, k_len, t_len, d_len);
-  matmul<false>(position, k_len, s.r + h * d_len, stride, g.pq + q, stride, t_len, k_len, d_len);
-  matmul<true>(position, k_len, s.pq + q, stride, g.r_per_row + k, stride, k_len, t_len, d_len);
+  matmul<false>(scores, k_len, g.k + k, stride, g.grad_cq + q, stride, t_len, k_len, d_len);
+  matmul<true>(scores, k_len, s.cq + q, stride, g.grad_k + k, stride, k_len, t_len, d_len);
+  matmul<false>(position, k_len, g.r + h * d_len, stride, g.grad_pq + q, stride, t_len, k_len, d_len);
+  matmul<true>(position, k_len, s.pq + q, stride, g.grad_r_per_row + k, stride, k_len, t_len, d_len);
 }
 
 bool span_shapes(ffi::Span<const int64_t> q_dims, ffi::Span<const int64_t> k_dims,
@@ -321,8 +322,7 @@ ffi::Error RelativeSoftmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> cq, ffi::
     return ffi::Error::InvalidArgument("memjax_relative_softmax: queries [B, T, H, D], keys [B, H, D, K], "
                                        "table [H, D, K], validity [B, K], T <= K");
   }
-  const Scores s{cq.typed_data(), nullptr, pq.typed_data(), nullptr, valid.typed_data(), q[2], q[1], k[3], q[3],
-                 scale};
+  const Scores s{cq.typed_data(), pq.typed_data(), valid.typed_data(), q[2], q[1], k[3], q[3], scale};
   const float *kt_data = kt.typed_data(), *rt_data = rt.typed_data();
   float *probs_data = probs->typed_data(), *log_norm_data = log_norm->typed_data();
   parallel_for(pool, q[0] * q[2], [=](int64_t bh, std::vector<float>& scratch) {
@@ -343,13 +343,13 @@ ffi::Error RelativeSoftmaxGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p
     return ffi::Error::InvalidArgument("memjax_relative_softmax_gradient: queries [B, T, H, D], keys [B, K, H, D], "
                                        "table [K, H, D], validity [B, K], T <= K");
   }
-  const Scores s{cq.typed_data(), k.typed_data(), pq.typed_data(), r.typed_data(), valid.typed_data(),
-                 q[2], q[1], k.dimensions()[1], q[3], scale};
+  const Scores s{cq.typed_data(), pq.typed_data(), valid.typed_data(), q[2], q[1], k.dimensions()[1], q[3], scale};
   // Every task that uses it has finished when parallel_for returns.
   const int64_t row_size = grad_r->element_count(), batch = q[0];
   std::vector<float> per_row(batch * row_size);
-  const Gradients g{probs.typed_data(), grad_probs.typed_data(), grad_log_norm.typed_data(), grad_cq->typed_data(),
-                    grad_k->typed_data(), grad_pq->typed_data(), per_row.data()};
+  const Gradients g{k.typed_data(), r.typed_data(), probs.typed_data(), grad_probs.typed_data(),
+                    grad_log_norm.typed_data(), grad_cq->typed_data(), grad_k->typed_data(), grad_pq->typed_data(),
+                    per_row.data()};
   parallel_for(pool, batch * q[2], [=](int64_t bh, std::vector<float>& scratch) { gradient_head(s, g, bh, scratch); });
   float* grad_r_data = grad_r->typed_data();
   const float* rows = per_row.data();
