@@ -1,6 +1,10 @@
 """memjax's batched product for XLA:CPU (memjax/kernels/cpu.py) against XLA's einsum."""
 
 import logging
+import os
+import platform
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +85,30 @@ def test_a_failed_build_is_one_log_line_and_no_kernel(caplog, tmp_path, monkeypa
     assert [r.getMessage().count('\n') for r in caplog.records] == [0, 0]
     assert 'did not build with /bin/false' in caplog.records[0].getMessage()
     assert 'no C++ compiler' in caplog.records[1].getMessage()
+
+
+@needs_kernel
+def test_the_kernel_is_built_for_its_target():
+    """The register layout that runs is the one the build targets: 16-float vectors where the
+    target has AVX-512, 8 where it has AVX2 only (x86-64-v3, which the next test builds)."""
+    avx512 = 'avx512f' in cpu._cpu_flags().split() and os.environ.get(cpu.ARCH, 'native') == 'native'
+    assert cpu.vector_lanes() == (16 if avx512 else 8)
+
+
+@needs_kernel
+@pytest.mark.skipif(platform.machine() != 'x86_64' or 'avx2' not in cpu._cpu_flags().split() or
+                    os.environ.get(cpu.ARCH, 'native') != 'native',
+                    reason='builds the AVX2 form of the kernel: needs an x86-64 CPU with AVX2 (and a native build here)')
+def test_the_avx2_form_passes_these_tests(tmp_path):
+    """An AVX-512 machine never runs the kernel's AVX2 form (8-float vectors, 6-row blocks), which
+    AVX2-only machines do: this file's tests, in a process whose kernel is built for x86-64-v3."""
+    env = {**os.environ, cpu.ARCH: 'x86-64-v3', 'XDG_CACHE_HOME': str(tmp_path)}
+    child = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__],
+                           env=env, capture_output=True, text=True, check=False)
+    summary = child.stdout.strip().splitlines()[-1] if child.stdout.strip() else child.stderr[-2000:]
+    assert child.returncode == 0 and 'failed' not in summary, child.stdout[-4000:]
+    # Every kernel test ran: the only skip is this one, in the child.
+    assert summary.startswith(tuple(f'{n} passed, 1 skipped' for n in range(10, 100))), summary
 
 
 def _naive_span_scores(cq, k, pq, r, valid, scale):

@@ -30,6 +30,7 @@ import jax
 import ml_collections
 
 from memjax import config_lib
+from memjax.kernels import cpu as cpu_kernels
 from memjax.errors import BenchError  # re-exported for the suites
 
 SIZES = ('tiny', 'full')
@@ -284,6 +285,15 @@ def _vector_isa() -> str:
     return ', '.join(have) + (f' (no {", no ".join(missing)})' if missing else '') if have else 'none known'
 
 
+def _kernel_isa() -> str:
+    """Which form of memjax's CPU kernels runs (they are built for the host unless told otherwise)."""
+    if jax.default_backend() != 'cpu' or os.environ.get(cpu_kernels.SWITCH, 'on') == 'off':
+        return 'memjax CPU kernels off'
+    lanes = cpu_kernels.vector_lanes()
+    target = os.environ.get(cpu_kernels.ARCH, 'native')
+    return f'memjax CPU kernels: {lanes}-float vectors (-march={target})' if lanes else 'memjax CPU kernels not built'
+
+
 def machine_info() -> dict[str, Any]:
     """Where and with what a figure was measured (goes into every JSON)."""
     devices = jax.devices()
@@ -294,6 +304,7 @@ def machine_info() -> dict[str, Any]:
     return {
         'cpu_model': _cpu_model(),
         'vector_isa': _vector_isa(),
+        'kernel_isa': _kernel_isa(),
         'cpu_count': os.cpu_count(),
         'usable_cores': usable_cores,
         'load_average_1m_5m_15m': list(os.getloadavg()) if hasattr(os, 'getloadavg') else None,
@@ -376,6 +387,7 @@ def report_text(report: dict[str, Any]) -> str:
     lines += [f'- note: {note}' for note in report['notes']]
     machine = report['machine']
     lines.append(f"- machine: {machine['cpu_model']}; {machine.get('vector_isa', 'vector ISA not recorded')}; "
+                 f"{machine.get('kernel_isa', 'kernels not recorded')}; "
                  f"{machine['usable_cores']} usable cores, "
                  f"{machine['device_count']} x {machine['device_kind']}, jax {machine['versions']['jax']}, "
                  f"load {machine['load_average_1m_5m_15m']}")

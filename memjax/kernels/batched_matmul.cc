@@ -366,6 +366,9 @@ ffi::Error RelativeSoftmaxGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p
 
 }  // namespace
 
+// The floats per vector this library was built for: which of the two register layouts above runs.
+extern "C" int64_t memjax_vector_lanes() { return kLanes; }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_batched_matmul, BatchedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -10,9 +10,12 @@ keeps XLA's own einsums on other platforms and wherever the kernel does not appl
 
 It applies to float32 operands on a single-device CPU process (a custom call has no sharding
 rule, so meshes of several devices keep XLA's products), when a C++ compiler (`$CXX`, else g++)
-and jaxlib's FFI headers are there, and unless `MEMJAX_CPU_KERNELS=off`. The library is cached
-under `$XDG_CACHE_HOME/memjax/kernels` (default ~/.cache), keyed by the source, the compiler, the
-CPU's flags and jax's version; a failed build logs one line and memjax goes on with XLA's products.
+and jaxlib's FFI headers are there, and unless `MEMJAX_CPU_KERNELS=off`. `MEMJAX_CPU_KERNEL_ARCH`
+(default `native`) is the `-march` it is built for: `x86-64-v3` builds the AVX2 form an AVX-512
+machine would otherwise never run, to test it there. The library is cached under
+`$XDG_CACHE_HOME/memjax/kernels` (default ~/.cache), keyed by the source, the compiler, the target,
+the CPU's flags and jax's version; a failed build logs one line and memjax goes on with XLA's
+products.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ TARGET = 'memjax_batched_matmul'
 SOFTMAX_TARGET = 'memjax_relative_softmax'
 SOFTMAX_GRADIENT_TARGET = 'memjax_relative_softmax_gradient'
 SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
+ARCH = 'MEMJAX_CPU_KERNEL_ARCH'  # The compiler's -march; default native.
 
 
 def _cpu_flags() -> str:
@@ -55,41 +59,45 @@ def _cache_dir() -> pathlib.Path:
 def _build(compiler: str) -> pathlib.Path:
     """The shared library for this CPU, compiled once (concurrent builders race to the same file)."""
     version = subprocess.run([compiler, '--version'], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256('\0'.join([SOURCE.read_text(), version, _cpu_flags(), jax.__version__]).encode())
+    arch = os.environ.get(ARCH, 'native')
+    key = hashlib.sha256('\0'.join([SOURCE.read_text(), version, arch, _cpu_flags(), jax.__version__]).encode())
     library = _cache_dir() / f'batched_matmul-{key.hexdigest()[:16]}.so'
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = pathlib.Path(scratch) / library.name
-        subprocess.run([compiler, '-O3', '-march=native', '-std=c++17', '-shared', '-fPIC',
+        subprocess.run([compiler, '-O3', f'-march={arch}', '-std=c++17', '-shared', '-fPIC',
                         f'-I{jax.ffi.include_dir()}', str(SOURCE), '-o', str(built)],
                        capture_output=True, text=True, check=True)
         os.replace(built, library)  # Atomic: another process sees the whole file or none.
     return library
 
 
-def register(compiler: Optional[str]) -> bool:
-    """Builds the kernel with `compiler`, loads it and registers its FFI target; False, with one
-    log line saying why, if it cannot."""
+def register(compiler: Optional[str]) -> int:
+    """Builds the kernel with `compiler`, loads it and registers its FFI targets; returns the
+    floats per vector it was built for (16 with AVX-512, 8 with AVX2), or 0, with one log line
+    saying why, if it cannot."""
     if compiler is None:
         logging.warning('memjax: no C++ compiler (set CXX, or install g++): the attention uses XLA\'s '
                         'batched products on CPU, about half as fast.')
-        return False
+        return 0
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         for target in (TARGET, SOFTMAX_TARGET, SOFTMAX_GRADIENT_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
+        library.memjax_vector_lanes.restype = ctypes.c_int64
+        return library.memjax_vector_lanes()
     except (OSError, subprocess.CalledProcessError, AttributeError) as error:
         detail = (getattr(error, 'stderr', None) or str(error)).strip().splitlines()
         logging.warning('memjax: the CPU kernel did not build with %s (%s): the attention uses XLA\'s '
                         'batched products.', compiler, detail[-1] if detail else type(error).__name__)
-        return False
-    return True
+        return 0
 
 
 @functools.cache
-def _registered() -> bool:
+def vector_lanes() -> int:
+    """The floats per vector of this process's kernel (built on first call), 0 where none is."""
     return register(shutil.which(os.environ.get('CXX', 'g++')))
 
 
@@ -97,7 +105,7 @@ def applies(*operands: jax.Array) -> bool:
     """Whether `product` runs the kernel for these operands (decided while tracing)."""
     return (os.environ.get(SWITCH, 'on') != 'off' and jax.device_count() == 1
             and jax.devices()[0].platform == 'cpu' and all(x.dtype == jnp.float32 for x in operands)
-            and _registered())
+            and vector_lanes() > 0)
 
 
 def _kernel(lhs: jax.Array, rhs: jax.Array, transpose_lhs: bool = False) -> jax.Array:
