@@ -65,6 +65,27 @@ def test_product_gradient_is_the_einsums_and_it_vmaps():
     np.testing.assert_allclose(batched, _nn(lhs, jnp.swapaxes(rhs, -1, -2)), rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize('t,k,d', [(45, 83, 16), (70, 70, 40), (1, 35, 8), (9, 20, 33)])
+def test_causal_product_is_the_masked_einsum_and_its_gradient(t, k, d):
+    """Attention weights over a causal span times values: the kernel skips the terms of the weights'
+    zeros (row blocks across the span's edge, rows and head sizes beyond the register blocks). The
+    product and the values' gradient equal the einsum's; the weights' gradient is the einsum's inside
+    the span and zero beyond it, which is what the softmax that made the zeros passes back."""
+    ka, kb, kc = jax.random.split(jax.random.PRNGKey(7), 3)
+    inside = np.arange(k)[None, :] <= (k - t) + np.arange(t)[:, None]
+    weights = jnp.where(inside, jax.random.uniform(ka, (2, 3, t, k)), 0.0)
+    values, grad = jax.random.normal(kb, (2, 3, k, d)), jax.random.normal(kc, (2, 3, t, d))
+    fn = lambda a, b: cpu.product(_nn, a, b, causal=True)
+    out, vjp = jax.vjp(jax.jit(fn), weights, values)
+    np.testing.assert_allclose(out, _nn(weights, values), rtol=1e-5, atol=1e-5)
+    expected = jax.vjp(_nn, weights, values)[1](grad)
+    got = vjp(grad)
+    np.testing.assert_allclose(got[0], np.where(inside, expected[0], 0.0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got[0])[..., ~inside], 0.0)
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-5)
+
+
 def test_xla_products_where_the_kernel_does_not_apply(monkeypatch):
     """Switched off, or in bfloat16, the product is the einsum itself, bit for bit."""
     a, b = jax.random.normal(jax.random.PRNGKey(2), (2, 4, 8)), jax.random.normal(jax.random.PRNGKey(3), (2, 8, 4))
@@ -148,13 +169,14 @@ def _naive_softmax(scores):
 @needs_kernel
 @pytest.mark.parametrize('batch,qlen,klen,heads,dim,spread', [
     (2, 7, 19, 3, 5, 1.0), (1, 16, 16, 2, 8, 1.0), (2, 9, 41, 1, 64, 1.0), (1, 1, 33, 2, 4, 1.0),
-    (2, 5, 37, 2, 16, 30.0)])
+    (2, 5, 37, 2, 16, 30.0), (1, 45, 83, 2, 16, 1.0)])
 def test_span_softmax_equals_its_definition(batch, qlen, klen, heads, dim, spread):
     """The fused weights (content + rel-shifted positions, scaled, masked, softmax) and their
     log-denominator against a per-score naive computation: memory longer than, or absent from, the
     span; rows and columns beyond the register blocks and vector lanes; invalid memory keys; scores
-    spread over hundreds (exponents far into float32's range, probabilities that underflow). The
-    reference they fall back to agrees too."""
+    spread over hundreds (exponents far into float32's range, probabilities that underflow); rows
+    and column blocks the causal mask lets the kernel skip, whole or in part. The reference they
+    fall back to agrees too."""
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
     cq, k, pq, r, valid = _span_operands(batch, qlen, klen, heads, dim)
     operands = (cq * spread, k, pq * spread, r, valid)
@@ -194,11 +216,12 @@ def test_span_softmax_of_a_row_with_no_visible_key_is_uniform_as_xlas():
 
 
 @needs_kernel
-@pytest.mark.parametrize('batch,qlen,klen,heads,dim', [(2, 9, 20, 2, 6), (3, 16, 16, 2, 41), (1, 1, 35, 3, 32)])
+@pytest.mark.parametrize('batch,qlen,klen,heads,dim', [(2, 9, 20, 2, 6), (3, 16, 16, 2, 41), (1, 1, 35, 3, 32),
+                                                        (2, 45, 83, 2, 16), (1, 70, 70, 1, 40)])
 def test_span_softmax_gradient_is_the_references(batch, qlen, klen, heads, dim):
     """Both outputs carry gradient (LaMemo's memory update reads the log-denominator); the kernel's
-    gradient, with rows and head sizes beyond its register blocks and invalid memory keys, equals
-    XLA's of the reference."""
+    gradient, with rows and head sizes beyond its register blocks, invalid memory keys, and row
+    blocks whose terms the causal mask leaves out in part, equals XLA's of the reference."""
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
     operands = _span_operands(batch, qlen, klen, heads, dim, seed=5)
     reference = lambda *x: attention.span_scores_masked(0.3, *x)

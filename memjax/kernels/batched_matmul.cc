@@ -39,6 +39,7 @@ constexpr int64_t kRows = 6;
 constexpr int64_t kVectors = 2;
 constexpr int64_t kCols = kLanes * kVectors;
 typedef float vec __attribute__((vector_size(4 * kLanes)));
+typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));  // A vector comparison's lanes: -1 or 0.
 
 inline vec load(const float* p) {
   vec v;
@@ -48,15 +49,16 @@ inline vec load(const float* p) {
 
 inline void store(float* p, const vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Rows [i, i + rows) of out x kCols columns, rows <= kRows: the K loop reads kCols floats of an rhs
-// row per step (`rhs` points at the block's first column, rows `rhs_stride` apart) and broadcasts
-// one lhs element per row (lhs's rows, or with lhs_t its columns, `lhs_stride` apart); `out` points
-// at the block's first element, rows `out_stride` apart.
+// Rows [i, i + rows) of out x kCols columns, rows <= kRows, from the contraction's terms
+// [k_begin, k_end): the K loop reads kCols floats of an rhs row per step (`rhs` points at the
+// block's first column, rows `rhs_stride` apart) and broadcasts one lhs element per row (lhs's rows,
+// or with lhs_t its columns, `lhs_stride` apart); `out` points at the block's first element, rows
+// `out_stride` apart.
 template <int64_t rows, bool lhs_t>
-inline void block(const float* lhs, int64_t lhs_stride, int64_t k_len, int64_t i, const float* rhs,
+inline void block(const float* lhs, int64_t lhs_stride, int64_t k_begin, int64_t k_end, int64_t i, const float* rhs,
                   int64_t rhs_stride, float* out, int64_t out_stride) {
   vec acc[rows][kVectors] = {};
-  for (int64_t k = 0; k < k_len; ++k) {
+  for (int64_t k = k_begin; k < k_end; ++k) {
     vec b[kVectors];
     for (int64_t v = 0; v < kVectors; ++v) b[v] = load(rhs + k * rhs_stride + kLanes * v);
     for (int64_t r = 0; r < rows; ++r) {
@@ -69,28 +71,56 @@ inline void block(const float* lhs, int64_t lhs_stride, int64_t k_len, int64_t i
   }
 }
 
-// One column block of every row: kRows rows at a time, then one by one.
-template <bool lhs_t>
-void column_block(const float* lhs, int64_t lhs_stride, int64_t m_len, int64_t k_len, const float* rhs,
-                  int64_t rhs_stride, float* out, int64_t out_stride) {
-  int64_t i = 0;
+// Which part of a product a causal mask leaves to compute. Of out's column block [j, j + cols),
+// the rows from first_row(j, cols) on: the rows above it are never read. Of its row block
+// [i, i + rows), the contraction's terms in terms(i, rows) (clipped to the contraction): the
+// others multiply zeros. A product with no mask computes everything.
+inline int64_t every_row(int64_t, int64_t) { return 0; }
+inline std::pair<int64_t, int64_t> every_term(int64_t, int64_t) { return {0, std::numeric_limits<int64_t>::max()}; }
+inline std::pair<int64_t, int64_t> terms(int64_t begin, int64_t end) { return {begin, end}; }
+
+struct Dense {
+  int64_t first_row(int64_t j, int64_t cols) const { return every_row(j, cols); }
+  std::pair<int64_t, int64_t> terms(int64_t i, int64_t rows) const { return every_term(i, rows); }
+};
+
+// A band from two functions of those signatures (lambdas).
+template <typename FirstRow, typename Terms>
+struct Band {
+  FirstRow first_row;
+  Terms terms;
+};
+template <typename FirstRow, typename Terms>
+Band(FirstRow, Terms) -> Band<FirstRow, Terms>;
+
+// One column block [j, j + cols) of every row the band keeps: kRows rows at a time, then one by one.
+template <bool lhs_t, typename Band>
+void column_block(const float* lhs, int64_t lhs_stride, int64_t m_len, int64_t k_len, const Band& band, int64_t j,
+                  int64_t cols, const float* rhs, int64_t rhs_stride, float* out, int64_t out_stride) {
+  const auto clipped = [&](int64_t i, int64_t rows) {
+    const auto [begin, end] = band.terms(i, rows);
+    return std::pair<int64_t, int64_t>{std::max<int64_t>(begin, 0), std::min(end, k_len)};
+  };
+  int64_t i = std::max<int64_t>(0, band.first_row(j, cols));
   for (; i + kRows <= m_len; i += kRows) {
-    block<kRows, lhs_t>(lhs, lhs_stride, k_len, i, rhs, rhs_stride, out + i * out_stride, out_stride);
+    const auto [k_begin, k_end] = clipped(i, kRows);
+    block<kRows, lhs_t>(lhs, lhs_stride, k_begin, k_end, i, rhs, rhs_stride, out + i * out_stride, out_stride);
   }
   for (; i < m_len; ++i) {
-    block<1, lhs_t>(lhs, lhs_stride, k_len, i, rhs, rhs_stride, out + i * out_stride, out_stride);
+    const auto [k_begin, k_end] = clipped(i, 1);
+    block<1, lhs_t>(lhs, lhs_stride, k_begin, k_end, i, rhs, rhs_stride, out + i * out_stride, out_stride);
   }
 }
 
 // out [M, N] = lhs [M, K] @ rhs [K, N] (lhs_t: lhs [K, M] read as its transpose), lhs's rows (or
 // columns), rhs's rows and out's rows `lhs_stride`, `rhs_stride` and `out_stride` apart, so that
-// one head of a [T, H, D] array is read or written in place.
-template <bool lhs_t>
+// one head of a [T, H, D] array is read or written in place; only the part `band` keeps.
+template <bool lhs_t, typename Band = Dense>
 void matmul(const float* lhs, int64_t lhs_stride, const float* rhs, int64_t rhs_stride, float* out,
-            int64_t out_stride, int64_t m_len, int64_t k_len, int64_t n_len) {
+            int64_t out_stride, int64_t m_len, int64_t k_len, int64_t n_len, const Band& band = Band{}) {
   const int64_t full_cols = n_len - n_len % kCols;
   for (int64_t j = 0; j < full_cols; j += kCols) {
-    column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, rhs + j, rhs_stride, out + j, out_stride);
+    column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, band, j, kCols, rhs + j, rhs_stride, out + j, out_stride);
   }
   const int64_t tail = n_len - full_cols;
   if (tail == 0) return;
@@ -100,8 +130,9 @@ void matmul(const float* lhs, int64_t lhs_stride, const float* rhs, int64_t rhs_
   for (int64_t k = 0; k < k_len; ++k) {
     std::memcpy(&padded[k * kCols], rhs + k * rhs_stride + full_cols, tail * sizeof(float));
   }
-  column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, padded.data(), kCols, block_out.data(), kCols);
-  for (int64_t i = 0; i < m_len; ++i) {
+  column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, band, full_cols, tail, padded.data(), kCols, block_out.data(),
+                      kCols);
+  for (int64_t i = std::max<int64_t>(0, band.first_row(full_cols, tail)); i < m_len; ++i) {
     std::memcpy(out + i * out_stride + full_cols, &block_out[i * kCols], tail * sizeof(float));
   }
 }
@@ -135,14 +166,22 @@ void parallel_for(ffi::ThreadPool& pool, int64_t count, Task task) {
   while (shared->finished.load() < count) std::this_thread::yield();
 }
 
+// Which [T, K] matrix of a product holds attention weights over a causal span (the last T of the K
+// keys are the queries': entry (i, j) is zero beyond j = K - T + i), so that its zeros are skipped.
+enum Causal : int64_t {
+  kNone = 0,
+  kLhs = 1,  // lhs [T, K] (with transpose_lhs: stored so, read as its transpose): its zeros' terms.
+  kOut = 2,  // out [T, K]: computed within the span, zero beyond it.
+};
+
 ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                         ffi::Result<ffi::AnyBuffer> out, bool transpose_lhs) {
+                         ffi::Result<ffi::AnyBuffer> out, bool transpose_lhs, int64_t causal) {
   const auto lhs_dims = lhs.dimensions();
   const auto rhs_dims = rhs.dimensions();
   const int64_t rank = lhs_dims.size();
   if (rank < 2 || static_cast<int64_t>(rhs_dims.size()) != rank || lhs.element_type() != ffi::F32 ||
-      rhs.element_type() != ffi::F32) {
-    return ffi::Error::InvalidArgument("memjax_batched_matmul: float32 operands of equal rank >= 2");
+      rhs.element_type() != ffi::F32 || causal < kNone || causal > kOut) {
+    return ffi::Error::InvalidArgument("memjax_batched_matmul: float32 operands of equal rank >= 2, causal 0-2");
   }
   const float* lhs_data = lhs.typed_data<float>();
   const float* rhs_data = rhs.typed_data<float>();
@@ -153,9 +192,31 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
   int64_t count = 1;
   for (int64_t axis = 0; axis < rank - 2; ++axis) count *= lhs_dims[axis];
   parallel_for(pool, count, [=](int64_t b, std::vector<float>&) {
-    (transpose_lhs ? matmul<true> : matmul<false>)(lhs_data + b * m_len * k_len, transpose_lhs ? m_len : k_len,
-                                                   rhs_data + b * k_len * n_len, n_len, out_data + b * m_len * n_len,
-                                                   n_len, m_len, k_len, n_len);
+    const float* lhs_b = lhs_data + b * m_len * k_len;
+    const float* rhs_b = rhs_data + b * k_len * n_len;
+    float* out_b = out_data + b * m_len * n_len;
+    const auto run = [&](const auto& band) {
+      if (transpose_lhs) {
+        matmul<true>(lhs_b, m_len, rhs_b, n_len, out_b, n_len, m_len, k_len, n_len, band);
+      } else {
+        matmul<false>(lhs_b, k_len, rhs_b, n_len, out_b, n_len, m_len, k_len, n_len, band);
+      }
+    };
+    if (causal == kLhs && !transpose_lhs) {  // Row i of lhs: terms j <= past + i.
+      const int64_t past = k_len - m_len;
+      run(Band{every_row, [=](int64_t i, int64_t rows) { return terms(0, past + i + rows); }});
+    } else if (causal == kLhs) {  // Row j of lhs^T: terms i >= j - past.
+      const int64_t past = m_len - k_len;
+      run(Band{every_row, [=](int64_t j, int64_t) { return terms(j - past, k_len); }});
+    } else if (causal == kOut) {
+      const int64_t past = n_len - m_len;
+      run(Band{[=](int64_t j, int64_t) { return j - past; }, every_term});
+      for (int64_t i = 0; i < m_len; ++i) {
+        std::fill(out_b + i * n_len + std::min(n_len, past + i + 1), out_b + (i + 1) * n_len, 0.0f);
+      }
+    } else {
+      run(Dense{});
+    }
   });
   return ffi::Error::Success();
 }
@@ -165,7 +226,6 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
 // once for a vector and a lone float (a row's tail); GCC's vector extensions give a vector the
 // same operators, selects included.
 inline vec to_float_bits(const vec&, const vec& n) {
-  typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));
   const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
   vec out;
   std::memcpy(&out, &bits, sizeof(out));
@@ -219,12 +279,22 @@ struct Scores {
   int64_t stride() const { return heads * d_len; }
 };
 
-// Row i of a head: `row` holds its content scores, `shifted` its positional ones at their offset.
-float softmax_row(const Scores& s, const bool* valid, float* row, const float* shifted, int64_t seen) {
+// Row i of a head: `row` holds its content scores, `shifted` its positional ones at their offset,
+// `shown` the keys' validity as 1 or 0 (floats, which a vector compares in one instruction where
+// GCC widens bools lane by lane).
+float softmax_row(const Scores& s, const float* shown, float* row, const float* shifted, int64_t seen) {
   const float lowest = std::numeric_limits<float>::lowest();
+  vec tops = vec{} + lowest;
+  int64_t j = 0;
+  for (; j + kLanes <= seen; j += kLanes) {
+    const vec x = load(shown + j) != 0.0f ? (load(row + j) + load(shifted + j)) * s.scale : lowest;
+    store(row + j, x);
+    tops = x > tops ? x : tops;
+  }
   float top = lowest;
-  for (int64_t j = 0; j < seen; ++j) {
-    row[j] = valid[j] ? (row[j] + shifted[j]) * s.scale : lowest;
+  for (int64_t lane = 0; lane < kLanes; ++lane) top = std::max(top, tops[lane]);
+  for (; j < seen; ++j) {
+    row[j] = shown[j] != 0.0f ? (row[j] + shifted[j]) * s.scale : lowest;
     top = std::max(top, row[j]);
   }
   if (top == lowest) {  // Nothing visible: every key, the future's too, equally likely.
@@ -232,8 +302,7 @@ float softmax_row(const Scores& s, const bool* valid, float* row, const float* s
     return lowest;
   }
   vec sums = {};
-  int64_t j = 0;
-  for (; j + kLanes <= seen; j += kLanes) {
+  for (j = 0; j + kLanes <= seen; j += kLanes) {
     const vec e = exp_nonpositive(load(row + j) - top);
     store(row + j, e);
     sums += e;
@@ -250,17 +319,23 @@ float softmax_row(const Scores& s, const bool* valid, float* row, const float* s
 // Layouts: kt [B, H, D, K] and rt [H, D, K] (the keys and distance rows transposed, read as a
 // product's rhs); probs [B, H, T, K], log_norm [B, H, T].
 void softmax_head(const Scores& s, const float* kt, const float* rt, float* probs, float* log_norm, int64_t bh,
-                  std::vector<float>& position) {
+                  std::vector<float>& scratch) {
   const int64_t b = bh / s.heads, h = bh % s.heads, t_len = s.t_len, k_len = s.k_len, d_len = s.d_len;
   float* out = probs + bh * t_len * k_len;
-  position.resize(t_len * k_len);
-  matmul<false>(s.cq + s.query(b, h), s.stride(), kt + bh * d_len * k_len, k_len, out, k_len, t_len, d_len, k_len);
-  matmul<false>(s.pq + s.query(b, h), s.stride(), rt + h * d_len * k_len, k_len, position.data(), k_len, t_len,
-                d_len, k_len);
-  const int64_t past = k_len - t_len;  // Query i sees keys j <= past + i.
+  scratch.resize((t_len + 1) * k_len);
+  float* position = scratch.data();
+  float* shown = position + t_len * k_len;
+  for (int64_t j = 0; j < k_len; ++j) shown[j] = s.valid[b * k_len + j];
+  // Query i sees keys j <= past + i, and reads the positional columns c >= T - 1 - i: a column
+  // block is computed only for the rows that read it (a quarter of both products skipped at T = K / 2).
+  const int64_t past = k_len - t_len;
+  matmul<false>(s.cq + s.query(b, h), s.stride(), kt + bh * d_len * k_len, k_len, out, k_len, t_len, d_len, k_len,
+                Band{[=](int64_t j, int64_t) { return j - past; }, every_term});
+  matmul<false>(s.pq + s.query(b, h), s.stride(), rt + h * d_len * k_len, k_len, position, k_len, t_len,
+                d_len, k_len, Band{[=](int64_t c, int64_t cols) { return t_len - c - cols; }, every_term});
   for (int64_t i = 0; i < t_len; ++i) {
-    log_norm[bh * t_len + i] = softmax_row(s, s.valid + b * k_len, out + i * k_len,
-                                           position.data() + i * k_len + (t_len - 1 - i), past + i + 1);
+    log_norm[bh * t_len + i] = softmax_row(s, shown, out + i * k_len, position + i * k_len + (t_len - 1 - i),
+                                           past + i + 1);
   }
 }
 
@@ -278,30 +353,44 @@ struct Gradients {
 
 void gradient_head(const Scores& s, const Gradients& g, int64_t bh, std::vector<float>& scratch) {
   const int64_t b = bh / s.heads, h = bh % s.heads, t_len = s.t_len, k_len = s.k_len, d_len = s.d_len;
-  scratch.resize(2 * t_len * k_len);
+  scratch.resize((2 * t_len + 1) * k_len);
   float* scores = scratch.data();
   float* position = scores + t_len * k_len;
-  const bool* valid = s.valid + b * k_len;
+  float* shown = position + t_len * k_len;  // As in the forward.
+  for (int64_t j = 0; j < k_len; ++j) shown[j] = s.valid[b * k_len + j];
   const int64_t past = k_len - t_len;
   for (int64_t i = 0; i < t_len; ++i) {
     const float* p = g.probs + (bh * t_len + i) * k_len;
     const float* gp = g.grad_probs + (bh * t_len + i) * k_len;
     float* row = scores + i * k_len;
     const int64_t seen = past + i + 1;
+    vec dots = {};
+    int64_t j = 0;
+    for (; j + kLanes <= seen; j += kLanes) dots += load(p + j) * load(gp + j);
     float dot = 0.0f;
-    for (int64_t j = 0; j < seen; ++j) dot += p[j] * gp[j];
+    for (; j < seen; ++j) dot += p[j] * gp[j];
+    for (int64_t lane = 0; lane < kLanes; ++lane) dot += dots[lane];
     const float shift = g.grad_log_norm[bh * t_len + i] - dot;
-    for (int64_t j = 0; j < seen; ++j) row[j] = valid[j] ? p[j] * (gp[j] + shift) * s.scale : 0.0f;
+    for (j = 0; j + kLanes <= seen; j += kLanes) {
+      store(row + j, load(shown + j) != 0.0f ? load(p + j) * (load(gp + j) + shift) * s.scale : 0.0f);
+    }
+    for (; j < seen; ++j) row[j] = shown[j] != 0.0f ? p[j] * (gp[j] + shift) * s.scale : 0.0f;
     std::fill(row + seen, row + k_len, 0.0f);
     float* shifted = position + i * k_len;
     std::fill(shifted, shifted + (t_len - 1 - i), 0.0f);
     std::memcpy(shifted + (t_len - 1 - i), row, seen * sizeof(float));
   }
+  // Each product sums only the terms the mask leaves nonzero: dS[i, j] needs j <= past + i, dP[i, c]
+  // needs c >= T - 1 - i.
   const int64_t stride = s.stride(), q = s.query(b, h), k = s.key(b, h);
-  matmul<false>(scores, k_len, g.k + k, stride, g.grad_cq + q, stride, t_len, k_len, d_len);
-  matmul<true>(scores, k_len, s.cq + q, stride, g.grad_k + k, stride, k_len, t_len, d_len);
-  matmul<false>(position, k_len, g.r + h * d_len, stride, g.grad_pq + q, stride, t_len, k_len, d_len);
-  matmul<true>(position, k_len, s.pq + q, stride, g.grad_r_per_row + k, stride, k_len, t_len, d_len);
+  matmul<false>(scores, k_len, g.k + k, stride, g.grad_cq + q, stride, t_len, k_len, d_len,
+                Band{every_row, [=](int64_t i, int64_t rows) { return terms(0, past + i + rows); }});
+  matmul<true>(scores, k_len, s.cq + q, stride, g.grad_k + k, stride, k_len, t_len, d_len,
+               Band{every_row, [=](int64_t j, int64_t) { return terms(j - past, t_len); }});
+  matmul<false>(position, k_len, g.r + h * d_len, stride, g.grad_pq + q, stride, t_len, k_len, d_len,
+                Band{every_row, [=](int64_t i, int64_t rows) { return terms(t_len - i - rows, k_len); }});
+  matmul<true>(position, k_len, s.pq + q, stride, g.grad_r_per_row + k, stride, k_len, t_len, d_len,
+               Band{every_row, [=](int64_t c, int64_t rows) { return terms(t_len - c - rows, t_len); }});
 }
 
 bool span_shapes(ffi::Span<const int64_t> q_dims, ffi::Span<const int64_t> k_dims,
@@ -375,7 +464,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_batched_matmul, BatchedMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("transpose_lhs"));
+                                  .Attr<bool>("transpose_lhs")
+                                  .Attr<int64_t>("causal"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_relative_softmax, RelativeSoftmax,
                               ffi::Ffi::Bind()

@@ -108,26 +108,39 @@ def applies(*operands: jax.Array) -> bool:
             and vector_lanes() > 0)
 
 
-def _kernel(lhs: jax.Array, rhs: jax.Array, transpose_lhs: bool = False) -> jax.Array:
+# The `causal` attribute of TARGET: which [T, K] matrix of a product holds attention weights over a
+# causal span (batched_matmul.cc, enum Causal).
+_DENSE, _CAUSAL_LHS, _CAUSAL_OUT = 0, 1, 2
+
+
+def _kernel(lhs: jax.Array, rhs: jax.Array, transpose_lhs: bool = False, causal: int = _DENSE) -> jax.Array:
     rows = lhs.shape[-1] if transpose_lhs else lhs.shape[-2]
     out = jax.ShapeDtypeStruct(lhs.shape[:-2] + (rows, rhs.shape[-1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method='broadcast_all')(lhs, rhs, transpose_lhs=transpose_lhs)
+    return jax.ffi.ffi_call(TARGET, out, vmap_method='broadcast_all')(lhs, rhs, transpose_lhs=transpose_lhs,
+                                                                      causal=np.int64(causal))
 
 
-def product(reference: Callable, lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool = False) -> jax.Array:
+def product(reference: Callable, lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool = False,
+            causal: bool = False) -> jax.Array:
     """`reference(lhs, rhs)`, a batched einsum whose output is `lhs @ rhs` (`lhs @ rhs^T` with
     `transpose_rhs`) over the leading axes, computed by the kernel where it applies, its gradient's
-    two products too (`g @ rhs^T`-like and `lhs^T @ g`-like, the transposed lhs read in place)."""
+    two products too (`g @ rhs^T`-like and `lhs^T @ g`-like, the transposed lhs read in place).
+
+    `causal`: lhs [..., T, K] is attention weights over a causal span, zero where key j lies after
+    query i (j > K - T + i): the kernel skips those terms, and leaves lhs's gradient zero there (the
+    softmax that made the zeros passes no gradient back through them)."""
     if not applies(lhs, rhs):
         return reference(lhs, rhs)
     swap = lambda x: jnp.swapaxes(x, -1, -2)
+    band, band_out = (_CAUSAL_LHS, _CAUSAL_OUT) if causal else (_DENSE, _DENSE)
 
     def forward(a, b):
-        return _kernel(a, swap(b) if transpose_rhs else b)
+        return _kernel(a, swap(b) if transpose_rhs else b, causal=band)
 
     def gradients(a, b, grad):
-        grad_a = _kernel(grad, b if transpose_rhs else swap(b))
-        grad_b = _kernel(grad, a, transpose_lhs=True) if transpose_rhs else _kernel(a, grad, transpose_lhs=True)
+        grad_a = _kernel(grad, b if transpose_rhs else swap(b), causal=band_out)
+        grad_b = (_kernel(grad, a, transpose_lhs=True) if transpose_rhs
+                  else _kernel(a, grad, transpose_lhs=True, causal=band))
         return grad_a, grad_b
 
     def reference_gradients(a, b, grad):

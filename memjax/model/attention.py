@@ -546,7 +546,8 @@ class RelativeAttention(nn.Module):
         self.sow('intermediates', 'attention', {'probs': probs, 'mask': mask, 'query': query, 'key': key,
                                                 'pos_key': pos_key, 'u_bias': u_bias, 'v_bias': v_bias})
         probs = Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
-        attended = cpu_kernels.product(weighted_values, probs, value.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        attended = cpu_kernels.product(weighted_values, probs, value.transpose(0, 2, 1, 3),
+                                       causal=key_valid is not None).transpose(0, 2, 1, 3)
         out = out_proj(attended)
         result = Attended()
         if attend is not None:

@@ -149,7 +149,8 @@ class LaMemoLayerMemory(LayerMemory):
                 functools.partial(span_scores_masked, scale), content_query[:, ::-1], keys[:, ::-1],
                 position_query[:, ::-1], near, key_valid[:, ::-1], scale)
             probs = self.dropatt(probs, deterministic=view.deterministic).astype(cfg.dtype)
-            attended = cpu_kernels.product(weighted_values, probs, values[:, ::-1].transpose(0, 2, 1, 3))
+            attended = cpu_kernels.product(weighted_values, probs, values[:, ::-1].transpose(0, 2, 1, 3),
+                                           causal=True)
             return attended.transpose(0, 2, 1, 3)[:, ::-1], log_norm[..., ::-1]
         scores = jnp.einsum('bmhd,bwhd->bhmw', content_query, keys, preferred_element_type=jnp.float32)
         scores += look_ahead_position_scores(position_query, positions, view.maps.position, seg_len)
