@@ -66,24 +66,28 @@ def test_product_gradient_is_the_einsums_and_it_vmaps():
 
 
 @needs_kernel
-@pytest.mark.parametrize('t,k,d', [(45, 83, 16), (70, 70, 40), (1, 35, 8), (9, 20, 33)])
-def test_causal_product_is_the_masked_einsum_and_its_gradient(t, k, d):
-    """Attention weights over a causal span times values: the kernel skips the terms of the weights'
-    zeros (row blocks across the span's edge, rows and head sizes beyond the register blocks). The
-    product and the values' gradient equal the einsum's; the weights' gradient is the einsum's inside
-    the span and zero beyond it, which is what the softmax that made the zeros passes back."""
+@pytest.mark.parametrize('t,k,d', [(45, 83, 16), (70, 70, 41), (1, 35, 8), (9, 20, 33)])
+@pytest.mark.parametrize('causal', [False, True])
+def test_attend_is_the_einsum_and_its_gradient(t, k, d, causal):
+    """Weighted values with both heads' layouts read and written in place, against the einsum: rows,
+    head sizes and keys beyond the register blocks. Causal weights (zero after each query's own key):
+    the kernel skips the zeros' terms; the weights' gradient is the einsum's inside the span and zero
+    beyond it, which is what the softmax that made the zeros passes back."""
     ka, kb, kc = jax.random.split(jax.random.PRNGKey(7), 3)
-    inside = np.arange(k)[None, :] <= (k - t) + np.arange(t)[:, None]
+    inside = np.arange(k)[None, :] <= (k - t) + np.arange(t)[:, None] if causal else np.ones((t, k), bool)
     weights = jnp.where(inside, jax.random.uniform(ka, (2, 3, t, k)), 0.0)
-    values, grad = jax.random.normal(kb, (2, 3, k, d)), jax.random.normal(kc, (2, 3, t, d))
-    fn = lambda a, b: cpu.product(_nn, a, b, causal=True)
+    values, grad = jax.random.normal(kb, (2, k, 3, d)), jax.random.normal(kc, (2, t, 3, d))
+    reference = lambda p, v: jnp.einsum('bhtk,bkhd->bthd', p, v)
+    fn = lambda p, v: cpu.attend(p, v, causal=causal)
     out, vjp = jax.vjp(jax.jit(fn), weights, values)
-    np.testing.assert_allclose(out, _nn(weights, values), rtol=1e-5, atol=1e-5)
-    expected = jax.vjp(_nn, weights, values)[1](grad)
+    np.testing.assert_allclose(out, reference(weights, values), rtol=1e-5, atol=1e-5)
+    expected = jax.vjp(reference, weights, values)[1](grad)
     got = vjp(grad)
     np.testing.assert_allclose(got[0], np.where(inside, expected[0], 0.0), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got[0])[..., ~inside], 0.0)
     np.testing.assert_allclose(got[1], expected[1], rtol=1e-5, atol=1e-5)
+    hlo = _hlo(jax.grad(lambda p, v: jnp.sum(fn(p, v) * grad), (0, 1)), weights, values)
+    assert f'custom_call_target="{cpu.ATTEND_GRADIENT_TARGET}"' in hlo
 
 
 def test_xla_products_where_the_kernel_does_not_apply(monkeypatch):

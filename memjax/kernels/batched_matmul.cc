@@ -1,5 +1,5 @@
-// memjax's float32 batched matrix product and Transformer-XL's span attention weights for XLA:CPU (XLA FFI
-// handlers; memjax/kernels/cpu.py).
+// memjax's float32 batched matrix product, Transformer-XL's span attention weights and the attention's
+// weighted values for XLA:CPU, with their gradients (XLA FFI handlers; memjax/kernels/cpu.py).
 //
 // Why: XLA:CPU runs the attention's small batched products ([B*H] products of 128 x 64 x 256 at
 // the peer shape) at about half the rate MKL reaches on the same shapes (BENCHMARKS.md, ops). This
@@ -166,22 +166,14 @@ void parallel_for(ffi::ThreadPool& pool, int64_t count, Task task) {
   while (shared->finished.load() < count) std::this_thread::yield();
 }
 
-// Which [T, K] matrix of a product holds attention weights over a causal span (the last T of the K
-// keys are the queries': entry (i, j) is zero beyond j = K - T + i), so that its zeros are skipped.
-enum Causal : int64_t {
-  kNone = 0,
-  kLhs = 1,  // lhs [T, K] (with transpose_lhs: stored so, read as its transpose): its zeros' terms.
-  kOut = 2,  // out [T, K]: computed within the span, zero beyond it.
-};
-
 ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffer rhs,
-                         ffi::Result<ffi::AnyBuffer> out, bool transpose_lhs, int64_t causal) {
+                         ffi::Result<ffi::AnyBuffer> out, bool transpose_lhs) {
   const auto lhs_dims = lhs.dimensions();
   const auto rhs_dims = rhs.dimensions();
   const int64_t rank = lhs_dims.size();
   if (rank < 2 || static_cast<int64_t>(rhs_dims.size()) != rank || lhs.element_type() != ffi::F32 ||
-      rhs.element_type() != ffi::F32 || causal < kNone || causal > kOut) {
-    return ffi::Error::InvalidArgument("memjax_batched_matmul: float32 operands of equal rank >= 2, causal 0-2");
+      rhs.element_type() != ffi::F32) {
+    return ffi::Error::InvalidArgument("memjax_batched_matmul: float32 operands of equal rank >= 2");
   }
   const float* lhs_data = lhs.typed_data<float>();
   const float* rhs_data = rhs.typed_data<float>();
@@ -195,29 +187,115 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
     const float* lhs_b = lhs_data + b * m_len * k_len;
     const float* rhs_b = rhs_data + b * k_len * n_len;
     float* out_b = out_data + b * m_len * n_len;
-    const auto run = [&](const auto& band) {
-      if (transpose_lhs) {
-        matmul<true>(lhs_b, m_len, rhs_b, n_len, out_b, n_len, m_len, k_len, n_len, band);
-      } else {
-        matmul<false>(lhs_b, k_len, rhs_b, n_len, out_b, n_len, m_len, k_len, n_len, band);
-      }
-    };
-    if (causal == kLhs && !transpose_lhs) {  // Row i of lhs: terms j <= past + i.
-      const int64_t past = k_len - m_len;
-      run(Band{every_row, [=](int64_t i, int64_t rows) { return terms(0, past + i + rows); }});
-    } else if (causal == kLhs) {  // Row j of lhs^T: terms i >= j - past.
-      const int64_t past = m_len - k_len;
-      run(Band{every_row, [=](int64_t j, int64_t) { return terms(j - past, k_len); }});
-    } else if (causal == kOut) {
-      const int64_t past = n_len - m_len;
-      run(Band{[=](int64_t j, int64_t) { return j - past; }, every_term});
-      for (int64_t i = 0; i < m_len; ++i) {
-        std::fill(out_b + i * n_len + std::min(n_len, past + i + 1), out_b + (i + 1) * n_len, 0.0f);
-      }
+    if (transpose_lhs) {
+      matmul<true>(lhs_b, m_len, rhs_b, n_len, out_b, n_len, m_len, k_len, n_len);
     } else {
-      run(Dense{});
+      matmul<false>(lhs_b, k_len, rhs_b, n_len, out_b, n_len, m_len, k_len, n_len);
     }
   });
+  return ffi::Error::Success();
+}
+
+// The [T, K] rows of a head, `stride` apart, transposed into [D, K] (`out`): a product's rhs must
+// have its rows contiguous, and a head of a [B, K, H, D] array has D contiguous. Per head in the
+// kernel, in cache: XLA's transpose of the whole array was a pass over memory at a few GB/s.
+// In tiles of 16 x 16: rows a power of two apart share the few cache sets their addresses map to,
+// and a whole column's 64 or 256 lines would evict each other.
+void transpose_head(const float* head, int64_t stride, int64_t k_len, int64_t d_len, float* out) {
+  constexpr int64_t kTile = 16;
+  for (int64_t j0 = 0; j0 < k_len; j0 += kTile) {
+    for (int64_t d0 = 0; d0 < d_len; d0 += kTile) {
+      const int64_t j_end = std::min(k_len, j0 + kTile), d_end = std::min(d_len, d0 + kTile);
+      for (int64_t d = d0; d < d_end; ++d) {
+        for (int64_t j = j0; j < j_end; ++j) out[d * k_len + j] = head[j * stride + d];
+      }
+    }
+  }
+}
+
+// Attention's weighted values with the heads in place: out [B, T, H, D] = probs [B, H, T, K] @
+// value [B, K, H, D] per head, no transposed copies of either side. With `causal`, probs are
+// weights over a causal span (the last T of the K keys are the queries'; (i, j) is zero beyond
+// j = K - T + i) and their zeros' terms are skipped.
+struct Attend {
+  const float *probs, *value;
+  int64_t heads, t_len, k_len, d_len;
+  bool causal;
+
+  int64_t past() const { return k_len - t_len; }
+  int64_t stride() const { return heads * d_len; }
+  const float* weights(int64_t bh) const { return probs + bh * t_len * k_len; }
+  // Head h of batch row b in a [B, L, H, D] array.
+  int64_t head(int64_t b, int64_t h, int64_t len) const { return (b * len * heads + h) * d_len; }
+};
+
+void attend_head(const Attend& a, float* out, int64_t bh) {
+  const int64_t b = bh / a.heads, h = bh % a.heads, past = a.past(), stride = a.stride();
+  const float* value = a.value + a.head(b, h, a.k_len);
+  float* attended = out + a.head(b, h, a.t_len);
+  if (a.causal) {
+    matmul<false>(a.weights(bh), a.k_len, value, stride, attended, stride, a.t_len, a.k_len, a.d_len,
+                  Band{every_row, [=](int64_t i, int64_t rows) { return terms(0, past + i + rows); }});
+  } else {
+    matmul<false>(a.weights(bh), a.k_len, value, stride, attended, stride, a.t_len, a.k_len, a.d_len);
+  }
+}
+
+// Its gradient given g [B, T, H, D]: dprobs = g v^T (with `causal`, computed within the span and
+// zero beyond it, where the softmax that made the weights passes nothing back) and dvalue = p^T g,
+// written in place.
+void attend_gradient_head(const Attend& a, const float* grad, float* grad_probs, float* grad_value, int64_t bh,
+                          std::vector<float>& scratch) {
+  const int64_t b = bh / a.heads, h = bh % a.heads, past = a.past(), stride = a.stride();
+  const int64_t t_len = a.t_len, k_len = a.k_len, d_len = a.d_len;
+  scratch.resize(d_len * k_len);
+  float* vt = scratch.data();
+  transpose_head(a.value + a.head(b, h, k_len), stride, k_len, d_len, vt);
+  const float* g = grad + a.head(b, h, t_len);
+  float* gp = grad_probs + bh * t_len * k_len;
+  float* gv = grad_value + a.head(b, h, k_len);
+  if (a.causal) {
+    matmul<false>(g, stride, vt, k_len, gp, k_len, t_len, d_len, k_len,
+                  Band{[=](int64_t j, int64_t) { return j - past; }, every_term});
+    for (int64_t i = 0; i < t_len; ++i) {
+      std::fill(gp + i * k_len + std::min(k_len, past + i + 1), gp + (i + 1) * k_len, 0.0f);
+    }
+    matmul<true>(a.weights(bh), k_len, g, stride, gv, stride, k_len, t_len, d_len,
+                 Band{every_row, [=](int64_t j, int64_t) { return terms(j - past, t_len); }});
+  } else {
+    matmul<false>(g, stride, vt, k_len, gp, k_len, t_len, d_len, k_len);
+    matmul<true>(a.weights(bh), k_len, g, stride, gv, stride, k_len, t_len, d_len);
+  }
+}
+
+bool attend_shapes(ffi::Span<const int64_t> p, ffi::Span<const int64_t> v) {
+  return p.size() == 4 && v.size() == 4 && v[0] == p[0] && v[1] == p[3] && v[2] == p[1] && p[2] <= p[3];
+}
+
+ffi::Error AttendValues(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::F32> value,
+                        ffi::Result<ffi::Buffer<ffi::F32>> out, bool causal) {
+  const auto p = probs.dimensions();
+  if (!attend_shapes(p, value.dimensions())) {
+    return ffi::Error::InvalidArgument("memjax_attend: weights [B, H, T, K], values [B, K, H, D], T <= K");
+  }
+  const Attend a{probs.typed_data(), value.typed_data(), p[1], p[2], p[3], value.dimensions()[3], causal};
+  float* out_data = out->typed_data();
+  parallel_for(pool, p[0] * p[1], [=](int64_t bh, std::vector<float>&) { attend_head(a, out_data, bh); });
+  return ffi::Error::Success();
+}
+
+ffi::Error AttendValuesGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> probs, ffi::Buffer<ffi::F32> value,
+                                ffi::Buffer<ffi::F32> grad, ffi::Result<ffi::Buffer<ffi::F32>> grad_probs,
+                                ffi::Result<ffi::Buffer<ffi::F32>> grad_value, bool causal) {
+  const auto p = probs.dimensions();
+  if (!attend_shapes(p, value.dimensions())) {
+    return ffi::Error::InvalidArgument("memjax_attend_gradient: weights [B, H, T, K], values [B, K, H, D], T <= K");
+  }
+  const Attend a{probs.typed_data(), value.typed_data(), p[1], p[2], p[3], value.dimensions()[3], causal};
+  const float* g = grad.typed_data();
+  float *gp = grad_probs->typed_data(), *gv = grad_value->typed_data();
+  parallel_for(pool, p[0] * p[1],
+               [=](int64_t bh, std::vector<float>& scratch) { attend_gradient_head(a, g, gp, gv, bh, scratch); });
   return ffi::Error::Success();
 }
 
@@ -264,10 +342,11 @@ inline F exp_nonpositive(F x) {
 // P = pq @ r^T to a [T, K] buffer that stays in cache; then each row, in cache, takes P's row at
 // its rel-shift offset (query i reads P[i, T - 1 - i + j]), is scaled and masked, and becomes its
 // softmax: XLA's version makes five passes over the [B, H, T, K] scores in memory.
-// What the forward and the gradient share: the queries cq, pq [B, T, H, D] (read in place), the
-// keys' validity [B, K], the sizes and the scale.
+// What the forward and the gradient share: the queries cq, pq [B, T, H, D], the keys k [B, K, H, D]
+// and distance rows r [K, H, D] (all read in place), the keys' validity [B, K], the sizes and the
+// scale.
 struct Scores {
-  const float *cq, *pq;
+  const float *cq, *pq, *k, *r;
   const bool* valid;
   int64_t heads, t_len, k_len, d_len;
   float scale;
@@ -316,23 +395,26 @@ float softmax_row(const Scores& s, const float* shown, float* row, const float* 
   return top + std::log(sum);
 }
 
-// Layouts: kt [B, H, D, K] and rt [H, D, K] (the keys and distance rows transposed, read as a
-// product's rhs); probs [B, H, T, K], log_norm [B, H, T].
-void softmax_head(const Scores& s, const float* kt, const float* rt, float* probs, float* log_norm, int64_t bh,
+// Layouts: probs [B, H, T, K], log_norm [B, H, T]; rt [H, D, K], the distance rows transposed (once
+// per head, for every batch row), and the head's keys transposed into the scratch (kt [D, K]): a
+// product's rhs has its rows contiguous.
+void softmax_head(const Scores& s, const float* rt, float* probs, float* log_norm, int64_t bh,
                   std::vector<float>& scratch) {
   const int64_t b = bh / s.heads, h = bh % s.heads, t_len = s.t_len, k_len = s.k_len, d_len = s.d_len;
   float* out = probs + bh * t_len * k_len;
-  scratch.resize((t_len + 1) * k_len);
+  scratch.resize((t_len + 1 + d_len) * k_len);
   float* position = scratch.data();
   float* shown = position + t_len * k_len;
+  float* kt = shown + k_len;
   for (int64_t j = 0; j < k_len; ++j) shown[j] = s.valid[b * k_len + j];
+  transpose_head(s.k + s.key(b, h), s.stride(), k_len, d_len, kt);
   // Query i sees keys j <= past + i, and reads the positional columns c >= T - 1 - i: a column
   // block is computed only for the rows that read it (a quarter of both products skipped at T = K / 2).
   const int64_t past = k_len - t_len;
-  matmul<false>(s.cq + s.query(b, h), s.stride(), kt + bh * d_len * k_len, k_len, out, k_len, t_len, d_len, k_len,
+  matmul<false>(s.cq + s.query(b, h), s.stride(), kt, k_len, out, k_len, t_len, d_len, k_len,
                 Band{[=](int64_t j, int64_t) { return j - past; }, every_term});
-  matmul<false>(s.pq + s.query(b, h), s.stride(), rt + h * d_len * k_len, k_len, position, k_len, t_len,
-                d_len, k_len, Band{[=](int64_t c, int64_t cols) { return t_len - c - cols; }, every_term});
+  matmul<false>(s.pq + s.query(b, h), s.stride(), rt + h * d_len * k_len, k_len, position, k_len, t_len, d_len, k_len,
+                Band{[=](int64_t c, int64_t cols) { return t_len - c - cols; }, every_term});
   for (int64_t i = 0; i < t_len; ++i) {
     log_norm[bh * t_len + i] = softmax_row(s, shown, out + i * k_len, position + i * k_len + (t_len - 1 - i),
                                            past + i + 1);
@@ -345,9 +427,9 @@ void softmax_head(const Scores& s, const float* kt, const float* rt, float* prob
 // the four products dcq = dS k, dk = dS^T cq, dpq = dP r, dr_b = dP^T pq, written in place into
 // [B, T, H, D], [B, K, H, D], [B, T, H, D] and a [B, K, H, D] buffer whose batch rows the caller
 // then sums in order: added as heads finished, the sum would depend on the threads' timing, and a
-// resumed run would not repeat its gradients bit for bit. Layouts: k [B, K, H, D], r [K, H, D].
+// resumed run would not repeat its gradients bit for bit.
 struct Gradients {
-  const float *k, *r, *probs, *grad_probs, *grad_log_norm;
+  const float *probs, *grad_probs, *grad_log_norm;
   float *grad_cq, *grad_k, *grad_pq, *grad_r_per_row;
 };
 
@@ -383,11 +465,11 @@ void gradient_head(const Scores& s, const Gradients& g, int64_t bh, std::vector<
   // Each product sums only the terms the mask leaves nonzero: dS[i, j] needs j <= past + i, dP[i, c]
   // needs c >= T - 1 - i.
   const int64_t stride = s.stride(), q = s.query(b, h), k = s.key(b, h);
-  matmul<false>(scores, k_len, g.k + k, stride, g.grad_cq + q, stride, t_len, k_len, d_len,
+  matmul<false>(scores, k_len, s.k + k, stride, g.grad_cq + q, stride, t_len, k_len, d_len,
                 Band{every_row, [=](int64_t i, int64_t rows) { return terms(0, past + i + rows); }});
   matmul<true>(scores, k_len, s.cq + q, stride, g.grad_k + k, stride, k_len, t_len, d_len,
                Band{every_row, [=](int64_t j, int64_t) { return terms(j - past, t_len); }});
-  matmul<false>(position, k_len, g.r + h * d_len, stride, g.grad_pq + q, stride, t_len, k_len, d_len,
+  matmul<false>(position, k_len, s.r + h * d_len, stride, g.grad_pq + q, stride, t_len, k_len, d_len,
                 Band{every_row, [=](int64_t i, int64_t rows) { return terms(t_len - i - rows, k_len); }});
   matmul<true>(position, k_len, s.pq + q, stride, g.grad_r_per_row + k, stride, k_len, t_len, d_len,
                Band{every_row, [=](int64_t c, int64_t rows) { return terms(t_len - c - rows, t_len); }});
@@ -399,23 +481,25 @@ bool span_shapes(ffi::Span<const int64_t> q_dims, ffi::Span<const int64_t> k_dim
          r_dims[0] == k_dims[1] && v_dims[0] == q_dims[0] && v_dims[1] == k_dims[1] && q_dims[1] <= k_dims[1];
 }
 
-ffi::Error RelativeSoftmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> cq, ffi::Buffer<ffi::F32> kt,
-                           ffi::Buffer<ffi::F32> pq, ffi::Buffer<ffi::F32> rt, ffi::Buffer<ffi::PRED> valid,
+ffi::Error RelativeSoftmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> cq, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> pq, ffi::Buffer<ffi::F32> r, ffi::Buffer<ffi::PRED> valid,
                            ffi::Result<ffi::Buffer<ffi::F32>> probs, ffi::Result<ffi::Buffer<ffi::F32>> log_norm,
                            float scale) {
-  const auto q = cq.dimensions(), k = kt.dimensions(), r = rt.dimensions();
-  // The keys and rows as the gradient takes them, [B, K, H, D] and [K, H, D], to check them alike.
-  if (k.size() != 4 || r.size() != 3 ||
-      !span_shapes(q, std::vector<int64_t>{k[0], k[3], k[1], k[2]}, std::vector<int64_t>{r[2], r[0], r[1]},
-                   valid.dimensions())) {
-    return ffi::Error::InvalidArgument("memjax_relative_softmax: queries [B, T, H, D], keys [B, H, D, K], "
-                                       "table [H, D, K], validity [B, K], T <= K");
+  const auto q = cq.dimensions();
+  if (!span_shapes(q, k.dimensions(), r.dimensions(), valid.dimensions())) {
+    return ffi::Error::InvalidArgument("memjax_relative_softmax: queries [B, T, H, D], keys [B, K, H, D], "
+                                       "table [K, H, D], validity [B, K], T <= K");
   }
-  const Scores s{cq.typed_data(), pq.typed_data(), valid.typed_data(), q[2], q[1], k[3], q[3], scale};
-  const float *kt_data = kt.typed_data(), *rt_data = rt.typed_data();
+  const Scores s{cq.typed_data(), pq.typed_data(), k.typed_data(), r.typed_data(), valid.typed_data(),
+                 q[2], q[1], k.dimensions()[1], q[3], scale};
   float *probs_data = probs->typed_data(), *log_norm_data = log_norm->typed_data();
+  std::vector<float> transposed(s.heads * s.d_len * s.k_len);  // Every task has finished when it goes.
+  float* rt = transposed.data();
+  parallel_for(pool, s.heads, [=](int64_t h, std::vector<float>&) {
+    transpose_head(s.r + h * s.d_len, s.stride(), s.k_len, s.d_len, rt + h * s.d_len * s.k_len);
+  });
   parallel_for(pool, q[0] * q[2], [=](int64_t bh, std::vector<float>& scratch) {
-    softmax_head(s, kt_data, rt_data, probs_data, log_norm_data, bh, scratch);
+    softmax_head(s, rt, probs_data, log_norm_data, bh, scratch);
   });
   return ffi::Error::Success();
 }
@@ -432,13 +516,13 @@ ffi::Error RelativeSoftmaxGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p
     return ffi::Error::InvalidArgument("memjax_relative_softmax_gradient: queries [B, T, H, D], keys [B, K, H, D], "
                                        "table [K, H, D], validity [B, K], T <= K");
   }
-  const Scores s{cq.typed_data(), pq.typed_data(), valid.typed_data(), q[2], q[1], k.dimensions()[1], q[3], scale};
+  const Scores s{cq.typed_data(), pq.typed_data(), k.typed_data(), r.typed_data(), valid.typed_data(),
+                 q[2], q[1], k.dimensions()[1], q[3], scale};
   // Every task that uses it has finished when parallel_for returns.
   const int64_t row_size = grad_r->element_count(), batch = q[0];
   std::vector<float> per_row(batch * row_size);
-  const Gradients g{k.typed_data(), r.typed_data(), probs.typed_data(), grad_probs.typed_data(),
-                    grad_log_norm.typed_data(), grad_cq->typed_data(), grad_k->typed_data(), grad_pq->typed_data(),
-                    per_row.data()};
+  const Gradients g{probs.typed_data(), grad_probs.typed_data(), grad_log_norm.typed_data(), grad_cq->typed_data(),
+                    grad_k->typed_data(), grad_pq->typed_data(), per_row.data()};
   parallel_for(pool, batch * q[2], [=](int64_t bh, std::vector<float>& scratch) { gradient_head(s, g, bh, scratch); });
   float* grad_r_data = grad_r->typed_data();
   const float* rows = per_row.data();
@@ -464,8 +548,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_batched_matmul, BatchedMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("transpose_lhs")
-                                  .Attr<int64_t>("causal"));
+                                  .Attr<bool>("transpose_lhs"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_attend, AttendValues,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("causal"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_attend_gradient, AttendValuesGradient,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("causal"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_relative_softmax, RelativeSoftmax,
                               ffi::Ffi::Bind()

@@ -39,6 +39,8 @@ SOURCE = pathlib.Path(__file__).with_name('batched_matmul.cc')
 TARGET = 'memjax_batched_matmul'
 SOFTMAX_TARGET = 'memjax_relative_softmax'
 SOFTMAX_GRADIENT_TARGET = 'memjax_relative_softmax_gradient'
+ATTEND_TARGET = 'memjax_attend'
+ATTEND_GRADIENT_TARGET = 'memjax_attend_gradient'
 SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
 ARCH = 'MEMJAX_CPU_KERNEL_ARCH'  # The compiler's -march; default native.
 
@@ -84,7 +86,7 @@ def register(compiler: Optional[str]) -> int:
         return 0
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-        for target in (TARGET, SOFTMAX_TARGET, SOFTMAX_GRADIENT_TARGET):
+        for target in (TARGET, SOFTMAX_TARGET, SOFTMAX_GRADIENT_TARGET, ATTEND_TARGET, ATTEND_GRADIENT_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
         library.memjax_vector_lanes.restype = ctypes.c_int64
         return library.memjax_vector_lanes()
@@ -108,39 +110,26 @@ def applies(*operands: jax.Array) -> bool:
             and vector_lanes() > 0)
 
 
-# The `causal` attribute of TARGET: which [T, K] matrix of a product holds attention weights over a
-# causal span (batched_matmul.cc, enum Causal).
-_DENSE, _CAUSAL_LHS, _CAUSAL_OUT = 0, 1, 2
-
-
-def _kernel(lhs: jax.Array, rhs: jax.Array, transpose_lhs: bool = False, causal: int = _DENSE) -> jax.Array:
+def _kernel(lhs: jax.Array, rhs: jax.Array, transpose_lhs: bool = False) -> jax.Array:
     rows = lhs.shape[-1] if transpose_lhs else lhs.shape[-2]
     out = jax.ShapeDtypeStruct(lhs.shape[:-2] + (rows, rhs.shape[-1]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out, vmap_method='broadcast_all')(lhs, rhs, transpose_lhs=transpose_lhs,
-                                                                      causal=np.int64(causal))
+    return jax.ffi.ffi_call(TARGET, out, vmap_method='broadcast_all')(lhs, rhs, transpose_lhs=transpose_lhs)
 
 
-def product(reference: Callable, lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool = False,
-            causal: bool = False) -> jax.Array:
+def product(reference: Callable, lhs: jax.Array, rhs: jax.Array, transpose_rhs: bool = False) -> jax.Array:
     """`reference(lhs, rhs)`, a batched einsum whose output is `lhs @ rhs` (`lhs @ rhs^T` with
     `transpose_rhs`) over the leading axes, computed by the kernel where it applies, its gradient's
-    two products too (`g @ rhs^T`-like and `lhs^T @ g`-like, the transposed lhs read in place).
-
-    `causal`: lhs [..., T, K] is attention weights over a causal span, zero where key j lies after
-    query i (j > K - T + i): the kernel skips those terms, and leaves lhs's gradient zero there (the
-    softmax that made the zeros passes no gradient back through them)."""
+    two products too (`g @ rhs^T`-like and `lhs^T @ g`-like, the transposed lhs read in place)."""
     if not applies(lhs, rhs):
         return reference(lhs, rhs)
     swap = lambda x: jnp.swapaxes(x, -1, -2)
-    band, band_out = (_CAUSAL_LHS, _CAUSAL_OUT) if causal else (_DENSE, _DENSE)
 
     def forward(a, b):
-        return _kernel(a, swap(b) if transpose_rhs else b, causal=band)
+        return _kernel(a, swap(b) if transpose_rhs else b)
 
     def gradients(a, b, grad):
-        grad_a = _kernel(grad, b if transpose_rhs else swap(b), causal=band_out)
-        grad_b = (_kernel(grad, a, transpose_lhs=True) if transpose_rhs
-                  else _kernel(a, grad, transpose_lhs=True, causal=band))
+        grad_a = _kernel(grad, b if transpose_rhs else swap(b))
+        grad_b = _kernel(grad, a, transpose_lhs=True) if transpose_rhs else _kernel(a, grad, transpose_lhs=True)
         return grad_a, grad_b
 
     def reference_gradients(a, b, grad):
@@ -182,8 +171,7 @@ def relative_softmax(reference: Callable, content_query: jax.Array, key: jax.Arr
     def forward(cq, k, pq, r, ok):
         shape = (cq.shape[0], cq.shape[2], cq.shape[1], k.shape[1])
         out = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
-        return tuple(jax.ffi.ffi_call(SOFTMAX_TARGET, out)(cq, k.transpose(0, 2, 3, 1), pq, r.transpose(1, 2, 0),
-                                                           ok, scale=np.float32(scale)))
+        return tuple(jax.ffi.ffi_call(SOFTMAX_TARGET, out)(cq, k, pq, r, ok, scale=np.float32(scale)))
 
     @jax.custom_vjp
     def run(cq, k, pq, r, ok):
@@ -211,3 +199,44 @@ def relative_softmax(reference: Callable, content_query: jax.Array, key: jax.Arr
 
     run.defvjp(run_forward, run_backward)
     return run(content_query, key, position_query, pos_key, valid)
+
+
+def attend(probs: jax.Array, value: jax.Array, causal: bool = False) -> jax.Array:
+    """The attention's weighted values [B, T, H, D] from weights [B, H, T, K] and values [B, K, H, D].
+    The kernel, where it applies, reads each head of the values and writes each head of the output
+    in place (XLA transposed both whole arrays around its product); its gradient too.
+
+    `causal`: the weights are over a causal span whose last T keys are the queries', zero where key
+    j lies after query i (j > K - T + i): the kernel skips those terms and leaves the weights'
+    gradient zero there, where the softmax that made the zeros passes nothing back.
+    """
+    def reference(p, v):
+        return jnp.einsum('bhtk,bkhd->bthd', p, v)
+
+    if not applies(probs, value):
+        return reference(probs, value)
+
+    def forward(p, v):
+        out = jax.ShapeDtypeStruct((p.shape[0], p.shape[2], p.shape[1], v.shape[-1]), jnp.float32)
+        return jax.ffi.ffi_call(ATTEND_TARGET, out)(p, v, causal=causal)
+
+    def kernel_gradients(p, v, grad):
+        out = (jax.ShapeDtypeStruct(p.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32))
+        return tuple(jax.ffi.ffi_call(ATTEND_GRADIENT_TARGET, out)(p, v, grad, causal=causal))
+
+    def reference_gradients(p, v, grad):
+        return jax.vjp(reference, p, v)[1](grad)
+
+    @jax.custom_vjp
+    def run(p, v):
+        return jax.lax.platform_dependent(p, v, cpu=forward, default=reference)
+
+    def run_forward(p, v):
+        return run(p, v), (p, v)
+
+    def run_backward(operands, grad):
+        return jax.lax.platform_dependent(*operands, grad.astype(jnp.float32), cpu=kernel_gradients,
+                                          default=reference_gradients)
+
+    run.defvjp(run_forward, run_backward)
+    return run(probs, value)

@@ -403,10 +403,6 @@ def span_scores_masked(scale: float, content_query, key, position_query, pos_key
     return jnp.where(visible, scores * scale, jnp.finfo(jnp.float32).min)
 
 
-def weighted_values(probs, value):
-    return jnp.einsum('bhtk,bhkd->bhtd', probs, value)
-
-
 def dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
     """Closes a sub-block: dropout on the branch, residual add, LayerNorm when post-LN."""
     out = h + Dropout(cfg.dropout)(branch, deterministic=deterministic)
@@ -546,8 +542,7 @@ class RelativeAttention(nn.Module):
         self.sow('intermediates', 'attention', {'probs': probs, 'mask': mask, 'query': query, 'key': key,
                                                 'pos_key': pos_key, 'u_bias': u_bias, 'v_bias': v_bias})
         probs = Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
-        attended = cpu_kernels.product(weighted_values, probs, value.transpose(0, 2, 1, 3),
-                                       causal=key_valid is not None).transpose(0, 2, 1, 3)
+        attended = cpu_kernels.attend(probs, value, causal=key_valid is not None)
         out = out_proj(attended)
         result = Attended()
         if attend is not None:

@@ -93,6 +93,15 @@ def hlo_op_flops(hlo: str) -> dict[str, float]:
             # queries' last axis (the query gradient [B, T, H, D] is the first output).
             probs_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
             kernels[name] = 4 * 2.0 * math.prod(_dims(probs_shape)) * _dims(output)[-1]
+        attend = re.search(f'custom_call_target="({cpu_kernels.ATTEND_TARGET}|{cpu_kernels.ATTEND_GRADIENT_TARGET})"',
+                           rest)
+        if opcode == 'custom-call' and attend is not None:
+            # The weighted values (weights [B, H, T, K], values [B, K, H, D] first): one product per
+            # weight and value dimension; the gradient two.
+            constraints = re.search(r'operand_layout_constraints=\{(.*)', rest).group(1)
+            weights, values = (_dims(shape) for shape in re.findall(r'\w+\[[\d,]*\]', constraints)[:2])
+            products = 2 if attend.group(1) == cpu_kernels.ATTEND_GRADIENT_TARGET else 1
+            kernels[name] = products * 2.0 * math.prod(weights) * values[-1]
         # Fusions only: the ops of a loop's body are profiled as ops of their own.
         calls[name] = re.findall(r'calls=%?([\w.\-]+)', rest)
         if computation is not None:

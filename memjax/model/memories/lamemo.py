@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from memjax.kernels import cpu as cpu_kernels
-from memjax.model.attention import Attended, KeyBlock, span_scores_masked, weighted_values
+from memjax.model.attention import Attended, KeyBlock, span_scores_masked
 from memjax.model.config import KindFields
 from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, register
 from memjax.model.positions import rel_shift
@@ -149,9 +149,8 @@ class LaMemoLayerMemory(LayerMemory):
                 functools.partial(span_scores_masked, scale), content_query[:, ::-1], keys[:, ::-1],
                 position_query[:, ::-1], near, key_valid[:, ::-1], scale)
             probs = self.dropatt(probs, deterministic=view.deterministic).astype(cfg.dtype)
-            attended = cpu_kernels.product(weighted_values, probs, values[:, ::-1].transpose(0, 2, 1, 3),
-                                           causal=True)
-            return attended.transpose(0, 2, 1, 3)[:, ::-1], log_norm[..., ::-1]
+            attended = cpu_kernels.attend(probs, values[:, ::-1], causal=True)
+            return attended[:, ::-1], log_norm[..., ::-1]
         scores = jnp.einsum('bmhd,bwhd->bhmw', content_query, keys, preferred_element_type=jnp.float32)
         scores += look_ahead_position_scores(position_query, positions, view.maps.position, seg_len)
         visible = (look_ahead_distances(mem_len, seg_len) >= 1)[None, None] & key_valid[:, None, None, :]
