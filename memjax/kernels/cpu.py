@@ -132,22 +132,28 @@ def product(reference: Callable, lhs: jax.Array, rhs: jax.Array, transpose_rhs: 
         grad_b = _kernel(grad, a, transpose_lhs=True) if transpose_rhs else _kernel(a, grad, transpose_lhs=True)
         return grad_a, grad_b
 
-    def reference_gradients(a, b, grad):
-        return jax.vjp(reference, a, b)[1](grad)
+    return _on_cpu(reference, forward, gradients, lhs, rhs)
+
+
+def _on_cpu(reference: Callable, forward: Callable, gradients: Callable, *operands: jax.Array) -> jax.Array:
+    """`reference(*operands)` (one output), computed by `forward` on CPU and its gradient by
+    `gradients(*operands, grad)` there; elsewhere the reference and XLA's gradient of it. Which
+    runs is chosen per platform when the program is lowered."""
+    def reference_gradients(*operands_and_grad):
+        return jax.vjp(reference, *operands_and_grad[:-1])[1](operands_and_grad[-1])
 
     @jax.custom_vjp
-    def run(a, b):
-        return jax.lax.platform_dependent(a, b, cpu=forward, default=reference)
+    def run(*xs):
+        return jax.lax.platform_dependent(*xs, cpu=forward, default=reference)
 
-    def run_forward(a, b):
-        return run(a, b), (a, b)
+    def run_forward(*xs):
+        return run(*xs), xs
 
-    def run_backward(operands, grad):
-        return jax.lax.platform_dependent(*operands, grad.astype(jnp.float32), cpu=gradients,
-                                          default=reference_gradients)
+    def run_backward(xs, grad):
+        return jax.lax.platform_dependent(*xs, grad.astype(jnp.float32), cpu=gradients, default=reference_gradients)
 
     run.defvjp(run_forward, run_backward)
-    return run(lhs, rhs)
+    return run(*operands)
 
 
 def relative_softmax(reference: Callable, content_query: jax.Array, key: jax.Array, position_query: jax.Array,
@@ -220,23 +226,8 @@ def attend(probs: jax.Array, value: jax.Array, causal: bool = False) -> jax.Arra
         out = jax.ShapeDtypeStruct((p.shape[0], p.shape[2], p.shape[1], v.shape[-1]), jnp.float32)
         return jax.ffi.ffi_call(ATTEND_TARGET, out)(p, v, causal=causal)
 
-    def kernel_gradients(p, v, grad):
+    def gradients(p, v, grad):
         out = (jax.ShapeDtypeStruct(p.shape, jnp.float32), jax.ShapeDtypeStruct(v.shape, jnp.float32))
         return tuple(jax.ffi.ffi_call(ATTEND_GRADIENT_TARGET, out)(p, v, grad, causal=causal))
 
-    def reference_gradients(p, v, grad):
-        return jax.vjp(reference, p, v)[1](grad)
-
-    @jax.custom_vjp
-    def run(p, v):
-        return jax.lax.platform_dependent(p, v, cpu=forward, default=reference)
-
-    def run_forward(p, v):
-        return run(p, v), (p, v)
-
-    def run_backward(operands, grad):
-        return jax.lax.platform_dependent(*operands, grad.astype(jnp.float32), cpu=kernel_gradients,
-                                          default=reference_gradients)
-
-    run.defvjp(run_forward, run_backward)
-    return run(probs, value)
+    return _on_cpu(reference, forward, gradients, probs, value)
