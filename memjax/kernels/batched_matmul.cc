@@ -196,7 +196,7 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-// The [T, K] rows of a head, `stride` apart, transposed into [D, K] (`out`): a product's rhs must
+// The K rows of a head, `stride` apart, transposed into [D, K] (`out`): a product's rhs must
 // have its rows contiguous, and a head of a [B, K, H, D] array has D contiguous. Per head in the
 // kernel, in cache: XLA's transpose of the whole array was a pass over memory at a few GB/s.
 // In tiles of 16 x 16: rows a power of two apart share the few cache sets their addresses map to,
@@ -409,7 +409,8 @@ void softmax_head(const Scores& s, const float* rt, float* probs, float* log_nor
   for (int64_t j = 0; j < k_len; ++j) shown[j] = s.valid[b * k_len + j];
   transpose_head(s.k + s.key(b, h), s.stride(), k_len, d_len, kt);
   // Query i sees keys j <= past + i, and reads the positional columns c >= T - 1 - i: a column
-  // block is computed only for the rows that read it (a quarter of both products skipped at T = K / 2).
+  // block is computed only for the rows that read it (the mask hides a quarter of each product at
+  // T = K / 2; whole register blocks, a fifth, are skipped).
   const int64_t past = k_len - t_len;
   matmul<false>(s.cq + s.query(b, h), s.stride(), kt, k_len, out, k_len, t_len, d_len, k_len,
                 Band{[=](int64_t j, int64_t) { return j - past; }, every_term});

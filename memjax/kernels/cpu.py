@@ -1,12 +1,13 @@
-"""A batched matrix product and Transformer-XL's span attention weights for XLA:CPU, built for this CPU on
-first use and called as FFI targets.
+"""A batched matrix product, Transformer-XL's span attention weights and the attention's weighted
+values for XLA:CPU, built for this CPU on first use and called as FFI targets.
 
 Why: XLA:CPU runs the attention's small batched products (the scores, the weighted values) at
 about half the rate MKL reaches on the same shapes, and they are a quarter of an evaluation step
 (BENCHMARKS.md, ops). `batched_matmul.cc` is a register-blocked product compiled with
 `-march=native`; the attention calls it through `product`, for the forward and the gradient's
-products, and through `relative_softmax` for one contiguous span's scores and softmax in one pass; it
-keeps XLA's own einsums on other platforms and wherever the kernel does not apply.
+products, through `relative_softmax` for one contiguous span's scores and softmax in one pass, and
+through `attend` for the weighted values with the heads in place; it keeps XLA's own einsums on
+other platforms and wherever the kernel does not apply.
 
 It applies to float32 operands on a single-device CPU process (a custom call has no sharding
 rule, so meshes of several devices keep XLA's products), when a C++ compiler (`$CXX`, else g++)
@@ -104,7 +105,7 @@ def vector_lanes() -> int:
 
 
 def applies(*operands: jax.Array) -> bool:
-    """Whether `product` runs the kernel for these operands (decided while tracing)."""
+    """Whether the kernels run for these operands (decided while tracing)."""
     return (os.environ.get(SWITCH, 'on') != 'off' and jax.device_count() == 1
             and jax.devices()[0].platform == 'cpu' and all(x.dtype == jnp.float32 for x in operands)
             and vector_lanes() > 0)
