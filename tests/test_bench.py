@@ -299,3 +299,36 @@ def test_suite_runs_tiny_from_the_command_line(suite, tmp_path):
 ])
 def test_cpu_model_names_the_microarchitecture_behind_a_generic_name(cpuinfo, expected):
     assert harness.cpu_model(cpuinfo) == expected
+
+
+_PROFILE_SCAN = r'''
+import json, os, re, sys
+import jax, jax.numpy as jnp
+from memjax.bench.suites import ops
+
+def step(x, w):
+    def body(carry, _):
+        return jax.lax.cond(carry.sum() > -1e9, lambda c: jnp.tanh(c @ w), lambda c: c, carry), None
+    return jax.lax.scan(body, x, None, length=5)[0]
+
+x, w = jnp.ones((64, 128)) / 128, jnp.eye(128)
+compiled = jax.jit(step).lower(x, w).compile()
+hlo = compiled.as_text()
+opcodes = {m.group(1): m.group(2) for m in re.finditer(r'%([\w.\-]+) = .*? ([a-z\-]+)\(', hlo)}
+seconds, flops = ops.profile_xla(lambda: compiled(x, w), 3, hlo)
+print(json.dumps({'opcodes': opcodes, 'ops': sorted(seconds), 'flops': sum(flops.values())}))
+'''
+
+
+def test_ops_profile_counts_loop_bodies_once():
+    """A loop's and a conditional's profile events span their bodies' ops: only the body's ops are
+    counted (each op's time once), and the product's FLOPs are the iterations' 5 x 2 x 64 x 128^2."""
+    env = {**os.environ, 'XLA_FLAGS': '--xla_cpu_enable_xprof_traceme=true', 'JAX_PLATFORMS': 'cpu'}
+    proc = subprocess.run([sys.executable, '-c', _PROFILE_SCAN], cwd=REPO, env=env, capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    profiled = {found['opcodes'].get(op, 'fusion') for op in found['ops']}
+    assert 'while' in found['opcodes'].values() and 'conditional' in found['opcodes'].values()
+    assert not profiled & {'while', 'conditional', 'call'}
+    assert found['flops'] == pytest.approx(5 * 2 * 64 * 128 * 128)

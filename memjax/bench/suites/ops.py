@@ -10,7 +10,8 @@ GFLOP/s for ops that multiply matrices (FLOPs from the HLO's dot shapes; torch's
 and that rate against the model-shaped matmul peak measured in the same invocation.
 
 Op times are summed over the threads that ran them: XLA:CPU runs independent ops side by side,
-so the shares are of the step's op time, which can exceed its wall time.
+so the shares are of the step's op time, which can exceed its wall time. Control flow (a loop, a
+conditional) is not an op of its own here: its event spans its body's ops, which are counted.
 """
 
 from __future__ import annotations
@@ -154,9 +155,17 @@ def by_source(values: dict[str, float], sources: dict[str, str]) -> dict[str, fl
     return dict(merged)
 
 
-def profile_xla(loop: Callable, steps: int, op_flops: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+def control_flow_ops(hlo: str) -> frozenset[str]:
+    """Names of the optimized HLO's loops, conditionals and calls: each one's profile event spans the
+    ops of the computations it runs, which have events of their own."""
+    found = (_INSTRUCTION.match(line) for line in hlo.splitlines())
+    return frozenset(m.group(1) for m in found if m is not None and m.group(3) in ('while', 'conditional', 'call'))
+
+
+def profile_xla(loop: Callable, steps: int, hlo: str) -> tuple[dict[str, float], dict[str, float]]:
     """({XLA op name: seconds per step}, {XLA op name: FLOPs per step}) over `steps` calls of `loop`
-    (after one untimed call); `op_flops`: FLOPs of one execution of each op."""
+    (after one untimed call), `hlo` its optimized HLO; control flow is left out (its ops are in)."""
+    op_flops, nesting = hlo_op_flops(hlo), control_flow_ops(hlo)
     if not all(flag in os.environ.get('XLA_FLAGS', '') for flag in XLA_FLAGS):
         raise harness.BenchError(f'the ops suite needs XLA_FLAGS={" ".join(XLA_FLAGS)} set before JAX '
                                  'starts; run it as python -m memjax.bench ops, which sets it.')
@@ -174,7 +183,7 @@ def profile_xla(loop: Callable, steps: int, op_flops: dict[str, float]) -> tuple
         for line in plane.lines:
             for event in line.events:
                 op = dict(event.stats).get('hlo_op')
-                if op is not None:
+                if op is not None and op not in nesting:
                     seconds[op] += event.duration_ns * 1e-9 / steps
                     flops[op] += op_flops.get(op, 0.0) / steps
     return dict(seconds), dict(flops)
@@ -250,7 +259,7 @@ def measure_vocab(vocab: peer.Vocab, shape: peer.Shape, ctx: harness.Context, pe
         ctx.log(f'ops: {vocab.name} memjax {mode}: profiling {ctx.repeats} steps')
         sources = hlo_op_sources(hlo)
         profiles = {'memjax': tuple(by_source(values, sources)
-                                    for values in profile_xla(loop, ctx.repeats, hlo_op_flops(hlo)))}
+                                    for values in profile_xla(loop, ctx.repeats, hlo))}
         for impl in theirs:
             ctx.log(f'ops: {vocab.name} {impl} {mode}: profiling {ctx.repeats} steps')
             profiles[impl] = profile_torch(theirs[impl][mode], ctx.repeats)
