@@ -34,14 +34,14 @@ def cluster_logits(weights: dict, hidden: jax.Array, dtype) -> jax.Array:
     x = hidden.astype(dtype)
     if weights['proj'] is not None:
         x = x @ weights['proj'].astype(dtype).T
-    logits = jnp.einsum('...d,vd->...v', x, weights['table'].astype(dtype), preferred_element_type=jnp.float32)
-    logits = nn.with_logical_constraint(logits + weights['bias'],
-                                        ('activation_batch', 'activation_length', 'activation_vocab'))
+    table, bias = weights['table'], weights['bias']
     if 'cluster_kernel' in weights:
-        cluster = jnp.einsum('...d,dc->...c', x, weights['cluster_kernel'].astype(dtype),
-                             preferred_element_type=jnp.float32)
-        logits = jnp.concatenate([logits, cluster + weights['cluster_bias']], axis=-1)
-    return logits
+        # The tail clusters' scores as more rows of the head's table: one product, and neither the
+        # [tokens, V_0 + n_tail] logits concatenated nor their gradient split.
+        table = jnp.concatenate([table, weights['cluster_kernel'].T.astype(table.dtype)])
+        bias = jnp.concatenate([bias, weights['cluster_bias']])
+    logits = jnp.einsum('...d,vd->...v', x, table.astype(dtype), preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(logits + bias, ('activation_batch', 'activation_length', 'activation_vocab'))
 
 
 def _chunk_logprobs(dtype, weights, x_chunk, local_chunk):
