@@ -157,8 +157,10 @@ class AdaptiveIO(nn.Module):
                 lo, hi = bounds[i], bounds[i + 1]
                 inside = (ids >= lo) & (ids < hi)
                 local = jnp.clip(ids - lo, 0, hi - lo - 1)
-                vectors = jnp.take(table, local, axis=0).astype(dtype) @ proj.astype(dtype)
-                out = out + jnp.where(inside[..., None], vectors, 0)
+                # Masked before the projection: the gradient's mask is then on the cluster's narrow
+                # rows, and every cluster's projection gradient reads the same output gradient.
+                rows = jnp.where(inside[..., None], jnp.take(table, local, axis=0).astype(dtype), 0)
+                out = out + rows @ proj.astype(dtype)
         if not BLOCKS[cfg.block].embed_scale:
             return out
         return out * jnp.asarray(math.sqrt(cfg.d_model), dtype)
