@@ -66,6 +66,43 @@ def test_product_gradient_is_the_einsums_and_it_vmaps():
 
 
 @needs_kernel
+@pytest.mark.parametrize('lead,m,k,n', [((), 37, 300, 70), ((), 9, 129, 33), ((1,), 40, 256, 31), ((), 8, 1, 96)])
+def test_a_long_contraction_of_few_products_is_the_einsum(lead, m, k, n):
+    """Fewer products than threads (a weight gradient): columns split over the threads; a
+    contraction past one chunk (128 terms) summed chunk by chunk, a partial last chunk and column
+    tails included; the lhs read transposed, as a weight gradient's x^T g."""
+    ka, kb = jax.random.split(jax.random.PRNGKey(5))
+    lhs = jax.random.normal(ka, lead + (k, m))
+    rhs = jax.random.normal(kb, lead + (k, n))
+    got = jax.jit(lambda a, b: cpu._kernel(a, b, transpose_lhs=True))(lhs, rhs)
+    np.testing.assert_allclose(got, jnp.einsum('...km,...kn->...mn', lhs, rhs, precision='highest'),
+                               rtol=1e-4, atol=1e-4)
+    got = jax.jit(cpu._kernel)(jnp.swapaxes(lhs, -1, -2), rhs)
+    np.testing.assert_allclose(got, jnp.einsum('...km,...kn->...mn', lhs, rhs, precision='highest'),
+                               rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize('x_shape,kernel_shape,in_dims', [((2, 5, 16), (16, 3, 8), 1), ((7, 2, 8), (2, 8, 12), 2),
+                                                           ((300, 16), (16, 40), 1)])
+def test_linear_and_its_gradient_are_the_tensordots(x_shape, kernel_shape, in_dims):
+    """A layer's linear map: the value and both gradients are XLA's tensordot's, the weight
+    gradient computed by the kernel (x read transposed, no transpose of the output gradient)."""
+    kx, kk, kw = jax.random.split(jax.random.PRNGKey(6), 3)
+    x, kernel = jax.random.normal(kx, x_shape), jax.random.normal(kk, kernel_shape)
+    weight = jax.random.normal(kw, x_shape[:len(x_shape) - in_dims] + kernel_shape[in_dims:])
+    loss = lambda fn: lambda a, b: jnp.sum(fn(a, b) * weight)
+    linear = lambda a, b: cpu.linear(a, b, in_dims)
+    reference = lambda a, b: jnp.tensordot(a, b, axes=in_dims, precision='highest')
+    np.testing.assert_allclose(jax.jit(linear)(x, kernel), reference(x, kernel), rtol=1e-5, atol=1e-5)
+    for got, expected in zip(jax.jit(jax.grad(loss(linear), (0, 1)))(x, kernel),
+                             jax.grad(loss(reference), (0, 1))(x, kernel)):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    hlo = _hlo(jax.grad(loss(linear), (0, 1)), x, kernel)
+    assert hlo.count(f'custom_call_target="{cpu.TARGET}"') == 1 and 'transpose_lhs = true' in hlo
+
+
+@needs_kernel
 @pytest.mark.parametrize('t,k,d', [(45, 83, 16), (70, 70, 41), (1, 35, 8), (9, 20, 33)])
 @pytest.mark.parametrize('causal', [False, True])
 def test_attend_is_the_einsum_and_its_gradient(t, k, d, causal):

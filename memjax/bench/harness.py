@@ -30,6 +30,7 @@ import jax
 import ml_collections
 
 from memjax import config_lib
+from memjax.bench import hlo
 from memjax.kernels import cpu as cpu_kernels
 from memjax.errors import BenchError  # re-exported for the suites
 
@@ -190,12 +191,13 @@ class Compiled:
 
     @property
     def flops(self) -> Optional[float]:
-        """XLA's cost-analysis FLOP count of one call (None where the backend gives none)."""
+        """XLA's cost-analysis FLOP count of one call plus the products of memjax's CPU kernels in
+        it, which that analysis cannot see (None where the backend gives no count)."""
         analysis = self.executable.cost_analysis()
         if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
             analysis = analysis[0] if analysis else None
         value = (analysis or {}).get('flops')
-        return None if value is None or value < 0 else float(value)
+        return None if value is None or value < 0 else float(value) + hlo.kernel_flops(self.executable.as_text())
 
     def memory(self) -> dict[str, int]:
         """Byte sizes from XLA's memory analysis of the compiled program."""

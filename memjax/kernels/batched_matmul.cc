@@ -7,7 +7,8 @@
 //
 // out[b] = lhs[b] @ rhs[b] for every b over the leading axes, all row-major: lhs [..., M, K] (or
 // [..., K, M] with transpose_lhs, read as its transpose: a gradient's lhs^T @ g without a copy),
-// rhs [..., K, N], out [..., M, N]. Products are spread over XLA's intra-op thread pool.
+// rhs [..., K, N], out [..., M, N]. Products are spread over XLA's intra-op thread pool, and the
+// columns of a product too where there are fewer products than threads (a weight gradient).
 
 #include <algorithm>
 #include <atomic>
@@ -53,11 +54,16 @@ inline void store(float* p, const vec& v) { std::memcpy(p, &v, sizeof(v)); }
 // [k_begin, k_end): the K loop reads kCols floats of an rhs row per step (`rhs` points at the
 // block's first column, rows `rhs_stride` apart) and broadcasts one lhs element per row (lhs's rows,
 // or with lhs_t its columns, `lhs_stride` apart); `out` points at the block's first element, rows
-// `out_stride` apart.
+// `out_stride` apart. With `accumulate` the block is added to out's.
 template <int64_t rows, bool lhs_t>
 inline void block(const float* lhs, int64_t lhs_stride, int64_t k_begin, int64_t k_end, int64_t i, const float* rhs,
-                  int64_t rhs_stride, float* out, int64_t out_stride) {
+                  int64_t rhs_stride, float* out, int64_t out_stride, bool accumulate) {
   vec acc[rows][kVectors] = {};
+  if (accumulate) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t v = 0; v < kVectors; ++v) acc[r][v] = load(out + r * out_stride + kLanes * v);
+    }
+  }
   for (int64_t k = k_begin; k < k_end; ++k) {
     vec b[kVectors];
     for (int64_t v = 0; v < kVectors; ++v) b[v] = load(rhs + k * rhs_stride + kLanes * v);
@@ -96,7 +102,7 @@ Band(FirstRow, Terms) -> Band<FirstRow, Terms>;
 // One column block [j, j + cols) of every row the band keeps: kRows rows at a time, then one by one.
 template <bool lhs_t, typename Band>
 void column_block(const float* lhs, int64_t lhs_stride, int64_t m_len, int64_t k_len, const Band& band, int64_t j,
-                  int64_t cols, const float* rhs, int64_t rhs_stride, float* out, int64_t out_stride) {
+                  int64_t cols, const float* rhs, int64_t rhs_stride, float* out, int64_t out_stride, bool accumulate) {
   const auto clipped = [&](int64_t i, int64_t rows) {
     const auto [begin, end] = band.terms(i, rows);
     return std::pair<int64_t, int64_t>{std::max<int64_t>(begin, 0), std::min(end, k_len)};
@@ -104,23 +110,27 @@ void column_block(const float* lhs, int64_t lhs_stride, int64_t m_len, int64_t k
   int64_t i = std::max<int64_t>(0, band.first_row(j, cols));
   for (; i + kRows <= m_len; i += kRows) {
     const auto [k_begin, k_end] = clipped(i, kRows);
-    block<kRows, lhs_t>(lhs, lhs_stride, k_begin, k_end, i, rhs, rhs_stride, out + i * out_stride, out_stride);
+    block<kRows, lhs_t>(lhs, lhs_stride, k_begin, k_end, i, rhs, rhs_stride, out + i * out_stride, out_stride,
+                        accumulate);
   }
   for (; i < m_len; ++i) {
     const auto [k_begin, k_end] = clipped(i, 1);
-    block<1, lhs_t>(lhs, lhs_stride, k_begin, k_end, i, rhs, rhs_stride, out + i * out_stride, out_stride);
+    block<1, lhs_t>(lhs, lhs_stride, k_begin, k_end, i, rhs, rhs_stride, out + i * out_stride, out_stride, accumulate);
   }
 }
 
 // out [M, N] = lhs [M, K] @ rhs [K, N] (lhs_t: lhs [K, M] read as its transpose), lhs's rows (or
 // columns), rhs's rows and out's rows `lhs_stride`, `rhs_stride` and `out_stride` apart, so that
-// one head of a [T, H, D] array is read or written in place; only the part `band` keeps.
+// one head of a [T, H, D] array is read or written in place; only the part `band` keeps. With
+// `accumulate` the product is added to out.
 template <bool lhs_t, typename Band = Dense>
 void matmul(const float* lhs, int64_t lhs_stride, const float* rhs, int64_t rhs_stride, float* out,
-            int64_t out_stride, int64_t m_len, int64_t k_len, int64_t n_len, const Band& band = Band{}) {
+            int64_t out_stride, int64_t m_len, int64_t k_len, int64_t n_len, const Band& band = Band{},
+            bool accumulate = false) {
   const int64_t full_cols = n_len - n_len % kCols;
   for (int64_t j = 0; j < full_cols; j += kCols) {
-    column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, band, j, kCols, rhs + j, rhs_stride, out + j, out_stride);
+    column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, band, j, kCols, rhs + j, rhs_stride, out + j, out_stride,
+                        accumulate);
   }
   const int64_t tail = n_len - full_cols;
   if (tail == 0) return;
@@ -131,9 +141,28 @@ void matmul(const float* lhs, int64_t lhs_stride, const float* rhs, int64_t rhs_
     std::memcpy(&padded[k * kCols], rhs + k * rhs_stride + full_cols, tail * sizeof(float));
   }
   column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, band, full_cols, tail, padded.data(), kCols, block_out.data(),
-                      kCols);
+                      kCols, false);
   for (int64_t i = std::max<int64_t>(0, band.first_row(full_cols, tail)); i < m_len; ++i) {
-    std::memcpy(out + i * out_stride + full_cols, &block_out[i * kCols], tail * sizeof(float));
+    float* row = out + i * out_stride + full_cols;
+    if (!accumulate) {
+      std::memcpy(row, &block_out[i * kCols], tail * sizeof(float));
+    } else {
+      for (int64_t c = 0; c < tail; ++c) row[c] += block_out[i * kCols + c];
+    }
+  }
+}
+
+// A dense product whose contraction is long (a weight gradient's, over a batch's rows) in chunks
+// of kChunk terms: a chunk's lhs and rhs rows stay in cache while every block of out takes its
+// share, where whole rows would be read again from memory for each column block.
+constexpr int64_t kChunk = 128;
+
+template <bool lhs_t>
+void chunked_matmul(const float* lhs, int64_t lhs_stride, const float* rhs, int64_t rhs_stride, float* out,
+                    int64_t out_stride, int64_t m_len, int64_t k_len, int64_t n_len) {
+  for (int64_t k0 = 0; k0 < std::max<int64_t>(k_len, 1); k0 += kChunk) {
+    matmul<lhs_t>(lhs + (lhs_t ? k0 * lhs_stride : k0), lhs_stride, rhs + k0 * rhs_stride, rhs_stride, out,
+                  out_stride, m_len, std::min(kChunk, k_len - k0), n_len, Dense{}, k0 > 0);
   }
 }
 
@@ -183,14 +212,20 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
   const int64_t n_len = rhs_dims[rank - 1];
   int64_t count = 1;
   for (int64_t axis = 0; axis < rank - 2; ++axis) count *= lhs_dims[axis];
-  parallel_for(pool, count, [=](int64_t b, std::vector<float>&) {
+  // Fewer products than threads (a weight gradient is one): each product's columns are split in
+  // blocks of whole register blocks, one task per thread.
+  const int64_t blocks = (n_len + kCols - 1) / kCols;
+  const int64_t parts = std::clamp<int64_t>(pool.num_threads() / std::max<int64_t>(count, 1), 1, blocks);
+  parallel_for(pool, count * parts, [=](int64_t task, std::vector<float>&) {
+    const int64_t b = task / parts, part = task % parts;
+    const int64_t j_begin = blocks * part / parts * kCols, j_end = std::min(n_len, blocks * (part + 1) / parts * kCols);
     const float* lhs_b = lhs_data + b * m_len * k_len;
-    const float* rhs_b = rhs_data + b * k_len * n_len;
-    float* out_b = out_data + b * m_len * n_len;
+    const float* rhs_b = rhs_data + b * k_len * n_len + j_begin;
+    float* out_b = out_data + b * m_len * n_len + j_begin;
     if (transpose_lhs) {
-      matmul<true>(lhs_b, m_len, rhs_b, n_len, out_b, n_len, m_len, k_len, n_len);
+      chunked_matmul<true>(lhs_b, m_len, rhs_b, n_len, out_b, n_len, m_len, k_len, j_end - j_begin);
     } else {
-      matmul<false>(lhs_b, k_len, rhs_b, n_len, out_b, n_len, m_len, k_len, n_len);
+      chunked_matmul<false>(lhs_b, k_len, rhs_b, n_len, out_b, n_len, m_len, k_len, j_end - j_begin);
     }
   });
   return ffi::Error::Success();

@@ -6,8 +6,9 @@ about half the rate MKL reaches on the same shapes, and they are a quarter of an
 (BENCHMARKS.md, ops). `batched_matmul.cc` is a register-blocked product compiled with
 `-march=native`; the attention calls it through `product`, for the forward and the gradient's
 products, through `relative_softmax` for one contiguous span's scores and softmax in one pass, and
-through `attend` for the weighted values with the heads in place; it keeps XLA's own einsums on
-other platforms and wherever the kernel does not apply.
+through `attend` for the weighted values with the heads in place; every linear map of a layer
+(`linear`) has its weight gradient from it, where XLA:CPU transposes the output gradient first. It
+keeps XLA's own einsums on other platforms and wherever the kernel does not apply.
 
 It applies to float32 operands on a single-device CPU process (a custom call has no sharding
 rule, so meshes of several devices keep XLA's products), when a C++ compiler (`$CXX`, else g++)
@@ -25,6 +26,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import pathlib
 import shutil
@@ -134,6 +136,24 @@ def product(reference: Callable, lhs: jax.Array, rhs: jax.Array, transpose_rhs: 
         return grad_a, grad_b
 
     return _on_cpu(reference, forward, gradients, lhs, rhs)
+
+
+def linear(x: jax.Array, kernel: jax.Array, in_dims: int = 1) -> jax.Array:
+    """`x`'s last `in_dims` axes contracted with `kernel`'s first (a layer's linear map), its
+    weight gradient `x^T g` by the kernel over the rows, `x` read transposed in place: XLA:CPU
+    copies `g` into a transposed layout for it (a pass over each projection's output gradient)."""
+    reference = functools.partial(jnp.tensordot, axes=in_dims)
+    if not applies(x, kernel):
+        return reference(x, kernel)
+    n_out = kernel.ndim - in_dims
+
+    def gradients(x, kernel, grad):
+        grad_x = jnp.tensordot(grad, kernel, axes=(tuple(range(grad.ndim - n_out, grad.ndim)),
+                                                   tuple(range(in_dims, kernel.ndim))))
+        rows = lambda a, dims: a.reshape(-1, math.prod(a.shape[a.ndim - dims:]))
+        return grad_x, _kernel(rows(x, in_dims), rows(grad, n_out), transpose_lhs=True).reshape(kernel.shape)
+
+    return _on_cpu(reference, reference, gradients, x, kernel)
 
 
 def _on_cpu(reference: Callable, forward: Callable, gradients: Callable, *operands: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memjax.kernels import cpu as cpu_kernels
 from memjax.model.config import ModelConfig, add_check
 
 BTE = ('activation_batch', 'activation_length', 'activation_embed')
@@ -80,7 +81,7 @@ class Projection(nn.Module):
         cfg = self.config
         shape = x.shape[x.ndim - self.in_dims:] + tuple(self.features)
         kernel = self.param('kernel', normal(cfg.init_std, self.axes), shape)
-        out = jnp.tensordot(x.astype(cfg.dtype), kernel.astype(cfg.dtype), axes=self.in_dims)
+        out = cpu_kernels.linear(x.astype(cfg.dtype), kernel.astype(cfg.dtype), self.in_dims)
         if self.bias:
             bias_init = nn.with_logical_partitioning(nn.initializers.zeros, self.axes[self.in_dims:])
             out = out + self.param('bias', bias_init, tuple(self.features)).astype(cfg.dtype)

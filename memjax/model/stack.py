@@ -18,7 +18,7 @@ from memjax.model.attention import AttentionContext, RelativeAttention, dropout_
 from memjax.model.config import ModelConfig, add_check
 from memjax.model.memories import MemoryKind
 from memjax.model.positions import POSITIONS
-from memjax.model.primitives import BLOCKS, BTE, Dropout, layer_norm, normal
+from memjax.model.primitives import BLOCKS, BTE, Dropout, layer_norm, normal, projection
 
 
 class FeedForward(nn.Module):
@@ -31,8 +31,7 @@ class FeedForward(nn.Module):
         cfg = self.config
 
         def dense(features, name, axes):
-            return nn.Dense(features, dtype=cfg.dtype, name=name, kernel_init=normal(cfg.init_std, axes),
-                            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[1:]))
+            return projection(cfg, features, name, axes, bias=True)
 
         x = layer_norm(cfg, 'layer_norm')(h) if cfg.pre_lnorm else h
         # Both products on [B*T, d] rows: on [B, T, d] XLA:CPU copies the hidden gradient into a

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import glob
-import math
 import os
 import re
 import tempfile
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from memjax.bench import harness
+from memjax.bench import hlo as hlo_lib
 from memjax.bench.suites import peak as peak_suite
 from memjax.bench.suites import peer
 from memjax.kernels import cpu as cpu_kernels
@@ -37,89 +37,6 @@ from memjax.kernels import cpu as cpu_kernels
 XLA_FLAGS = ('--xla_cpu_enable_xprof_traceme=true',)
 TOP = 10  # Ops listed per step; the rest are summed in one row.
 TARGET = 1.5  # The speed-up over torch.compile that issue 29 asks for, which the roofline weighs.
-
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\([^)]*\)|\S+?)(?:\{[^}]*\})? (\w[\w\-]*)\((.*)$')
-_COMPUTATION = re.compile(r'^\s*(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$')
-_SHAPE = re.compile(r'\w+\[([\d,]*)\]')
-
-
-def _dims(shape: str) -> list[int]:
-    found = _SHAPE.search(shape)
-    return [int(d) for d in found.group(1).split(',') if d] if found else []
-
-
-def _dot_flops(output: str, lhs: str, rest: str) -> float:
-    """2 x output elements x contracted size of one `dot` whose left operand has shape `lhs`."""
-    contracting = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', rest)
-    if contracting is None:
-        return 0.0
-    lhs_dims = _dims(lhs)
-    size = math.prod(lhs_dims[int(i)] for i in contracting.group(1).split(',') if i)
-    return 2.0 * math.prod(_dims(output)) * size
-
-
-def hlo_op_flops(hlo: str) -> dict[str, float]:
-    """{op name of the optimized HLO: FLOPs of the matrix products it runs}; a fusion counts the dots
-    of the computations it calls, and memjax's own CPU kernel counts its product."""
-    shapes: dict[str, str] = {}
-    dots: dict[str, tuple[str, str, str]] = {}
-    kernels: dict[str, float] = {}
-    calls: dict[str, list[str]] = {}
-    members: dict[str, list[str]] = collections.defaultdict(list)
-    computation = None
-    for line in hlo.splitlines():
-        instruction = _INSTRUCTION.match(line)
-        if instruction is None:
-            header = _COMPUTATION.match(line)
-            if header is not None:
-                computation = header.group(1)
-            continue
-        name, output, opcode, rest = instruction.groups()
-        shapes[name] = output
-        if opcode == 'dot':
-            dots[name] = (output, re.match(r'\s*%?([\w.\-]+)', rest).group(1), rest)
-        if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.TARGET}"' in rest:
-            # memjax's batched product (memjax/kernels/cpu.py): lhs [..., M, K] (or [..., K, M] read
-            # transposed) @ rhs [..., K, N].
-            lhs_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
-            contracted = _dims(lhs_shape)[-2 if re.search(r'transpose_lhs = true', rest) else -1]
-            kernels[name] = 2.0 * math.prod(_dims(output)) * contracted
-        if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.SOFTMAX_TARGET}"' in rest:
-            # memjax's span softmax: a content and a positional product per score (the first output),
-            # over the queries' last axis (queries [B, T, H, D] first).
-            query_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
-            kernels[name] = 2 * 2.0 * math.prod(_dims(output)) * _dims(query_shape)[-1]
-        if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.SOFTMAX_GRADIENT_TARGET}"' in rest:
-            # Its gradient: four products per score (probabilities [B, H, T, K] first), over the
-            # queries' last axis (the query gradient [B, T, H, D] is the first output).
-            probs_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
-            kernels[name] = 4 * 2.0 * math.prod(_dims(probs_shape)) * _dims(output)[-1]
-        attend = re.search(f'custom_call_target="({cpu_kernels.ATTEND_TARGET}|{cpu_kernels.ATTEND_GRADIENT_TARGET})"',
-                           rest)
-        if opcode == 'custom-call' and attend is not None:
-            # The weighted values (weights [B, H, T, K], values [B, K, H, D] first): one product per
-            # weight and value dimension; the gradient two.
-            constraints = re.search(r'operand_layout_constraints=\{(.*)', rest).group(1)
-            weights, values = (_dims(shape) for shape in re.findall(r'\w+\[[\d,]*\]', constraints)[:2])
-            products = 2 if attend.group(1) == cpu_kernels.ATTEND_GRADIENT_TARGET else 1
-            kernels[name] = products * 2.0 * math.prod(weights) * values[-1]
-        # Fusions only: the ops of a loop's body are profiled as ops of their own.
-        calls[name] = re.findall(r'calls=%?([\w.\-]+)', rest)
-        if computation is not None:
-            members[computation].append(name)
-
-    def total(name: str, seen: frozenset = frozenset()) -> float:
-        flops = kernels.get(name, 0.0)
-        if name in dots:
-            output, lhs, rest = dots[name]
-            flops = _dot_flops(output, shapes.get(lhs, ''), rest)
-        for called in calls.get(name, ()):
-            if called not in seen:
-                flops += sum(total(member, seen | {called}) for member in members.get(called, ()))
-        return flops
-
-    return {name: total(name) for name in shapes}
-
 
 def _source(op_name: str) -> str:
     """What model code an XLA op comes from, the same for every layer: its metadata's op_name
@@ -140,7 +57,7 @@ def hlo_op_sources(hlo: str) -> dict[str, str]:
     (layout copies) are named by their kind."""
     sources = {}
     for line in hlo.splitlines():
-        instruction = _INSTRUCTION.match(line)
+        instruction = hlo_lib.INSTRUCTION.match(line)
         if instruction is not None:
             name = instruction.group(1)
             found = re.search(r'op_name="([^"]*)"', line)
@@ -155,17 +72,10 @@ def by_source(values: dict[str, float], sources: dict[str, str]) -> dict[str, fl
     return dict(merged)
 
 
-def control_flow_ops(hlo: str) -> frozenset[str]:
-    """Names of the optimized HLO's loops, conditionals and calls: each one's profile event spans the
-    ops of the computations it runs, which have events of their own."""
-    found = (_INSTRUCTION.match(line) for line in hlo.splitlines())
-    return frozenset(m.group(1) for m in found if m is not None and m.group(3) in ('while', 'conditional', 'call'))
-
-
 def profile_xla(loop: Callable, steps: int, hlo: str) -> tuple[dict[str, float], dict[str, float]]:
     """({XLA op name: seconds per step}, {XLA op name: FLOPs per step}) over `steps` calls of `loop`
     (after one untimed call), `hlo` its optimized HLO; control flow is left out (its ops are in)."""
-    op_flops, nesting = hlo_op_flops(hlo), control_flow_ops(hlo)
+    op_flops, nesting = hlo_lib.op_flops(hlo), hlo_lib.control_flow_ops(hlo)
     if not all(flag in os.environ.get('XLA_FLAGS', '') for flag in XLA_FLAGS):
         raise harness.BenchError(f'the ops suite needs XLA_FLAGS={" ".join(XLA_FLAGS)} set before JAX '
                                  'starts; run it as python -m memjax.bench ops, which sets it.')
