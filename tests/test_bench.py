@@ -89,6 +89,23 @@ def test_time_interleaved_alternates_and_attributes_each_run():
     assert order == ['a', 'b'] + ['a', 'b'] * 3  # warm-up of each, then rounds
     assert timings['a'].times_s == (2.0, 2.0, 2.0) and timings['b'].times_s == (5.0, 5.0, 5.0)
 
+    # With settle, each timed call follows an untimed one of the same function: a slower first
+    # call after a switch (here 3 s longer) is never the one timed.
+    order.clear()
+    last = [None]
+
+    def switching(name, duration):
+        def call():
+            order.append(name)
+            clock[0] += duration + (3.0 if last[0] != name else 0.0)
+            last[0] = name
+        return call
+
+    timings = harness.time_interleaved({'a': switching('a', 2.0), 'b': switching('b', 5.0)}, warmup=0, repeats=2,
+                                       clock=lambda: clock[0], settle=1)
+    assert order == ['a', 'a', 'b', 'b'] * 2
+    assert timings['a'].times_s == (2.0, 2.0) and timings['b'].times_s == (5.0, 5.0)
+
 
 def test_compile_fn_times_lowering_and_compilation_separately():
     ticks = iter([10.0, 12.5, 20.0])

@@ -156,12 +156,16 @@ def time_fn(fn: Callable, *args, warmup: int = 2, repeats: int = 5,
 
 
 def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int = 2, repeats: int = 5,
-                     clock: Callable[[], float] = time.perf_counter) -> dict[str, Timing]:
-    """Times several functions round-robin: one call of each per round, `repeats` rounds.
+                     clock: Callable[[], float] = time.perf_counter, settle: int = 0) -> dict[str, Timing]:
+    """Times several functions round-robin: one timed call of each per round, `repeats` rounds,
+    each after `settle` untimed calls of its own.
 
     Why: implementations compared in one invocation should meet the same machine. Timed one
     after the other, a burst of load from another process can land on one of them only;
-    interleaved, it lands on all of them.
+    interleaved, it lands on all of them. `settle` times a step as it runs in a loop of its own
+    steps (as in training or evaluation), not right after another implementation: memjax's first
+    evaluation step after a PyTorch step takes 16 % longer than the next ones, PyTorch's the same
+    (BENCHMARKS.md, peer).
     """
     if repeats < 1:
         raise BenchError(f'repeats={repeats} must be >= 1.')
@@ -171,6 +175,8 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int = 2, repeats
     times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            for _ in range(settle):
+                jax.block_until_ready(fn())
             start = clock()
             jax.block_until_ready(fn())
             times[name].append(clock() - start)

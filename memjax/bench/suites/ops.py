@@ -180,7 +180,7 @@ def measure_vocab(vocab: peer.Vocab, shape: peer.Shape, ctx: harness.Context, pe
         rival = 'hf_compiled' if 'hf_compiled' in theirs else 'hf_eager'
         ctx.log(f'ops: {vocab.name} {mode}: timing memjax and {rival} (no profiler) for the roofline')
         timings = harness.time_interleaved({'memjax': loop, rival: theirs[rival][mode]}, warmup=ctx.warmup,
-                                           repeats=ctx.repeats)
+                                           repeats=ctx.repeats, settle=1)
         gflop = figures[f'memjax_{mode}_{vocab.name}_matmul_gflop_per_step']
         bound = roofline(gflop, peak, timings['memjax'].median_s, timings[rival].median_s)
         figures.update({f'roofline_{mode}_{vocab.name}_{k}': v for k, v in {'rival': rival, **bound}.items()})

@@ -17,8 +17,10 @@ What each side is allowed (identical unless stated):
   Evaluation runs the model `memjax.evaluate` runs (the memory as its layers projected it,
   memory='xl_cached': the same log-probs, asserted); `memjax_reprojecting` is the evaluation that
   projects the memory again every segment, as HF and training do.
-- Timing: per mode (train, then eval), memjax and every torch variant run round-robin, one step
-  of each per round (`harness.time_interleaved`), so load from other processes hits all alike.
+- Timing: per mode (train, then eval), memjax and every torch variant run round-robin, one timed
+  step of each per round (`harness.time_interleaved`), so load from other processes hits all
+  alike; each timed step follows an untimed one of the same implementation, so that it is timed
+  as in a loop of its own steps, not in the wake of another implementation's threads.
 - HF scores T - 1 targets per segment (its labels shift inside the model), memjax all T: both
   sides count tokens/s as batch x tgt_len input tokens, which slightly favours HF.
 """
@@ -304,7 +306,7 @@ def measure_vocab(vocab: Vocab, shape: Shape, ctx: harness.Context, try_compile:
             calls[impl] = call
             compile_s[impl] = first_s if impl == 'hf_compiled' else None  # Its first call compiles.
         ctx.log(f'peer: {vocab.name} {mode}: timing {", ".join(calls)} interleaved')
-        timings = harness.time_interleaved(calls, warmup=max(ctx.warmup - 1, 0), repeats=ctx.repeats)
+        timings = harness.time_interleaved(calls, warmup=max(ctx.warmup - 1, 0), repeats=ctx.repeats, settle=1)
         rows += [_row(vocab, mode, impl, timing, tokens_per_step, compile_s[impl])
                  for impl, timing in timings.items()]
     torch.set_num_threads(threads)
