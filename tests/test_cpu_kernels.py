@@ -103,6 +103,22 @@ def test_linear_and_its_gradient_are_the_tensordots(x_shape, kernel_shape, in_di
 
 
 @needs_kernel
+def test_linear_transposed_and_its_gradient_are_the_einsums():
+    """Scores against a table stored a row per output ([V, d], a vocabulary's): value and both
+    gradients are the einsum's, the table's gradient from the kernel without transposing g."""
+    kx, kt, kw = jax.random.split(jax.random.PRNGKey(7), 3)
+    x, table, weight = jax.random.normal(kx, (3, 50, 24)), jax.random.normal(kt, (37, 24)), jax.random.normal(kw, (3, 50, 37))
+    reference = lambda a, b: jnp.einsum('...d,vd->...v', a, b, precision='highest')
+    loss = lambda fn: lambda a, b: jnp.sum(fn(a, b) * weight)
+    np.testing.assert_allclose(jax.jit(cpu.linear_transposed)(x, table), reference(x, table), rtol=1e-5, atol=1e-5)
+    for got, expected in zip(jax.jit(jax.grad(loss(cpu.linear_transposed), (0, 1)))(x, table),
+                             jax.grad(loss(reference), (0, 1))(x, table)):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    hlo = _hlo(jax.grad(loss(cpu.linear_transposed), (0, 1)), x, table)
+    assert hlo.count(f'custom_call_target="{cpu.TARGET}"') == 1 and 'transpose_lhs = true' in hlo
+
+
+@needs_kernel
 @pytest.mark.parametrize('t,k,d', [(45, 83, 16), (70, 70, 41), (1, 35, 8), (9, 20, 33)])
 @pytest.mark.parametrize('causal', [False, True])
 def test_attend_is_the_einsum_and_its_gradient(t, k, d, causal):

@@ -156,6 +156,23 @@ def linear(x: jax.Array, kernel: jax.Array, in_dims: int = 1) -> jax.Array:
     return _on_cpu(reference, reference, gradients, x, kernel)
 
 
+def linear_transposed(x: jax.Array, table: jax.Array) -> jax.Array:
+    """Float32 `x [..., d] @ table^T` for a `table` [V, d] stored a row per output (a vocabulary's
+    embeddings scoring hidden states), its gradient `g^T x` by the kernel, `g` read transposed in
+    place, as `linear`'s."""
+    def reference(x, table):
+        return jnp.einsum('...d,vd->...v', x, table, preferred_element_type=jnp.float32)
+
+    if not applies(x, table):
+        return reference(x, table)
+
+    def gradients(x, table, grad):
+        rows = lambda a: a.reshape(-1, a.shape[-1])
+        return grad @ table, _kernel(rows(grad), rows(x), transpose_lhs=True)
+
+    return _on_cpu(reference, reference, gradients, x, table)
+
+
 def _on_cpu(reference: Callable, forward: Callable, gradients: Callable, *operands: jax.Array) -> jax.Array:
     """`reference(*operands)` (one output), computed by `forward` on CPU and its gradient by
     `gradients(*operands, grad)` there; elsewhere the reference and XLA's gradient of it. Which

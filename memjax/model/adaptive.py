@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from memjax.kernels import cpu as cpu_kernels
 from memjax.model.config import ModelConfig
 from memjax.model.primitives import BLOCKS, normal
 
@@ -33,14 +34,14 @@ def cluster_logits(weights: dict, hidden: jax.Array, dtype) -> jax.Array:
     """Float32 logits [..., V_i (+ n_tail)] of one cluster from its `_cluster_weights`."""
     x = hidden.astype(dtype)
     if weights['proj'] is not None:
-        x = x @ weights['proj'].astype(dtype).T
+        x = cpu_kernels.linear_transposed(x, weights['proj'].astype(dtype)).astype(dtype)
     table, bias = weights['table'], weights['bias']
     if 'cluster_kernel' in weights:
         # The tail clusters' scores as more rows of the head's table: one product, and neither the
         # [tokens, V_0 + n_tail] logits concatenated nor their gradient split.
         table = jnp.concatenate([table, weights['cluster_kernel'].T.astype(table.dtype)])
         bias = jnp.concatenate([bias, weights['cluster_bias']])
-    logits = jnp.einsum('...d,vd->...v', x, table.astype(dtype), preferred_element_type=jnp.float32)
+    logits = cpu_kernels.linear_transposed(x, table.astype(dtype))
     return nn.with_logical_constraint(logits + bias, ('activation_batch', 'activation_length', 'activation_vocab'))
 
 
@@ -149,7 +150,7 @@ class AdaptiveIO(nn.Module):
         if cfg.div_val == 1:
             out = jnp.take(self.emb_tables[0], ids, axis=0).astype(dtype)
             if self.emb_projs[0] is not None:
-                out = out @ self.emb_projs[0].astype(dtype)
+                out = cpu_kernels.linear(out, self.emb_projs[0].astype(dtype))
         else:
             out = jnp.zeros(ids.shape + (cfg.d_model,), dtype)
             bounds = cfg.cluster_bounds
@@ -160,7 +161,7 @@ class AdaptiveIO(nn.Module):
                 # Masked before the projection: the gradient's mask is then on the cluster's narrow
                 # rows, and every cluster's projection gradient reads the same output gradient.
                 rows = jnp.where(inside[..., None], jnp.take(table, local, axis=0).astype(dtype), 0)
-                out = out + rows @ proj.astype(dtype)
+                out = out + cpu_kernels.linear(rows, proj.astype(dtype))
         if not BLOCKS[cfg.block].embed_scale:
             return out
         return out * jnp.asarray(math.sqrt(cfg.d_model), dtype)
