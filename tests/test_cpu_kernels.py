@@ -119,6 +119,19 @@ def test_linear_transposed_and_its_gradient_are_the_einsums():
 
 
 @needs_kernel
+def test_wide_maps_and_short_tables_keep_xlas_weight_gradient():
+    """Where the kernel gains nothing (both sides of a map wider than NARROW, a table's gradient
+    over fewer than LONG rows) the gradient is XLA's own."""
+    wide = jnp.ones((cpu.NARROW + 1, cpu.NARROW + 1))
+    grad = jax.grad(lambda a, b: cpu.linear(a, b).sum(), (0, 1))
+    assert cpu.TARGET not in _hlo(grad, jnp.ones((8, cpu.NARROW + 1)), wide)
+    assert cpu.TARGET in _hlo(grad, jnp.ones((8, cpu.NARROW + 1)), wide[:, :cpu.NARROW])
+    table_grad = jax.grad(lambda a, b: cpu.linear_transposed(a, b).sum(), (0, 1))
+    assert cpu.TARGET not in _hlo(table_grad, jnp.ones((cpu.LONG - 1, 16)), jnp.ones((40, 16)))
+    assert cpu.TARGET in _hlo(table_grad, jnp.ones((cpu.LONG, 16)), jnp.ones((40, 16)))
+
+
+@needs_kernel
 @pytest.mark.parametrize('t,k,d', [(45, 83, 16), (70, 70, 41), (1, 35, 8), (9, 20, 33)])
 @pytest.mark.parametrize('causal', [False, True])
 def test_attend_is_the_einsum_and_its_gradient(t, k, d, causal):

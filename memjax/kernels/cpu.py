@@ -45,6 +45,13 @@ SOFTMAX_GRADIENT_TARGET = 'memjax_relative_softmax_gradient'
 ATTEND_TARGET = 'memjax_attend'
 ATTEND_GRADIENT_TARGET = 'memjax_attend_gradient'
 SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
+# Where the weight gradients take the kernel (measured on a Zen 5, BENCHMARKS.md): XLA:CPU's x^T g,
+# its copy of g included, ran at 217-307 GFLOP/s where a side of the map is 256 wide (the kernel
+# 365-454), at 380-439 where the narrower side is 410 or 768 (the kernel the same); a table's
+# gradient over a tail cluster's chunk of 64 rows was slower from the kernel (WikiText-103's
+# 160k-row table, 25 wide: its training step 17 % slower).
+NARROW = 256  # A linear map's narrower side at most this.
+LONG = 128  # A table's gradient summed over at least this many rows.
 ARCH = 'MEMJAX_CPU_KERNEL_ARCH'  # The compiler's -march; default native.
 
 
@@ -139,11 +146,12 @@ def product(reference: Callable, lhs: jax.Array, rhs: jax.Array, transpose_rhs: 
 
 
 def linear(x: jax.Array, kernel: jax.Array, in_dims: int = 1) -> jax.Array:
-    """`x`'s last `in_dims` axes contracted with `kernel`'s first (a layer's linear map), its
-    weight gradient `x^T g` by the kernel over the rows, `x` read transposed in place: XLA:CPU
-    copies `g` into a transposed layout for it (a pass over each projection's output gradient)."""
+    """`x`'s last `in_dims` axes contracted with `kernel`'s first (a layer's linear map); where a
+    side of the map is at most NARROW wide, its weight gradient `x^T g` by the kernel over the rows,
+    `x` read transposed in place: XLA:CPU copies `g` into a transposed layout for it, and its
+    product of that shape runs at about half the peak."""
     reference = functools.partial(jnp.tensordot, axes=in_dims)
-    if not applies(x, kernel):
+    if not applies(x, kernel) or min(math.prod(kernel.shape[:in_dims]), math.prod(kernel.shape[in_dims:])) > NARROW:
         return reference(x, kernel)
     n_out = kernel.ndim - in_dims
 
@@ -158,12 +166,12 @@ def linear(x: jax.Array, kernel: jax.Array, in_dims: int = 1) -> jax.Array:
 
 def linear_transposed(x: jax.Array, table: jax.Array) -> jax.Array:
     """Float32 `x [..., d] @ table^T` for a `table` [V, d] stored a row per output (a vocabulary's
-    embeddings scoring hidden states), its gradient `g^T x` by the kernel, `g` read transposed in
-    place, as `linear`'s."""
+    embeddings scoring hidden states); over at least LONG rows of `x`, the table's gradient `g^T x`
+    by the kernel, `g` read transposed in place, as `linear`'s."""
     def reference(x, table):
         return jnp.einsum('...d,vd->...v', x, table, preferred_element_type=jnp.float32)
 
-    if not applies(x, table):
+    if not applies(x, table) or math.prod(x.shape[:-1]) < LONG:
         return reference(x, table)
 
     def gradients(x, table, grad):
