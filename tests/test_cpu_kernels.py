@@ -66,11 +66,12 @@ def test_product_gradient_is_the_einsums_and_it_vmaps():
 
 
 @needs_kernel
-@pytest.mark.parametrize('lead,m,k,n', [((), 37, 300, 70), ((), 9, 129, 33), ((1,), 40, 256, 31), ((), 8, 1, 96)])
+@pytest.mark.parametrize('lead,m,k,n', [((), 37, 300, 70), ((), 9, 129, 33), ((1,), 40, 256, 31), ((), 8, 1, 96),
+                                        ((), 5, 0, 7)])
 def test_a_long_contraction_of_few_products_is_the_einsum(lead, m, k, n):
     """Fewer products than threads (a weight gradient): columns split over the threads; a
     contraction past one chunk (128 terms) summed chunk by chunk, a partial last chunk and column
-    tails included; the lhs read transposed, as a weight gradient's x^T g."""
+    tails included, an empty contraction all zeros; the lhs read transposed, as a weight gradient's x^T g."""
     ka, kb = jax.random.split(jax.random.PRNGKey(5))
     lhs = jax.random.normal(ka, lead + (k, m))
     rhs = jax.random.normal(kb, lead + (k, n))

@@ -160,6 +160,7 @@ constexpr int64_t kChunk = 128;
 template <bool lhs_t>
 void chunked_matmul(const float* lhs, int64_t lhs_stride, const float* rhs, int64_t rhs_stride, float* out,
                     int64_t out_stride, int64_t m_len, int64_t k_len, int64_t n_len) {
+  // An empty contraction still runs one pass: out is written (zeros).
   for (int64_t k0 = 0; k0 < std::max<int64_t>(k_len, 1); k0 += kChunk) {
     matmul<lhs_t>(lhs + (lhs_t ? k0 * lhs_stride : k0), lhs_stride, rhs + k0 * rhs_stride, rhs_stride, out,
                   out_stride, m_len, std::min(kChunk, k_len - k0), n_len, Dense{}, k0 > 0);
@@ -214,7 +215,7 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
   for (int64_t axis = 0; axis < rank - 2; ++axis) count *= lhs_dims[axis];
   // Fewer products than threads (a weight gradient is one): each product's columns are split in
   // blocks of whole register blocks, one task per thread.
-  const int64_t blocks = (n_len + kCols - 1) / kCols;
+  const int64_t blocks = std::max<int64_t>(1, (n_len + kCols - 1) / kCols);
   const int64_t parts = std::clamp<int64_t>(pool.num_threads() / std::max<int64_t>(count, 1), 1, blocks);
   parallel_for(pool, count * parts, [=](int64_t task, std::vector<float>&) {
     const int64_t b = task / parts, part = task % parts;

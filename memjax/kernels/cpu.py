@@ -46,8 +46,8 @@ ATTEND_TARGET = 'memjax_attend'
 ATTEND_GRADIENT_TARGET = 'memjax_attend_gradient'
 SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
 # Where the weight gradients take the kernel (measured on a Zen 5, BENCHMARKS.md): XLA:CPU's x^T g,
-# its copy of g included, ran at 217-307 GFLOP/s where a side of the map is 256 wide (the kernel
-# 365-454), at 380-439 where the narrower side is 410 or 768 (the kernel the same); a table's
+# its copy of g included, ran at 198-341 GFLOP/s where a side of the map is 256 wide (the kernel
+# 313-456), at 359-439 where the narrower side is 410 or 768 (the kernel 370-431); a table's
 # gradient over a tail cluster's chunk of 64 rows was slower from the kernel (WikiText-103's
 # 160k-row table, 25 wide: its training step 17 % slower).
 NARROW = 256  # A linear map's narrower side at most this.
@@ -158,8 +158,7 @@ def linear(x: jax.Array, kernel: jax.Array, in_dims: int = 1) -> jax.Array:
     def gradients(x, kernel, grad):
         grad_x = jnp.tensordot(grad, kernel, axes=(tuple(range(grad.ndim - n_out, grad.ndim)),
                                                    tuple(range(in_dims, kernel.ndim))))
-        rows = lambda a, dims: a.reshape(-1, math.prod(a.shape[a.ndim - dims:]))
-        return grad_x, _kernel(rows(x, in_dims), rows(grad, n_out), transpose_lhs=True).reshape(kernel.shape)
+        return grad_x, _kernel(_rows(x, in_dims), _rows(grad, n_out), transpose_lhs=True).reshape(kernel.shape)
 
     return _on_cpu(reference, reference, gradients, x, kernel)
 
@@ -175,10 +174,14 @@ def linear_transposed(x: jax.Array, table: jax.Array) -> jax.Array:
         return reference(x, table)
 
     def gradients(x, table, grad):
-        rows = lambda a: a.reshape(-1, a.shape[-1])
-        return grad @ table, _kernel(rows(grad), rows(x), transpose_lhs=True)
+        return grad @ table, _kernel(_rows(grad), _rows(x), transpose_lhs=True)
 
     return _on_cpu(reference, reference, gradients, x, table)
+
+
+def _rows(a: jax.Array, dims: int = 1) -> jax.Array:
+    """`a` as a matrix of rows: its last `dims` axes flattened into columns, the others into rows."""
+    return a.reshape(-1, math.prod(a.shape[a.ndim - dims:]))
 
 
 def _on_cpu(reference: Callable, forward: Callable, gradients: Callable, *operands: jax.Array) -> jax.Array:
