@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -127,17 +128,37 @@ def test_ops_suite_profiles_every_matrix_product_of_both_steps(tmp_path):
             assert bound['floor_ms'] == pytest.approx(model_flops / 1e6 / figures['matmul_peak_gflops_per_s'])
             assert bound['memjax_of_peak'] == pytest.approx(bound['floor_ms'] / bound['memjax_ms'])
             assert bound['needed_of_peak'] == pytest.approx(bound['floor_ms'] * 1.5 / bound['rival_ms'])
-    # Each layer's products timed alone under XLA and torch: the attention's are the model's own
-    # (their FLOPs over the layers are the analytic count), and the peak is the best XLA rate.
+            # The rival with its own products (from its profile) at the peak, its other ops as profiled.
+            rival = f"{bound['rival']}_{mode}_{vocab.name}_"
+            assert bound['rival_at_peak_ms'] == pytest.approx(
+                bound['rival_ms'] * (1 - figures[rival + 'share_matmul'])
+                + figures[rival + 'matmul_gflop_per_step'] * 1e3 / figures['matmul_peak_gflops_per_s'])
+    # Each layer's products timed alone under XLA, the kernel and torch: the attention's are the
+    # model's own (their FLOPs over the layers are the analytic count), and the peak is the best rate.
     products = {r['matmul'].split()[0]: r for r in report['config']['matmul_peak_rows']}
     layer_flops = lambda r: 2.0 * r['batch'] * r['m'] * r['k'] * r['n'] * mcfg.n_layer
     model_flops = flops.forward_flops(mcfg, shape.batch_size, shape.tgt_len)
     assert layer_flops(products['scores']) == model_flops['content_scores']
     assert layer_flops(products['attend']) == model_flops['attend_values']
-    assert figures['matmul_peak_gflops_per_s'] == max(figures[f'matmul_{p}_xla_gflops_per_s'] for p in products)
+    rates = {k: v for k, v in figures.items() if re.fullmatch(r'matmul_[a-z_]+_(xla|kernel|torch|torch_onednn)_gflops_per_s', k)}
+    assert figures['matmul_peak_gflops_per_s'] == max(rates.values())
+    product, impl = figures['matmul_peak_by'].split()
+    assert rates[f'matmul_{product}_{impl}_gflops_per_s'] == figures['matmul_peak_gflops_per_s']
     assert all(figures[f'matmul_{p}_torch_gflops_per_s'] > 0 for p in products)
     # memjax's CPU kernel is timed on the same products wherever the model's steps would run it.
     assert all((f'matmul_{p}_kernel_gflops_per_s' in figures) == cpu_kernels.applies(jnp.zeros(1)) for p in products)
+    # The attention's kernels alone: their rate over the terms the causal mask leaves (query i of T
+    # sees K - T + i + 1 of K keys) and over the dense products, from one timing.
+    if cpu_kernels.applies(jnp.zeros(1)):
+        t, k = shape.tgt_len, shape.tgt_len + shape.mem_len
+        visible_share = sum(k - t + i + 1 for i in range(t)) / (t * k)
+        for name in ('forward', 'gradient'):
+            useful, dense = (figures[f'attention_kernels_{name}_{kind}gflops_per_s'] for kind in ('', 'dense_'))
+            assert useful == pytest.approx(dense * visible_share)
+            assert figures[f'attention_kernels_{name}_of_matmul_peak'] == pytest.approx(
+                useful / figures['matmul_peak_gflops_per_s'])
+    else:
+        assert not any(k.startswith('attention_kernels_') for k in figures)
     assert report['machine']['cpu_model'] and report['machine']['vector_isa']
 
 

@@ -17,6 +17,7 @@ conditional) is not an op of its own here: its event spans its body's ops, which
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import os
 import re
@@ -25,18 +26,21 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from memjax.bench import harness
 from memjax.bench import hlo as hlo_lib
 from memjax.bench.suites import peak as peak_suite
 from memjax.bench.suites import peer
 from memjax.kernels import cpu as cpu_kernels
+from memjax.model.attention import span_scores_masked
 
 # XLA:CPU names its ops in the profile only with this flag, which must be set before JAX starts
 # its CPU client (`python -m memjax.bench ops` sets it; see memjax/bench/__main__.py).
 XLA_FLAGS = ('--xla_cpu_enable_xprof_traceme=true',)
 TOP = 10  # Ops listed per step; the rest are summed in one row.
 TARGET = 1.5  # The speed-up over torch.compile that issue 29 asks for, which the roofline weighs.
+IMPLS = ('xla', 'kernel', 'torch', 'torch_onednn')  # Who multiplies the model-shaped products.
 
 def _source(op_name: str) -> str:
     """What model code an XLA op comes from, the same for every layer: its metadata's op_name
@@ -182,49 +186,108 @@ def measure_vocab(vocab: peer.Vocab, shape: peer.Shape, ctx: harness.Context, pe
         timings = harness.time_interleaved({'memjax': loop, rival: theirs[rival][mode]}, warmup=ctx.warmup,
                                            repeats=ctx.repeats, settle=1)
         gflop = figures[f'memjax_{mode}_{vocab.name}_matmul_gflop_per_step']
-        bound = roofline(gflop, peak, timings['memjax'].median_s, timings[rival].median_s)
+        rival_profile = {k[len(f'{rival}_{mode}_{vocab.name}_'):]: v for k, v in figures.items()
+                         if k.startswith(f'{rival}_{mode}_{vocab.name}_')}
+        bound = roofline(gflop, peak, timings['memjax'].median_s, timings[rival].median_s, rival_profile)
         figures.update({f'roofline_{mode}_{vocab.name}_{k}': v for k, v in {'rival': rival, **bound}.items()})
     return rows, figures
 
 
-def roofline(gflop: float, peak: float, memjax_s: float, rival_s: float) -> dict[str, float]:
+def roofline(gflop: float, peak: float, memjax_s: float, rival_s: float,
+             rival_profile: dict[str, float]) -> dict[str, float]:
     """What the matmul peak allows a step of `gflop` GFLOP of matrix products: at least `floor_ms`
     even if everything ran at the peak and nothing else took time. `memjax_of_peak` is the share of
     the peak the whole measured step sustains; `needed_of_peak` the share it would need to be
-    TARGET x faster than the rival's measured step (above 1: impossible at these FLOPs)."""
+    TARGET times faster than the rival's measured step.
+
+    `rival_at_peak_ms`: the rival's step had its matrix products run at the peak, the rest of it
+    as profiled (`rival_profile`, its op totals, scaled to its measured step). On an AMD CPU MKL,
+    PyTorch's float32 GEMM, takes a path that reaches about half the AVX-512 peak (BENCHMARKS.md);
+    this is the rival with GEMMs as fast as any measured here, as on an Intel CPU."""
     floor_s = gflop / peak
+    matmul_share = rival_profile.get('share_matmul', 0.0)
+    rival_at_peak_s = rival_s * (1 - matmul_share) + rival_profile['matmul_gflop_per_step'] / peak
     return {'floor_ms': floor_s * 1e3, 'memjax_ms': memjax_s * 1e3, 'rival_ms': rival_s * 1e3,
             'speedup': rival_s / memjax_s, 'memjax_of_peak': floor_s / memjax_s,
-            'needed_of_peak': floor_s / (rival_s / TARGET)}
+            'needed_of_peak': floor_s / (rival_s / TARGET), 'rival_at_peak_ms': rival_at_peak_s * 1e3,
+            'speedup_over_rival_at_peak': rival_at_peak_s / memjax_s}
 
 
-def kernel_matmul_gflops(shape: tuple[int, int, int, int], ctx: harness.Context) -> float | None:
-    """GFLOP/s of memjax's CPU kernel (memjax/kernels/cpu.py) on the (batch, m, k, n) float32 product,
-    or None where it does not apply (then the model's steps use XLA's products)."""
-    batch, m, k, n = shape
-    lhs_key, rhs_key = jax.random.split(jax.random.PRNGKey(0))
-    lhs = jax.random.normal(lhs_key, (batch, m, k))
-    rhs = jax.random.normal(rhs_key, (batch, k, n))
-    if not cpu_kernels.applies(lhs, rhs):
-        return None
-    reference = lambda a, b: jnp.einsum('bmk,bkn->bmn', a, b)
-    product = jax.jit(lambda a, b: cpu_kernels.product(reference, a, b))
-    timing = harness.time_fn(product, lhs, rhs, warmup=ctx.warmup, repeats=ctx.repeats)
-    return 2.0 * batch * m * k * n / timing.median_s / 1e9
+# A model-shaped product takes about a millisecond: this many rounds per --repeats keep its median
+# steady on a shared VM (five rounds read 144-405 GFLOP/s for XLA's products in one invocation).
+PRODUCT_ROUNDS = 10
+# Untimed calls before each timed one. A product timed right after a torch call ran at half speed
+# (one core): PyTorch's OpenMP threads spin for milliseconds after a call, and a pool's threads
+# that slept are slow to wake on this VM; ten calls (3-13 ms) reach the steady state.
+PRODUCT_SETTLE = 10
 
 
-def torch_matmul_gflops(shape: tuple[int, int, int, int], ctx: harness.Context) -> float:
-    """GFLOP/s of torch.matmul (MKL / oneDNN through aten) on the (batch, m, k, n) float32 product that
-    `peak_suite.measure` times with XLA: the same shapes, so the two rates say whose kernel is faster."""
+def matmul_rates(shape: tuple[int, int, int, int], ctx: harness.Context) -> dict[str, float]:
+    """GFLOP/s of the (batch, m, k, n) float32 product by XLA's einsum, memjax's CPU kernel (where it
+    applies: memjax/kernels/cpu.py), torch.matmul (MKL through aten, as the peer's steps run) and,
+    for an unbatched product, PyTorch's oneDNN linear (weights in its own layout, inference only),
+    timed round-robin in the same rounds: whose kernel is faster on the same shape, under the same
+    load."""
     torch, _ = peer.import_torch()
     batch, m, k, n = shape
-    generator = torch.Generator().manual_seed(0)
-    lhs = torch.randn(batch, m, k, generator=generator)
-    rhs = torch.randn(batch, k, n, generator=generator)
+    lhs_key, rhs_key = jax.random.split(jax.random.PRNGKey(0))
+    lhs, rhs = jax.random.normal(lhs_key, (batch, m, k)), jax.random.normal(rhs_key, (batch, k, n))
+    reference = lambda a, b: jnp.einsum('bmk,bkn->bmn', a, b, preferred_element_type=jnp.float32)
+    products = {'xla': functools.partial(jax.jit(reference), lhs, rhs)}
+    if cpu_kernels.applies(lhs, rhs):
+        products['kernel'] = functools.partial(jax.jit(functools.partial(cpu_kernels.product, reference)), lhs, rhs)
+    torch_lhs, torch_rhs = torch.from_numpy(np.asarray(lhs)), torch.from_numpy(np.asarray(rhs))
+    products['torch'] = lambda: torch.matmul(torch_lhs, torch_rhs)
+    if batch == 1 and torch.backends.mkldnn.is_available():
+        rows, weight = torch_lhs[0].to_mkldnn(), torch_rhs[0].T.contiguous().to_mkldnn()
+        bias = torch.zeros(n).to_mkldnn()
+        products['torch_onednn'] = lambda: torch._C._nn.mkldnn_linear(rows, weight, bias)
     with torch.no_grad():
-        timing = harness.time_interleaved({'torch': lambda: torch.matmul(lhs, rhs)}, warmup=ctx.warmup,
-                                          repeats=ctx.repeats)['torch']
-    return 2.0 * batch * m * k * n / timing.median_s / 1e9
+        timings = harness.time_interleaved(products, warmup=ctx.warmup, repeats=ctx.repeats * PRODUCT_ROUNDS,
+                                           settle=PRODUCT_SETTLE)
+    return {impl: 2.0 * batch * m * k * n / timing.median_s / 1e9 for impl, timing in timings.items()}
+
+
+def attention_kernel_rates(shape: peer.Shape, ctx: harness.Context) -> dict[str, float]:
+    """GFLOP/s of memjax's attention kernels alone at one layer's shapes (memjax/kernels/cpu.py): the
+    forward (the span's scores and softmax, then the weighted values) and its gradient, timed
+    round-robin; {} where the kernels do not apply. In a step's profile XLA runs other ops beside
+    them on the other cores, so their op time there is not their rate.
+
+    The rates count the products' terms the causal mask leaves (a query's visible keys): what the
+    kernels must compute, not the dense [T, K] products a masked einsum multiplies out
+    (`dense_*`, the FLOPs the profile's rows and the roofline count)."""
+    b, t, k, h, d = shape.batch_size, shape.tgt_len, shape.tgt_len + shape.mem_len, shape.n_head, shape.d_head
+    keys = jax.random.split(jax.random.PRNGKey(0), 9)
+    content_query, position_query = (jax.random.normal(keys[i], (b, t, h, d)) for i in (0, 1))
+    key, value = (jax.random.normal(keys[i], (b, k, h, d)) for i in (2, 3))
+    pos_key = jax.random.normal(keys[4], (k, h, d))
+    if not cpu_kernels.applies(content_query, key, value):
+        return {}
+    valid = jnp.ones((b, k), bool)
+    scale = d ** -0.5
+
+    def attention(cq, key, pq, r, value):
+        probs, log_norm = cpu_kernels.relative_softmax(functools.partial(span_scores_masked, scale), cq, key, pq, r,
+                                                       valid, scale)
+        return cpu_kernels.attend(probs, value, causal=True), log_norm
+
+    operands = (content_query, key, position_query, pos_key, value)
+    outputs, backward = jax.vjp(attention, *operands)
+    cotangents = tuple(jax.random.normal(keys[5 + i], x.shape) for i, x in enumerate(outputs))
+    forward, gradient = jax.jit(attention), jax.jit(backward)
+    timings = harness.time_interleaved({'forward': functools.partial(forward, *operands),
+                                        'gradient': functools.partial(gradient, cotangents)},
+                                       warmup=ctx.warmup, repeats=ctx.repeats * PRODUCT_ROUNDS,
+                                       settle=PRODUCT_SETTLE)
+    visible = b * h * (t * (k - t) + t * (t + 1) // 2)  # Query i sees keys j <= K - T + i.
+    products = {'forward': 3, 'gradient': 6}  # Content, positional, values; each one's two.
+    rates = {}
+    for name, timing in timings.items():
+        rates[f'{name}_gflops_per_s'] = products[name] * 2.0 * visible * d / timing.median_s / 1e9
+        rates[f'{name}_dense_gflops_per_s'] = products[name] * 2.0 * b * h * t * k * d / timing.median_s / 1e9
+        rates[f'{name}_ms'] = timing.median_s * 1e3
+    return rates
 
 
 @harness.register('ops')
@@ -238,18 +301,22 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     peak_rows = []
     for name, matmul in peak_suite.matmul_shapes(shape.batch_size, shape.tgt_len, shape.mem_len, shape.d_model,
                                                  shape.n_head, shape.d_head, shape.d_inner):
-        ctx.log(f'ops: model-shaped matmul {name}: XLA, memjax\'s CPU kernel, torch')
-        peak_rows.append({'matmul': name, **peak_suite.measure(matmul, 'float32', ctx),
-                          'kernel_gflops_per_s': kernel_matmul_gflops(matmul, ctx),
-                          'torch_gflops_per_s': torch_matmul_gflops(matmul, ctx)})
-    peak = max(r['gflops_per_s'] for r in peak_rows)
-    rows, figures = [], {'matmul_peak_gflops_per_s': peak, 'torch_threads': threads}
+        ctx.log(f'ops: model-shaped matmul {name}: XLA, memjax\'s CPU kernel, torch, round-robin')
+        peak_rows.append({'matmul': name, **dict(zip(('batch', 'm', 'k', 'n'), matmul)), **matmul_rates(matmul, ctx)})
+    # The best rate any of them reaches on the model's shapes: what this machine is shown to do.
+    peak, peak_impl, peak_product = max((r[impl], impl, r['matmul'].split()[0])
+                                        for r in peak_rows for impl in IMPLS if impl in r)
+    rows, figures = [], {'matmul_peak_gflops_per_s': peak, 'matmul_peak_by': f'{peak_product} {peak_impl}',
+                         'torch_threads': threads}
     for r in peak_rows:
-        product = r['matmul'].split()[0]
-        figures[f'matmul_{product}_xla_gflops_per_s'] = r['gflops_per_s']
-        figures[f'matmul_{product}_torch_gflops_per_s'] = r['torch_gflops_per_s']
-        if r['kernel_gflops_per_s'] is not None:
-            figures[f'matmul_{product}_kernel_gflops_per_s'] = r['kernel_gflops_per_s']
+        for impl in IMPLS:
+            if impl in r:
+                figures[f'matmul_{r["matmul"].split()[0]}_{impl}_gflops_per_s'] = r[impl]
+    ctx.log('ops: memjax\'s attention kernels alone at one layer\'s shapes, forward and gradient')
+    attention_rates = attention_kernel_rates(shape, ctx)
+    figures.update({f'attention_kernels_{k}': v for k, v in attention_rates.items()})
+    for name in ('forward', 'gradient') if attention_rates else ():
+        figures[f'attention_kernels_{name}_of_matmul_peak'] = attention_rates[f'{name}_gflops_per_s'] / peak
     try:
         for vocab in peer.VOCABS[ctx.size]:
             vocab_rows, vocab_figures = measure_vocab(vocab, shape, ctx, peak, try_compile)
@@ -263,7 +330,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
         figures=figures,
         config={'shape': shape.__dict__, 'vocabs': [v.__dict__ for v in peer.VOCABS[ctx.size]],
                 'profiled_steps': ctx.repeats, 'dtype': 'float32', 'torch_threads': threads,
-                'matmul_peak_rows': [{k: v for k, v in r.items() if k != 'timing'} for r in peak_rows]},
+                'matmul_peak_rows': peak_rows, 'product_rounds': ctx.repeats * PRODUCT_ROUNDS},
         notes=[
             f'torch {torch.__version__}, transformers {transformers.__version__}; the peer suite\'s model, '
             'weights and tokens (checked to agree before profiling); float32; memjax: jax.profiler over the '
@@ -272,14 +339,24 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
             'op time (independent XLA ops run side by side, so op time can exceed the wall time).',
             'gflops_per_s: ops that multiply matrices (memjax: 2 x output x contracted size of every dot, '
             'fusions included; torch: its profiler\'s FLOP count); of_matmul_peak: against the best '
-            f'GFLOP/s of this model\'s float32 matmul shapes measured in this invocation ({peak:.1f}).',
-            'matmul_<product>_{xla,kernel,torch}_gflops_per_s: each model-shaped float32 product (one layer\'s, '
-            'config matmul_peak_rows) timed alone, as one jitted XLA einsum, with memjax\'s CPU kernel '
-            '(memjax/kernels; absent where it does not apply) and as torch.matmul: whose kernel is faster on '
-            'the same shape.',
+            f'GFLOP/s of this model\'s float32 matmul shapes measured in this invocation ({peak:.1f}, '
+            f'{figures["matmul_peak_by"]}).',
+            'matmul_<product>_{xla,kernel,torch,torch_onednn}_gflops_per_s: each model-shaped float32 product '
+            '(one layer\'s, config matmul_peak_rows) timed alone as one jitted XLA einsum, with memjax\'s CPU '
+            'kernel (memjax/kernels; absent where it does not apply), as torch.matmul (MKL, the peer\'s GEMM) '
+            'and, unbatched, as PyTorch\'s oneDNN linear, round-robin in the same rounds (config '
+            'product_rounds, each after untimed calls of its own): whose kernel is faster on the same shape. '
+            'The peak is the best of them.',
+            'attention_kernels_{forward,gradient}_*: memjax\'s attention kernels timed alone at one layer\'s '
+            'shapes (the span\'s scores, softmax and weighted values; their gradient); gflops_per_s counts '
+            'the terms the causal mask leaves, dense_gflops_per_s the dense products (as the profile\'s rows '
+            'and the roofline do). In a step XLA runs other ops beside them, so the profile\'s rate for them '
+            'is not theirs.',
             'roofline_*: memjax and torch.compile (hf_eager at --size=tiny) timed round-robin without the '
             'profiler; floor_ms = memjax\'s matrix-product GFLOP per step / the peak; memjax_of_peak = floor / '
             f'memjax\'s step; needed_of_peak = floor / (the rival\'s step / {TARGET}): the share of the peak a '
-            f'whole step must sustain to be {TARGET}x faster (above 1: impossible with these FLOPs).',
+            f'whole step must sustain to be {TARGET}x faster (above 1: impossible with these FLOPs); '
+            'rival_at_peak_ms: the rival\'s step had its matrix products run at the peak (its other ops as '
+            'profiled, scaled to its measured step), speedup_over_rival_at_peak memjax against that.',
             *(['torch.compile not profiled at --size=tiny (it compiles for minutes).'] if not try_compile else []),
         ])
