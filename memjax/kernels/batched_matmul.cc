@@ -232,20 +232,46 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+// Lanes of a and b interleaved: a's and b's first halves (high: their second halves) alternating.
+template <bool high, size_t... lane>
+inline vec interleave(const vec& a, const vec& b, std::index_sequence<lane...>) {
+  return __builtin_shufflevector(a, b, ((lane % 2 ? kLanes : 0) + (high ? kLanes / 2 : 0) + lane / 2)...);
+}
+
+// A kLanes x kLanes tile transposed in registers: log2(kLanes) rounds, each pairing row i with row
+// i + kLanes / 2 into rows 2i and 2i + 1 interleaved (each round moves one bit of an element's
+// column index into its row index).
+inline void transpose_tile(vec (&rows)[kLanes]) {
+  constexpr auto lanes = std::make_index_sequence<kLanes>{};
+  for (int64_t width = 1; width < kLanes; width *= 2) {
+    vec out[kLanes];
+    for (int64_t i = 0; i < kLanes / 2; ++i) {
+      out[2 * i] = interleave<false>(rows[i], rows[i + kLanes / 2], lanes);
+      out[2 * i + 1] = interleave<true>(rows[i], rows[i + kLanes / 2], lanes);
+    }
+    std::copy(out, out + kLanes, rows);
+  }
+}
+
 // The K rows of a head, `stride` apart, transposed into [D, K] (`out`): a product's rhs must
 // have its rows contiguous, and a head of a [B, K, H, D] array has D contiguous. Per head in the
 // kernel, in cache: XLA's transpose of the whole array was a pass over memory at a few GB/s.
-// In tiles of 16 x 16: rows a power of two apart share the few cache sets their addresses map to,
-// and a whole column's 64 or 256 lines would evict each other.
+// In tiles of kLanes x kLanes transposed in registers (element by element, the key transpose was
+// a fifth of the scores' forward); rows a power of two apart share the few cache sets their
+// addresses map to, and a whole column's 64 or 256 lines would evict each other.
 void transpose_head(const float* head, int64_t stride, int64_t k_len, int64_t d_len, float* out) {
-  constexpr int64_t kTile = 16;
-  for (int64_t j0 = 0; j0 < k_len; j0 += kTile) {
-    for (int64_t d0 = 0; d0 < d_len; d0 += kTile) {
-      const int64_t j_end = std::min(k_len, j0 + kTile), d_end = std::min(d_len, d0 + kTile);
-      for (int64_t d = d0; d < d_end; ++d) {
-        for (int64_t j = j0; j < j_end; ++j) out[d * k_len + j] = head[j * stride + d];
-      }
+  const int64_t k_tiles = k_len - k_len % kLanes, d_tiles = d_len - d_len % kLanes;
+  for (int64_t j0 = 0; j0 < k_tiles; j0 += kLanes) {
+    for (int64_t d0 = 0; d0 < d_tiles; d0 += kLanes) {
+      vec rows[kLanes];
+      for (int64_t r = 0; r < kLanes; ++r) rows[r] = load(head + (j0 + r) * stride + d0);
+      transpose_tile(rows);
+      for (int64_t r = 0; r < kLanes; ++r) store(out + (d0 + r) * k_len + j0, rows[r]);
     }
+  }
+  // The edges a tile does not cover (K or D not a multiple of kLanes), element by element.
+  for (int64_t j = 0; j < k_len; ++j) {
+    for (int64_t d = j < k_tiles ? d_tiles : 0; d < d_len; ++d) out[d * k_len + j] = head[j * stride + d];
   }
 }
 
