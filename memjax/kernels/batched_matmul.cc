@@ -2,8 +2,9 @@
 // weighted values for XLA:CPU, with their gradients (XLA FFI handlers; memjax/kernels/cpu.py).
 //
 // Why: XLA:CPU runs the attention's small batched products ([B*H] products of 128 x 64 x 256 at
-// the peer shape) at about half the rate MKL reaches on the same shapes (BENCHMARKS.md, ops). This
-// register-blocked kernel, compiled for the host CPU (-march=native), reaches that rate.
+// the peer shape) at about half the CPU's peak: half MKL's rate on an Intel or a Zen 3, 198-209
+// GFLOP/s on a Zen 5 whose best kernels reach 470 (BENCHMARKS.md, ops). This register-blocked
+// kernel, compiled for the host CPU (-march=native), runs them at 396-459 there.
 //
 // out[b] = lhs[b] @ rhs[b] for every b over the leading axes, all row-major: lhs [..., M, K] (or
 // [..., K, M] with transpose_lhs, read as its transpose: a gradient's lhs^T @ g without a copy),
