@@ -233,10 +233,19 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-// Lanes of a and b interleaved: a's and b's first halves (high: their second halves) alternating.
+// Lanes of a and b interleaved: a's and b's first halves (high: their second halves) alternating;
+// interleaved(i, high) is the lane of the pair (a's lanes first, then b's) that lane i takes.
+constexpr int32_t interleaved(size_t lane, bool high) {
+  return static_cast<int32_t>((lane % 2 ? kLanes : 0) + (high ? kLanes / 2 : 0) + lane / 2);
+}
+
 template <bool high, size_t... lane>
 inline vec interleave(const vec& a, const vec& b, std::index_sequence<lane...>) {
-  return __builtin_shufflevector(a, b, ((lane % 2 ? kLanes : 0) + (high ? kLanes / 2 : 0) + lane / 2)...);
+#if defined(__clang__)
+  return __builtin_shufflevector(a, b, interleaved(lane, high)...);
+#else  // GCC has __builtin_shufflevector only from version 12; __builtin_shuffle is older.
+  return __builtin_shuffle(a, b, ivec{interleaved(lane, high)...});
+#endif
 }
 
 // A kLanes x kLanes tile transposed in registers: log2(kLanes) rounds, each pairing row i with row
