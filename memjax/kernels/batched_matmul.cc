@@ -2,9 +2,9 @@
 // weighted values for XLA:CPU, with their gradients (XLA FFI handlers; memjax/kernels/cpu.py).
 //
 // Why: XLA:CPU runs the attention's small batched products ([B*H] products of 128 x 64 x 256 at
-// the peer shape) at about half the CPU's peak: half MKL's rate on an Intel or a Zen 3, 198-209
-// GFLOP/s on a Zen 5 whose best kernels reach 470 (BENCHMARKS.md, ops). This register-blocked
-// kernel, compiled for the host CPU (-march=native), runs them at 396-459 there.
+// the peer shape) at about half the CPU's peak: half MKL's rate on a Zen 3, 198-214 GFLOP/s on a
+// Zen 5 whose best kernels reach 470-490 (BENCHMARKS.md, ops). This register-blocked kernel,
+// compiled for the host CPU (-march=native), runs them at 396-470 there.
 //
 // out[b] = lhs[b] @ rhs[b] for every b over the leading axes, all row-major: lhs [..., M, K] (or
 // [..., K, M] with transpose_lhs, read as its transpose: a gradient's lhs^T @ g without a copy),
@@ -266,9 +266,9 @@ inline void transpose_tile(vec (&rows)[kLanes]) {
 // The K rows of a head, `stride` apart, transposed into [D, K] (`out`): a product's rhs must
 // have its rows contiguous, and a head of a [B, K, H, D] array has D contiguous. Per head in the
 // kernel, in cache: XLA's transpose of the whole array was a pass over memory at a few GB/s.
-// In tiles of kLanes x kLanes transposed in registers (element by element, the key transpose was
-// a fifth of the scores' forward); rows a power of two apart share the few cache sets their
-// addresses map to, and a whole column's 64 or 256 lines would evict each other.
+// In tiles of kLanes x kLanes transposed in registers (element by element, the keys' transpose
+// took a fifth of the time of the scores' products); rows a power of two apart share the few cache
+// sets their addresses map to, and a whole column's 64 or 256 lines would evict each other.
 void transpose_head(const float* head, int64_t stride, int64_t k_len, int64_t d_len, float* out) {
   const int64_t k_tiles = k_len - k_len % kLanes, d_tiles = d_len - d_len % kLanes;
   for (int64_t j0 = 0; j0 < k_tiles; j0 += kLanes) {

@@ -2,13 +2,14 @@
 values for XLA:CPU, built for this CPU on first use and called as FFI targets.
 
 Why: XLA:CPU runs the attention's small batched products (the scores, the weighted values) at
-about half the CPU's peak (half MKL's rate on an Intel or a Zen 3; on a Zen 5 XLA 198-209 GFLOP/s,
-this kernel 396-459), and they are a quarter of an evaluation step (BENCHMARKS.md, ops). `batched_matmul.cc` is a register-blocked product compiled with
-`-march=native`; the attention calls it through `product`, for the forward and the gradient's
-products, through `relative_softmax` for one contiguous span's scores and softmax in one pass, and
-through `attend` for the weighted values with the heads in place; every linear map of a layer
-(`linear`) has its weight gradient from it, where XLA:CPU transposes the output gradient first. It
-keeps XLA's own einsums on other platforms and wherever the kernel does not apply.
+about half the CPU's peak (half MKL's rate on a Zen 3; on a Zen 5 XLA 198-214 GFLOP/s, this
+kernel 396-470), and they are a quarter of an evaluation step (BENCHMARKS.md, ops).
+`batched_matmul.cc` is a register-blocked product compiled with `-march=native`; the attention
+calls it through `product`, for the forward and the gradient's products, through
+`relative_softmax` for one contiguous span's scores and softmax in one pass, and through `attend`
+for the weighted values with the heads in place; every linear map of a layer (`linear`) has its
+weight gradient from it, where XLA:CPU transposes the output gradient first. It keeps XLA's own
+einsums on other platforms and wherever the kernel does not apply.
 
 It applies to float32 operands on a single-device CPU process (a custom call has no sharding
 rule, so meshes of several devices keep XLA's products), when a C++ compiler (`$CXX`, else g++)
