@@ -327,7 +327,8 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def _cell(value: Any) -> str:
+def format_value(value: Any) -> str:
+    """A figure as the tables print it."""
     if isinstance(value, float):
         if math.isnan(value):
             return 'n/a'
@@ -339,7 +340,7 @@ def _cell(value: Any) -> str:
 
 def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """A Markdown table (pastes straight into BENCHMARKS.md and the bench notes)."""
-    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    cells = [[format_value(row.get(c)) for c in columns] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
 
     def line(values):
@@ -391,7 +392,7 @@ def report_text(report: dict[str, Any]) -> str:
     """The printed form of a report: table, headline figures, notes."""
     lines = [f"## {report['suite']} ({report['size']})", '',
              format_table(report['rows'], report['columns']), '']
-    lines += [f'- {key}: {_cell(value)}' for key, value in report['figures'].items()]
+    lines += [f'- {key}: {format_value(value)}' for key, value in report['figures'].items()]
     lines += [f'- note: {note}' for note in report['notes']]
     machine = report['machine']
     lines.append(f"- machine: {machine['cpu_model']}; {machine.get('vector_isa', 'vector ISA not recorded')}; "

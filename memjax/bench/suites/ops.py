@@ -39,6 +39,7 @@ from memjax.model.attention import span_scores_masked
 # its CPU client (`python -m memjax.bench ops` sets it; see memjax/bench/__main__.py).
 XLA_FLAGS = ('--xla_cpu_enable_xprof_traceme=true',)
 TOP = 10  # Ops listed per step; the rest are summed in one row.
+COLUMNS = ('vocab', 'mode', 'impl', 'op', 'kind', 'ms_per_step', 'share', 'gflops_per_s', 'of_matmul_peak')
 TARGET = 1.5  # The speed-up over torch.compile that issue 29 asks for, which the roofline weighs.
 IMPLS = ('xla', 'kernel', 'torch', 'torch_onednn')  # Who multiplies the model-shaped products.
 
@@ -177,10 +178,14 @@ def measure_vocab(vocab: peer.Vocab, shape: peer.Shape, ctx: harness.Context, pe
         for impl in theirs:
             ctx.log(f'ops: {vocab.name} {impl} {mode}: profiling {ctx.repeats} steps')
             profiles[impl] = profile_torch(theirs[impl][mode], ctx.repeats)
+        mode_rows = []
         for impl, (seconds, flops) in profiles.items():
             impl_rows, totals = op_rows(seconds, flops, peak, {'vocab': vocab.name, 'mode': mode, 'impl': impl})
-            rows += impl_rows
+            mode_rows += impl_rows
             figures.update({f'{impl}_{mode}_{vocab.name}_{k}': v for k, v in totals.items()})
+        rows += mode_rows
+        # Printed now as well: a run stopped at a deadline (a lent machine's) keeps what it measured.
+        ctx.log(f'ops: {vocab.name} {mode} by op:\n' + harness.format_table(mode_rows, COLUMNS))
         rival = 'hf_compiled' if 'hf_compiled' in theirs else 'hf_eager'
         ctx.log(f'ops: {vocab.name} {mode}: timing memjax and {rival} (no profiler) for the roofline')
         timings = harness.time_interleaved({'memjax': loop, rival: theirs[rival][mode]}, warmup=ctx.warmup,
@@ -190,6 +195,8 @@ def measure_vocab(vocab: peer.Vocab, shape: peer.Shape, ctx: harness.Context, pe
                          if k.startswith(f'{rival}_{mode}_{vocab.name}_')}
         bound = roofline(gflop, peak, timings['memjax'].median_s, timings[rival].median_s, rival_profile)
         figures.update({f'roofline_{mode}_{vocab.name}_{k}': v for k, v in {'rival': rival, **bound}.items()})
+        ctx.log(f'ops: {vocab.name} {mode} roofline: ' + ', '.join(
+            f'{k} {harness.format_value(v)}' for k, v in bound.items()))
     return rows, figures
 
 
@@ -326,7 +333,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
         torch.set_num_threads(previous_threads)
     return harness.SuiteResult(
         rows=rows,
-        columns=('vocab', 'mode', 'impl', 'op', 'kind', 'ms_per_step', 'share', 'gflops_per_s', 'of_matmul_peak'),
+        columns=COLUMNS,
         figures=figures,
         config={'shape': shape.__dict__, 'vocabs': [v.__dict__ for v in peer.VOCABS[ctx.size]],
                 'profiled_steps': ctx.repeats, 'dtype': 'float32', 'torch_threads': threads,
