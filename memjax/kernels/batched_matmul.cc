@@ -34,19 +34,12 @@ namespace {
 #ifdef __AVX512F__
 constexpr int64_t kLanes = 16;
 constexpr int64_t kRows = 8;
-// A dense product's block (one large product: a weight gradient): 24 accumulators, 4 rhs vectors
-// read per term for 6 lhs broadcasts, more multiplies per load than 8 x 2 (weight gradients of the
-// peer's shapes 2-10 % faster on a Zen 5); the attention's kernels, over a head's 64-128 rows, keep
-// 8 x 2 (the span softmax 8 % slower with 6 x 4).
-constexpr int64_t kDenseRows = 6;
-constexpr int64_t kDenseVectors = 4;
 #else
 constexpr int64_t kLanes = 8;
 constexpr int64_t kRows = 6;
-constexpr int64_t kDenseRows = 6;
-constexpr int64_t kDenseVectors = 2;
 #endif
 constexpr int64_t kVectors = 2;
+constexpr int64_t kCols = kLanes * kVectors;
 typedef float vec __attribute__((vector_size(4 * kLanes)));
 typedef int32_t ivec __attribute__((vector_size(4 * kLanes)));  // A vector comparison's lanes: -1 or 0.
 
@@ -58,30 +51,30 @@ inline vec load(const float* p) {
 
 inline void store(float* p, const vec& v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Rows [i, i + rows) of out x `vectors` x kLanes columns from the contraction's terms
-// [k_begin, k_end): the K loop reads those columns of an rhs row per step (`rhs` points at the
+// Rows [i, i + rows) of out x kCols columns, rows <= kRows, from the contraction's terms
+// [k_begin, k_end): the K loop reads kCols floats of an rhs row per step (`rhs` points at the
 // block's first column, rows `rhs_stride` apart) and broadcasts one lhs element per row (lhs's rows,
 // or with lhs_t its columns, `lhs_stride` apart); `out` points at the block's first element, rows
 // `out_stride` apart. With `accumulate` the block is added to out's.
-template <int64_t rows, int64_t vectors, bool lhs_t>
+template <int64_t rows, bool lhs_t>
 inline void block(const float* lhs, int64_t lhs_stride, int64_t k_begin, int64_t k_end, int64_t i, const float* rhs,
                   int64_t rhs_stride, float* out, int64_t out_stride, bool accumulate) {
-  vec acc[rows][vectors] = {};
+  vec acc[rows][kVectors] = {};
   if (accumulate) {
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t v = 0; v < vectors; ++v) acc[r][v] = load(out + r * out_stride + kLanes * v);
+      for (int64_t v = 0; v < kVectors; ++v) acc[r][v] = load(out + r * out_stride + kLanes * v);
     }
   }
   for (int64_t k = k_begin; k < k_end; ++k) {
-    vec b[vectors];
-    for (int64_t v = 0; v < vectors; ++v) b[v] = load(rhs + k * rhs_stride + kLanes * v);
+    vec b[kVectors];
+    for (int64_t v = 0; v < kVectors; ++v) b[v] = load(rhs + k * rhs_stride + kLanes * v);
     for (int64_t r = 0; r < rows; ++r) {
       const float a = lhs_t ? lhs[k * lhs_stride + i + r] : lhs[(i + r) * lhs_stride + k];
-      for (int64_t v = 0; v < vectors; ++v) acc[r][v] += a * b[v];
+      for (int64_t v = 0; v < kVectors; ++v) acc[r][v] += a * b[v];
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t v = 0; v < vectors; ++v) store(out + r * out_stride + kLanes * v, acc[r][v]);
+    for (int64_t v = 0; v < kVectors; ++v) store(out + r * out_stride + kLanes * v, acc[r][v]);
   }
 }
 
@@ -107,57 +100,55 @@ struct Band {
 template <typename FirstRow, typename Terms>
 Band(FirstRow, Terms) -> Band<FirstRow, Terms>;
 
-// One column block [j, j + cols) of every row the band keeps: `rows` rows at a time, then one by one.
-template <bool lhs_t, int64_t rows, int64_t vectors, typename Band>
+// One column block [j, j + cols) of every row the band keeps: kRows rows at a time, then one by one.
+template <bool lhs_t, typename Band>
 void column_block(const float* lhs, int64_t lhs_stride, int64_t m_len, int64_t k_len, const Band& band, int64_t j,
                   int64_t cols, const float* rhs, int64_t rhs_stride, float* out, int64_t out_stride, bool accumulate) {
-  const auto clipped = [&](int64_t i, int64_t count) {
-    const auto [begin, end] = band.terms(i, count);
+  const auto clipped = [&](int64_t i, int64_t rows) {
+    const auto [begin, end] = band.terms(i, rows);
     return std::pair<int64_t, int64_t>{std::max<int64_t>(begin, 0), std::min(end, k_len)};
   };
   int64_t i = std::max<int64_t>(0, band.first_row(j, cols));
-  for (; i + rows <= m_len; i += rows) {
-    const auto [k_begin, k_end] = clipped(i, rows);
-    block<rows, vectors, lhs_t>(lhs, lhs_stride, k_begin, k_end, i, rhs, rhs_stride, out + i * out_stride,
-                                out_stride, accumulate);
+  for (; i + kRows <= m_len; i += kRows) {
+    const auto [k_begin, k_end] = clipped(i, kRows);
+    block<kRows, lhs_t>(lhs, lhs_stride, k_begin, k_end, i, rhs, rhs_stride, out + i * out_stride, out_stride,
+                        accumulate);
   }
   for (; i < m_len; ++i) {
     const auto [k_begin, k_end] = clipped(i, 1);
-    block<1, vectors, lhs_t>(lhs, lhs_stride, k_begin, k_end, i, rhs, rhs_stride, out + i * out_stride, out_stride,
-                             accumulate);
+    block<1, lhs_t>(lhs, lhs_stride, k_begin, k_end, i, rhs, rhs_stride, out + i * out_stride, out_stride, accumulate);
   }
 }
 
 // out [M, N] = lhs [M, K] @ rhs [K, N] (lhs_t: lhs [K, M] read as its transpose), lhs's rows (or
 // columns), rhs's rows and out's rows `lhs_stride`, `rhs_stride` and `out_stride` apart, so that
 // one head of a [T, H, D] array is read or written in place; only the part `band` keeps. With
-// `accumulate` the product is added to out. Register blocks of `rows` x `vectors` vectors.
-template <bool lhs_t, typename Band = Dense, int64_t rows = kRows, int64_t vectors = kVectors>
+// `accumulate` the product is added to out.
+template <bool lhs_t, typename Band = Dense>
 void matmul(const float* lhs, int64_t lhs_stride, const float* rhs, int64_t rhs_stride, float* out,
             int64_t out_stride, int64_t m_len, int64_t k_len, int64_t n_len, const Band& band = Band{},
             bool accumulate = false) {
-  constexpr int64_t cols = kLanes * vectors;
-  const int64_t full_cols = n_len - n_len % cols;
-  for (int64_t j = 0; j < full_cols; j += cols) {
-    column_block<lhs_t, rows, vectors>(lhs, lhs_stride, m_len, k_len, band, j, cols, rhs + j, rhs_stride, out + j,
-                                       out_stride, accumulate);
+  const int64_t full_cols = n_len - n_len % kCols;
+  for (int64_t j = 0; j < full_cols; j += kCols) {
+    column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, band, j, kCols, rhs + j, rhs_stride, out + j, out_stride,
+                        accumulate);
   }
   const int64_t tail = n_len - full_cols;
   if (tail == 0) return;
-  // The last n_len % cols columns (a head size of 41, say) as one block of their own: rhs's
-  // columns zero-padded to cols, out computed into a buffer, its first `tail` columns kept.
-  std::vector<float> padded(k_len * cols, 0.0f), block_out(m_len * cols);
+  // The last n_len % kCols columns (a head size of 41, say) as one block of their own: rhs's
+  // columns zero-padded to kCols, out computed into a buffer, its first `tail` columns kept.
+  std::vector<float> padded(k_len * kCols, 0.0f), block_out(m_len * kCols);
   for (int64_t k = 0; k < k_len; ++k) {
-    std::memcpy(&padded[k * cols], rhs + k * rhs_stride + full_cols, tail * sizeof(float));
+    std::memcpy(&padded[k * kCols], rhs + k * rhs_stride + full_cols, tail * sizeof(float));
   }
-  column_block<lhs_t, rows, vectors>(lhs, lhs_stride, m_len, k_len, band, full_cols, tail, padded.data(), cols,
-                                     block_out.data(), cols, false);
+  column_block<lhs_t>(lhs, lhs_stride, m_len, k_len, band, full_cols, tail, padded.data(), kCols, block_out.data(),
+                      kCols, false);
   for (int64_t i = std::max<int64_t>(0, band.first_row(full_cols, tail)); i < m_len; ++i) {
     float* row = out + i * out_stride + full_cols;
     if (!accumulate) {
-      std::memcpy(row, &block_out[i * cols], tail * sizeof(float));
+      std::memcpy(row, &block_out[i * kCols], tail * sizeof(float));
     } else {
-      for (int64_t c = 0; c < tail; ++c) row[c] += block_out[i * cols + c];
+      for (int64_t c = 0; c < tail; ++c) row[c] += block_out[i * kCols + c];
     }
   }
 }
@@ -167,26 +158,13 @@ void matmul(const float* lhs, int64_t lhs_stride, const float* rhs, int64_t rhs_
 // share, where whole rows would be read again from memory for each column block.
 constexpr int64_t kChunk = 128;
 
-template <bool lhs_t, int64_t rows, int64_t vectors>
+template <bool lhs_t>
 void chunked_matmul(const float* lhs, int64_t lhs_stride, const float* rhs, int64_t rhs_stride, float* out,
                     int64_t out_stride, int64_t m_len, int64_t k_len, int64_t n_len) {
   // An empty contraction still runs one pass: out is written (zeros).
   for (int64_t k0 = 0; k0 < std::max<int64_t>(k_len, 1); k0 += kChunk) {
-    matmul<lhs_t, Dense, rows, vectors>(lhs + (lhs_t ? k0 * lhs_stride : k0), lhs_stride, rhs + k0 * rhs_stride,
-                                        rhs_stride, out, out_stride, m_len, std::min(kChunk, k_len - k0), n_len,
-                                        Dense{}, k0 > 0);
-  }
-}
-
-// Columns [0, n_len) of one product of a batch (`lhs`, `rhs`, `out` at its first column), rhs's and
-// out's rows `stride` apart.
-template <int64_t rows, int64_t vectors>
-void product_columns(bool transpose_lhs, const float* lhs, const float* rhs, float* out, int64_t m_len,
-                     int64_t k_len, int64_t n_len, int64_t stride) {
-  if (transpose_lhs) {
-    chunked_matmul<true, rows, vectors>(lhs, m_len, rhs, stride, out, stride, m_len, k_len, n_len);
-  } else {
-    chunked_matmul<false, rows, vectors>(lhs, k_len, rhs, stride, out, stride, m_len, k_len, n_len);
+    matmul<lhs_t>(lhs + (lhs_t ? k0 * lhs_stride : k0), lhs_stride, rhs + k0 * rhs_stride, rhs_stride, out,
+                  out_stride, m_len, std::min(kChunk, k_len - k0), n_len, Dense{}, k0 > 0);
   }
 }
 
@@ -236,19 +214,21 @@ ffi::Error BatchedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer lhs, ffi::AnyBuffe
   const int64_t n_len = rhs_dims[rank - 1];
   int64_t count = 1;
   for (int64_t axis = 0; axis < rank - 2; ++axis) count *= lhs_dims[axis];
-  // One product (a weight gradient) takes the dense block, a batch of a head's products the
-  // attention's (the dense block was about 3 % slower on 32 products of 128 x 64 x 256).
-  const auto columns = count == 1 ? product_columns<kDenseRows, kDenseVectors> : product_columns<kRows, kVectors>;
-  const int64_t width = kLanes * (count == 1 ? kDenseVectors : kVectors);
   // Fewer products than threads (a weight gradient is one): each product's columns are split in
   // blocks of whole register blocks, one task per thread.
-  const int64_t blocks = std::max<int64_t>(1, (n_len + width - 1) / width);
+  const int64_t blocks = std::max<int64_t>(1, (n_len + kCols - 1) / kCols);
   const int64_t parts = std::clamp<int64_t>(pool.num_threads() / std::max<int64_t>(count, 1), 1, blocks);
   parallel_for(pool, count * parts, [=](int64_t task, std::vector<float>&) {
     const int64_t b = task / parts, part = task % parts;
-    const int64_t j_begin = blocks * part / parts * width, j_end = std::min(n_len, blocks * (part + 1) / parts * width);
-    columns(transpose_lhs, lhs_data + b * m_len * k_len, rhs_data + b * k_len * n_len + j_begin,
-            out_data + b * m_len * n_len + j_begin, m_len, k_len, j_end - j_begin, n_len);
+    const int64_t j_begin = blocks * part / parts * kCols, j_end = std::min(n_len, blocks * (part + 1) / parts * kCols);
+    const float* lhs_b = lhs_data + b * m_len * k_len;
+    const float* rhs_b = rhs_data + b * k_len * n_len + j_begin;
+    float* out_b = out_data + b * m_len * n_len + j_begin;
+    if (transpose_lhs) {
+      chunked_matmul<true>(lhs_b, m_len, rhs_b, n_len, out_b, n_len, m_len, k_len, j_end - j_begin);
+    } else {
+      chunked_matmul<false>(lhs_b, k_len, rhs_b, n_len, out_b, n_len, m_len, k_len, j_end - j_begin);
+    }
   });
   return ffi::Error::Success();
 }
