@@ -16,6 +16,7 @@ from memjax import model as model_lib
 from memjax.bench import flops
 from memjax.bench import harness
 from memjax.bench.suites import eval_speed
+from memjax.bench.suites import ops
 from memjax.bench.suites import peer  # Imports torch only when a peer model is built.
 from memjax.bench.suites import scaling
 from memjax.kernels import cpu as cpu_kernels
@@ -108,6 +109,10 @@ def test_ops_suite_profiles_every_matrix_product_of_both_steps(tmp_path):
     report = json.loads(out.read_text())
     figures, shape = report['figures'], peer.SHAPES['tiny']
     for vocab in peer.VOCABS['tiny']:
+        for mode in ('train', 'eval'):
+            # Each step's table is printed as soon as it is measured: a run stopped at a deadline keeps it.
+            rows = [r for r in report['rows'] if (r['vocab'], r['mode']) == (vocab.name, mode)]
+            assert f'ops: {vocab.name} {mode} by op:\n{harness.format_table(rows, ops.COLUMNS)}\n' in proc.stderr
         _, mcfg, _ = peer.build_pair(shape, vocab)
         b, t = shape.batch_size, shape.tgt_len
         # Evaluation as memjax.evaluate runs it: the memory's keys and values as projected.
