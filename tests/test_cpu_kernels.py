@@ -305,3 +305,69 @@ def test_span_softmax_gradient_is_the_references(batch, qlen, klen, heads, dim):
     for g, e in zip(got, jax.grad(loss(lambda *x: _softmax_of(reference(*x))), (0, 1, 2, 3))(*operands)):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
     assert f'custom_call_target="{cpu.SOFTMAX_GRADIENT_TARGET}"' in _hlo(fused, *operands)
+
+
+@needs_kernel
+@pytest.mark.parametrize('batch,qlen,mlen,heads,dim', [(2, 7, 12, 3, 5), (1, 16, 0, 2, 8), (2, 9, 32, 1, 64),
+                                                        (1, 1, 32, 2, 4), (1, 45, 38, 2, 16), (2, 20, 3, 2, 41)])
+def test_evaluation_attention_equals_its_definition_and_its_gradient(batch, qlen, mlen, heads, dim):
+    """Evaluation's one pass (weights to weighted values, memory and segment as two blocks)
+    against the weights from their definition times the values concatenated: memory absent, shorter
+    or longer than the segment; rows, heads and key counts beyond the register blocks and lanes;
+    invalid memory keys. Its gradient, for a caller that differentiates it anyway, is the training
+    path's, and it runs the one-pass kernel."""
+    from memjax.model import attention  # pylint: disable=g-import-not-at-top
+    cq, k, pq, r, valid = _span_operands(batch, qlen, mlen + qlen, heads, dim, seed=7)
+    v = jax.random.normal(jax.random.PRNGKey(8), k.shape)
+    blocks = lambda x: (x[:, :mlen], x[:, mlen:])
+    operands = (cq, *blocks(k), pq, r, valid, *blocks(v))
+    reference = lambda *x: attention.span_attention(0.3, *x)
+    fn = lambda *x: cpu.span_attention(reference, *x, 0.3)
+    probs, log_norm = _naive_softmax(_naive_span_scores(cq, k, pq, r, valid, 0.3))
+    attended = np.einsum('bhtk,bkhd->bthd', probs, np.asarray(v, np.float64))
+    for got in (jax.jit(fn)(*operands), jax.jit(reference)(*operands)):
+        np.testing.assert_allclose(got[0], attended, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got[1], log_norm, rtol=1e-5, atol=1e-5)
+    assert f'custom_call_target="{cpu.SPAN_ATTENTION_TARGET}"' in _hlo(fn, *operands)
+    weight = jax.random.normal(jax.random.PRNGKey(9), (batch, qlen, heads, dim))
+    loss = lambda attention_of: lambda *x: jnp.sum(attention_of(*x)[0] * weight) + jnp.sum(attention_of(*x)[1])
+    wrt = (0, 1, 2, 3, 4, 6, 7)
+    for g, e in zip(jax.jit(jax.grad(loss(fn), wrt))(*operands), jax.grad(loss(reference), wrt)(*operands)):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize('overrides', [dict(mem_len=6), dict(mem_len=0), dict(mem_len=6, pre_lnorm=True, block='gpt2')])
+def test_evaluation_runs_the_one_pass_attention_and_scores_as_training_does(overrides):
+    """A model's evaluation (deterministic, no weights collected) runs the one-pass attention and
+    no weights kernel; training, and an evaluation that collects the attention's parts for analysis,
+    keep the weights. All three give the same log-probabilities, segment after segment (the
+    memory carried, its first segment's zero rows included)."""
+    from memjax.model import ModelConfig, build_model, init_memory, init_params  # pylint: disable=g-import-not-at-top
+    cfg = ModelConfig(vocab_size=40, d_model=32, n_layer=2, n_head=2, d_head=16, d_inner=48, dropout=0.0, **overrides)
+    model, params = build_model(cfg), init_params(cfg, jax.random.key(0))
+    params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), params)
+    tokens = jax.random.randint(jax.random.key(2), (2, 3, 8), 0, 40)
+
+    def scores(deterministic, mutable=False):
+        def run(tokens):
+            memory, out = init_memory(cfg, 2), []
+            for seg in range(tokens.shape[1]):
+                result = model.apply({'params': params}, tokens[:, seg], memory, targets=tokens[:, seg],
+                                     deterministic=deterministic, mutable=['intermediates'] if mutable else False)
+                (lm_out, memory) = result[0] if mutable else result
+                out.append(lm_out.target_logprobs)
+            return jnp.stack(out)
+        return run
+
+    evaluation, training, analysis = scores(True), scores(False), scores(True, mutable=True)
+    programs = {name: _hlo(fn, tokens) for name, fn in
+                (('evaluation', evaluation), ('training', training), ('analysis', analysis))}
+    assert f'custom_call_target="{cpu.SPAN_ATTENTION_TARGET}"' in programs['evaluation']
+    assert f'custom_call_target="{cpu.SOFTMAX_TARGET}"' not in programs['evaluation']
+    for name in ('training', 'analysis'):
+        assert f'custom_call_target="{cpu.SPAN_ATTENTION_TARGET}"' not in programs[name]
+        assert f'custom_call_target="{cpu.SOFTMAX_TARGET}"' in programs[name]
+    expected = jax.jit(training)(tokens)
+    for fn in (evaluation, analysis):
+        np.testing.assert_allclose(jax.jit(fn)(tokens), expected, rtol=1e-5, atol=1e-5)

@@ -269,19 +269,22 @@ inline void transpose_tile(vec (&rows)[kLanes]) {
 // In tiles of kLanes x kLanes transposed in registers (element by element, the keys' transpose
 // took a fifth of the time of the scores' products); rows a power of two apart share the few cache
 // sets their addresses map to, and a whole column's 64 or 256 lines would evict each other.
-void transpose_head(const float* head, int64_t stride, int64_t k_len, int64_t d_len, float* out) {
+// `out`'s rows are `out_stride` apart (default K): two blocks of keys fill one [D, K] side by side.
+void transpose_head(const float* head, int64_t stride, int64_t k_len, int64_t d_len, float* out,
+                    int64_t out_stride = 0) {
+  if (out_stride == 0) out_stride = k_len;
   const int64_t k_tiles = k_len - k_len % kLanes, d_tiles = d_len - d_len % kLanes;
   for (int64_t j0 = 0; j0 < k_tiles; j0 += kLanes) {
     for (int64_t d0 = 0; d0 < d_tiles; d0 += kLanes) {
       vec rows[kLanes];
       for (int64_t r = 0; r < kLanes; ++r) rows[r] = load(head + (j0 + r) * stride + d0);
       transpose_tile(rows);
-      for (int64_t r = 0; r < kLanes; ++r) store(out + (d0 + r) * k_len + j0, rows[r]);
+      for (int64_t r = 0; r < kLanes; ++r) store(out + (d0 + r) * out_stride + j0, rows[r]);
     }
   }
   // The edges a tile does not cover (K or D not a multiple of kLanes), element by element.
   for (int64_t j = 0; j < k_len; ++j) {
-    for (int64_t d = j < k_tiles ? d_tiles : 0; d < d_len; ++d) out[d * k_len + j] = head[j * stride + d];
+    for (int64_t d = j < k_tiles ? d_tiles : 0; d < d_len; ++d) out[d * out_stride + j] = head[j * stride + d];
   }
 }
 
@@ -468,18 +471,13 @@ float softmax_row(const Scores& s, const float* shown, float* row, const float* 
 }
 
 // Layouts: probs [B, H, T, K], log_norm [B, H, T]; rt [H, D, K], the distance rows transposed (once
-// per head, for every batch row), and the head's keys transposed into the scratch (kt [D, K]): a
-// product's rhs has its rows contiguous.
-void softmax_head(const Scores& s, const float* rt, float* probs, float* log_norm, int64_t bh,
-                  std::vector<float>& scratch) {
-  const int64_t b = bh / s.heads, h = bh % s.heads, t_len = s.t_len, k_len = s.k_len, d_len = s.d_len;
-  float* out = probs + bh * t_len * k_len;
-  scratch.resize((t_len + 1 + d_len) * k_len);
-  float* position = scratch.data();
-  float* shown = position + t_len * k_len;
-  float* kt = shown + k_len;
-  for (int64_t j = 0; j < k_len; ++j) shown[j] = s.valid[b * k_len + j];
-  transpose_head(s.k + s.key(b, h), s.stride(), k_len, d_len, kt);
+// per head, for every batch row). A head's weights [T, K] into `out` from its keys transposed (kt
+// [D, K]: a product's rhs has its rows contiguous), `shown` its keys' validity as floats and
+// `position` a [T, K] buffer.
+void head_weights(const Scores& s, const float* rt, const float* kt, const float* shown, float* position, float* out,
+                  float* log_norm, int64_t bh) {
+  const int64_t h = bh % s.heads, t_len = s.t_len, k_len = s.k_len, d_len = s.d_len;
+  const int64_t b = bh / s.heads;
   // Query i sees keys j <= past + i, and reads the positional columns c >= T - 1 - i: a column
   // block is computed only for the rows that read it (the mask hides a quarter of each product at
   // T = K / 2; whole register blocks, a fifth, are skipped).
@@ -492,6 +490,29 @@ void softmax_head(const Scores& s, const float* rt, float* probs, float* log_nor
     log_norm[bh * t_len + i] = softmax_row(s, shown, out + i * k_len, position + i * k_len + (t_len - 1 - i),
                                            past + i + 1);
   }
+}
+
+// The head's scratch: a [T, K] buffer for the positional scores, the keys' validity [K] and their
+// transpose [D, K]; `weights` more floats in front of them (a [T, K] buffer, or none).
+struct HeadScratch {
+  float *weights, *position, *shown, *kt;
+
+  HeadScratch(const Scores& s, int64_t b, int64_t weights_size, std::vector<float>& scratch) {
+    scratch.resize(weights_size + (s.t_len + 1 + s.d_len) * s.k_len);
+    weights = scratch.data();
+    position = weights + weights_size;
+    shown = position + s.t_len * s.k_len;
+    kt = shown + s.k_len;
+    for (int64_t j = 0; j < s.k_len; ++j) shown[j] = s.valid[b * s.k_len + j];
+  }
+};
+
+void softmax_head(const Scores& s, const float* rt, float* probs, float* log_norm, int64_t bh,
+                  std::vector<float>& scratch) {
+  const int64_t b = bh / s.heads, h = bh % s.heads;
+  const HeadScratch buffers(s, b, 0, scratch);
+  transpose_head(s.k + s.key(b, h), s.stride(), s.k_len, s.d_len, buffers.kt);
+  head_weights(s, rt, buffers.kt, buffers.shown, buffers.position, probs + bh * s.t_len * s.k_len, log_norm, bh);
 }
 
 // The gradient of (probs, log_norm) with respect to cq, k, pq and r, given theirs (gp, gl), per head:
@@ -548,6 +569,16 @@ void gradient_head(const Scores& s, const Gradients& g, int64_t bh, std::vector<
                Band{every_row, [=](int64_t c, int64_t rows) { return terms(t_len - c - rows, t_len); }});
 }
 
+// The distance rows transposed, [H, D, K]: once per head, for every batch row.
+std::vector<float> transposed_table(ffi::ThreadPool& pool, const Scores& s) {
+  std::vector<float> transposed(s.heads * s.d_len * s.k_len);
+  float* rt = transposed.data();
+  parallel_for(pool, s.heads, [=](int64_t h, std::vector<float>&) {
+    transpose_head(s.r + h * s.d_len, s.stride(), s.k_len, s.d_len, rt + h * s.d_len * s.k_len);
+  });
+  return transposed;
+}
+
 bool span_shapes(ffi::Span<const int64_t> q_dims, ffi::Span<const int64_t> k_dims,
                  ffi::Span<const int64_t> r_dims, ffi::Span<const int64_t> v_dims) {
   return q_dims.size() == 4 && k_dims.size() == 4 && r_dims.size() == 3 && v_dims.size() == 2 &&
@@ -566,13 +597,65 @@ ffi::Error RelativeSoftmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> cq, ffi::
   const Scores s{cq.typed_data(), pq.typed_data(), k.typed_data(), r.typed_data(), valid.typed_data(),
                  q[2], q[1], k.dimensions()[1], q[3], scale};
   float *probs_data = probs->typed_data(), *log_norm_data = log_norm->typed_data();
-  std::vector<float> transposed(s.heads * s.d_len * s.k_len);  // Every task has finished when it goes.
-  float* rt = transposed.data();
-  parallel_for(pool, s.heads, [=](int64_t h, std::vector<float>&) {
-    transpose_head(s.r + h * s.d_len, s.stride(), s.k_len, s.d_len, rt + h * s.d_len * s.k_len);
-  });
+  const std::vector<float> transposed = transposed_table(pool, s);  // Every task has finished when it goes.
+  const float* rt = transposed.data();
   parallel_for(pool, q[0] * q[2], [=](int64_t bh, std::vector<float>& scratch) {
     softmax_head(s, rt, probs_data, log_norm_data, bh, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+// Evaluation's attention over a span, weights to weighted values in one pass per head: the span
+// comes as two blocks of keys and values, the memory's (M, maybe 0) and the segment's (T), and a
+// head's weights [T, K] never leave its thread's cache. The weights are those of RelativeSoftmax
+// (the same code), out [B, T, H, D] = weights @ [memory values; segment values] in two products
+// (the second, causal, skips the terms the mask zeroes), log_norm [B, H, T] as RelativeSoftmax's.
+// Against RelativeSoftmax then AttendValues on the blocks concatenated, this writes and reads no
+// [B, H, T, K] weights and no [B, K, H, D] concatenations in memory.
+void attention_head(const Scores& s, const float* rt, const float* memory_k, const float* segment_k,
+                    const float* memory_v, const float* segment_v, float* out, float* log_norm, int64_t bh,
+                    std::vector<float>& scratch) {
+  const int64_t b = bh / s.heads, h = bh % s.heads, t_len = s.t_len, k_len = s.k_len, d_len = s.d_len;
+  const int64_t m_len = k_len - t_len, stride = s.stride();
+  const HeadScratch buffers(s, b, t_len * k_len, scratch);
+  const int64_t memory_head = (b * m_len * s.heads + h) * d_len, segment_head = s.query(b, h);
+  transpose_head(memory_k + memory_head, stride, m_len, d_len, buffers.kt, k_len);
+  transpose_head(segment_k + segment_head, stride, t_len, d_len, buffers.kt + m_len, k_len);
+  head_weights(s, rt, buffers.kt, buffers.shown, buffers.position, buffers.weights, log_norm, bh);
+  float* attended = out + segment_head;
+  matmul<false>(buffers.weights, k_len, memory_v + memory_head, stride, attended, stride, t_len, m_len, d_len);
+  matmul<false>(buffers.weights + m_len, k_len, segment_v + segment_head, stride, attended, stride, t_len, t_len, d_len,
+                Band{every_row, [](int64_t i, int64_t rows) { return terms(0, i + rows); }}, true);
+}
+
+bool block_shapes(ffi::Span<const int64_t> q, ffi::Span<const int64_t> memory, ffi::Span<const int64_t> segment) {
+  return memory.size() == 4 && segment.size() == 4 && memory[0] == q[0] && memory[2] == q[2] && memory[3] == q[3] &&
+         std::equal(q.begin(), q.end(), segment.begin());
+}
+
+ffi::Error SpanAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> cq, ffi::Buffer<ffi::F32> memory_k,
+                         ffi::Buffer<ffi::F32> segment_k, ffi::Buffer<ffi::F32> pq, ffi::Buffer<ffi::F32> r,
+                         ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::F32> memory_v, ffi::Buffer<ffi::F32> segment_v,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out, ffi::Result<ffi::Buffer<ffi::F32>> log_norm,
+                         float scale) {
+  const auto q = cq.dimensions(), m = memory_k.dimensions();
+  const int64_t k_len = m.size() == 4 && q.size() == 4 ? m[1] + q[1] : 0;
+  const auto r_dims = r.dimensions(), v_dims = valid.dimensions();
+  if (q.size() != 4 || !block_shapes(q, m, segment_k.dimensions()) || !block_shapes(q, memory_v.dimensions(),
+      segment_v.dimensions()) || memory_v.dimensions()[1] != m[1] || r_dims.size() != 3 || r_dims[0] != k_len ||
+      v_dims.size() != 2 || v_dims[0] != q[0] || v_dims[1] != k_len) {
+    return ffi::Error::InvalidArgument("memjax_span_attention: queries, segment keys and values [B, T, H, D], memory "
+                                       "keys and values [B, M, H, D], table [M + T, H, D], validity [B, M + T]");
+  }
+  const Scores s{cq.typed_data(), pq.typed_data(), nullptr, r.typed_data(), valid.typed_data(),
+                 q[2], q[1], k_len, q[3], scale};
+  const float *mk = memory_k.typed_data(), *sk = segment_k.typed_data();
+  const float *mv = memory_v.typed_data(), *sv = segment_v.typed_data();
+  float *out_data = out->typed_data(), *log_norm_data = log_norm->typed_data();
+  const std::vector<float> transposed = transposed_table(pool, s);
+  const float* rt = transposed.data();
+  parallel_for(pool, q[0] * q[2], [=](int64_t bh, std::vector<float>& scratch) {
+    attention_head(s, rt, mk, sk, mv, sv, out_data, log_norm_data, bh, scratch);
   });
   return ffi::Error::Success();
 }
@@ -666,6 +749,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_relative_softmax_gradient, RelativeSoftmaxG
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_span_attention, SpanAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));

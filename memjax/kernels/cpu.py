@@ -45,6 +45,7 @@ SOFTMAX_TARGET = 'memjax_relative_softmax'
 SOFTMAX_GRADIENT_TARGET = 'memjax_relative_softmax_gradient'
 ATTEND_TARGET = 'memjax_attend'
 ATTEND_GRADIENT_TARGET = 'memjax_attend_gradient'
+SPAN_ATTENTION_TARGET = 'memjax_span_attention'
 SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
 # Where the weight gradients take the kernel (measured on a Zen 5, BENCHMARKS.md): XLA:CPU's x^T g,
 # its copy of g included, ran at 198-341 GFLOP/s where a side of the map is 256 wide (the kernel
@@ -97,7 +98,8 @@ def register(compiler: Optional[str]) -> int:
         return 0
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-        for target in (TARGET, SOFTMAX_TARGET, SOFTMAX_GRADIENT_TARGET, ATTEND_TARGET, ATTEND_GRADIENT_TARGET):
+        for target in (TARGET, SOFTMAX_TARGET, SOFTMAX_GRADIENT_TARGET, ATTEND_TARGET, ATTEND_GRADIENT_TARGET,
+                       SPAN_ATTENTION_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
         library.memjax_vector_lanes.restype = ctypes.c_int64
         return library.memjax_vector_lanes()
@@ -281,3 +283,37 @@ def attend(probs: jax.Array, value: jax.Array, causal: bool = False) -> jax.Arra
         return tuple(jax.ffi.ffi_call(ATTEND_GRADIENT_TARGET, out)(p, v, grad, causal=causal))
 
     return _on_cpu(reference, forward, gradients, probs, value)
+
+
+def span_attention(reference: Callable, content_query: jax.Array, memory_key: jax.Array, segment_key: jax.Array,
+                   position_query: jax.Array, pos_key: jax.Array, valid: jax.Array, memory_value: jax.Array,
+                   segment_value: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    """(attended [B, T, H, D], log_norm [B, H, T]): `reference(*operands)`, the attention over one
+    contiguous span whose keys and values come as two blocks, the memory's [B, M, H, D] (M may be 0)
+    and the segment's [B, T, H, D], the segment's T queries last: `relative_softmax`'s weights and
+    `attend`'s weighted values of the blocks concatenated. Evaluation's form: the kernel, where it
+    applies, takes each head from scores to weighted values in one pass, the weights in cache, and
+    concatenates nothing. Its gradient is the reference's (the weights computed again): training
+    keeps `relative_softmax` and `attend`, which keep the weights for the backward pass.
+    """
+    operands = (content_query, memory_key, segment_key, position_query, pos_key, valid, memory_value, segment_value)
+    if not applies(content_query, memory_key, segment_key, position_query, pos_key, memory_value, segment_value):
+        return reference(*operands)
+
+    def forward(cq, mk, sk, pq, r, ok, mv, sv):
+        out = (jax.ShapeDtypeStruct(cq.shape, jnp.float32),
+               jax.ShapeDtypeStruct((cq.shape[0], cq.shape[2], cq.shape[1]), jnp.float32))
+        return tuple(jax.ffi.ffi_call(SPAN_ATTENTION_TARGET, out)(cq, mk, sk, pq, r, ok, mv, sv,
+                                                                  scale=np.float32(scale)))
+
+    @jax.custom_vjp
+    def run(*xs):
+        return jax.lax.platform_dependent(*xs, cpu=forward, default=reference)
+
+    def run_backward(xs, grads):
+        differentiable = lambda cq, mk, sk, pq, r, mv, sv: reference(cq, mk, sk, pq, r, xs[5], mv, sv)
+        grads = jax.vjp(differentiable, *xs[:5], *xs[6:])[1](grads)
+        return (*grads[:5], None, *grads[5:])
+
+    run.defvjp(lambda *xs: (run(*xs), xs), run_backward)
+    return run(*operands)

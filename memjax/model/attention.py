@@ -403,6 +403,27 @@ def span_scores_masked(scale: float, content_query, key, position_query, pos_key
     return jnp.where(visible, scores * scale, jnp.finfo(jnp.float32).min)
 
 
+def span_attention(scale: float, content_query, memory_key, segment_key, position_query, pos_key, key_valid,
+                   memory_value, segment_value):
+    """(attended [B, T, H, D], log_norm [B, H, T]) over one contiguous span whose keys and values
+    come as the memory's block and the segment's: `span_scores_masked`'s softmax, then its
+    weighted values (`cpu_kernels.span_attention` runs it in one pass where it can)."""
+    key = jnp.concatenate([memory_key, segment_key], axis=1)
+    value = jnp.concatenate([memory_value, segment_value], axis=1)
+    probs, log_norm = cpu_kernels.relative_softmax(functools.partial(span_scores_masked, scale), content_query, key,
+                                                   position_query, pos_key, key_valid, scale)
+    return cpu_kernels.attend(probs.astype(value.dtype), value, causal=True), log_norm
+
+
+def _side_by_side_rows(blocks: Sequence[jax.Array], segment: jax.Array) -> jax.Array:
+    """The blocks before the segment as one [B, N, H, D] (N = 0 without any)."""
+    if len(blocks) == 1:
+        return blocks[0]
+    if not blocks:
+        return jnp.zeros(segment.shape[:1] + (0,) + segment.shape[2:], segment.dtype)
+    return jnp.concatenate(blocks, axis=1)
+
+
 def dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
     """Closes a sub-block: dropout on the branch, residual add, LayerNorm when post-LN."""
     out = h + Dropout(cfg.dropout)(branch, deterministic=deterministic)
@@ -488,9 +509,10 @@ class RelativeAttention(nn.Module):
             # input gradient, ~4% of a step's matmul FLOPs.
             return given if block_rows is None else layer_map(block_rows.astype(h.dtype))
 
-        key = constrain(jnp.concatenate([projected(b.keys, b.rows, maps.key) for b in blocks] + [segment_key], axis=1))
-        value = constrain(jnp.concatenate([projected(b.values, b.rows, maps.value) for b in blocks] + [segment_value],
-                                          axis=1))  # [B, K, H, Dh]
+        block_keys = [projected(b.keys, b.rows, maps.key) for b in blocks]
+        block_values = [projected(b.values, b.rows, maps.value) for b in blocks]
+        key = constrain(jnp.concatenate(block_keys + [segment_key], axis=1))  # [B, K, H, Dh]
+        value = constrain(jnp.concatenate(block_values + [segment_value], axis=1))
 
         # Stochastic Cross-Head attention (training): query head h reads head perm[h]'s keys,
         # positional keys and values; the u, v biases stay with the query head.
@@ -527,7 +549,16 @@ class RelativeAttention(nn.Module):
         key_valid = None
         if pos_key is not None and pos_key.shape[0] == key.shape[1] and not cfg.same_length:
             key_valid = _span_key_validity(blocks, query.shape[0], qlen)
-        if key_valid is not None:  # One contiguous span: the rel-shift is a fixed offset per query.
+        attention_dropout = Dropout(cfg.dropatt)
+        probs = None
+        if key_valid is not None and deterministic and not self.is_mutable_collection('intermediates'):
+            # Evaluation, where nothing reads the weights: scores to weighted values in one pass
+            # per head, the memory's keys and values not concatenated with the segment's.
+            attended, log_norm = cpu_kernels.span_attention(
+                functools.partial(span_attention, cfg.d_head ** -0.5), content_query,
+                _side_by_side_rows(block_keys, segment_key), segment_key, position_query, pos_key, key_valid,
+                _side_by_side_rows(block_values, segment_value), segment_value, cfg.d_head ** -0.5)
+        elif key_valid is not None:  # One contiguous span: the rel-shift is a fixed offset per query.
             probs, log_norm = cpu_kernels.relative_softmax(
                 functools.partial(span_scores_masked, cfg.d_head ** -0.5), content_query, key, position_query,
                 pos_key, key_valid, cfg.d_head ** -0.5)
@@ -541,8 +572,9 @@ class RelativeAttention(nn.Module):
         # the scores were made of, keys in attended order, the segment last.
         self.sow('intermediates', 'attention', {'probs': probs, 'mask': mask, 'query': query, 'key': key,
                                                 'pos_key': pos_key, 'u_bias': u_bias, 'v_bias': v_bias})
-        probs = Dropout(cfg.dropatt)(probs, deterministic=deterministic).astype(cfg.dtype)
-        attended = cpu_kernels.attend(probs, value, causal=key_valid is not None)
+        if probs is not None:
+            probs = attention_dropout(probs, deterministic=deterministic).astype(cfg.dtype)
+            attended = cpu_kernels.attend(probs, value, causal=key_valid is not None)
         out = out_proj(attended)
         result = Attended()
         if attend is not None:

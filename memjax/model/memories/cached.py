@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import Attended, KeyBlock
 from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, register
+from memjax.model.primitives import BLOCKS
 
 
 class CachedLayerMemory(LayerMemory):
@@ -35,8 +36,13 @@ class CachedLayerMemory(LayerMemory):
 
     def pool(self, state, shared, maps) -> dict:
         """The layer's pool, rows never written replaced by a zero input's (`zero_row`) when the
-        memory starts as zeros (XL attends mem_len zero vectors before the first segment)."""
-        if self.config.memory_start != 'zeros':
+        memory starts as zeros (XL attends mem_len zero vectors before the first segment).
+
+        Maps without biases and without a LayerNorm before them take a zero row to zeros, what the
+        pool starts as (TRAMS's rank of a zero key too): then nothing is replaced, and no step
+        copies the pool to find out (2 % of an evaluation step at the peer shape)."""
+        cfg = self.config
+        if cfg.memory_start != 'zeros' or not (cfg.pre_lnorm or BLOCKS[cfg.block].bias):
             return state
         fresh, zero = shared['fresh'], self.zero_row(maps)  # fresh [B, M]; leaves [B, M, ...]
         at_fresh = lambda leaf: fresh.reshape(fresh.shape + (1,) * (leaf.ndim - 2))
