@@ -371,3 +371,58 @@ def test_evaluation_runs_the_one_pass_attention_and_scores_as_training_does(over
     expected = jax.jit(training)(tokens)
     for fn in (evaluation, analysis):
         np.testing.assert_allclose(jax.jit(fn)(tokens), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize('rows,dim,vocab,selected', [(50, 24, 37, 0.6), (300, 64, 300, 1.0), (7, 5, 1, 1.0),
+                                                     (40, 16, 129, 0.0), (700, 8, 260, 0.3)])
+def test_cluster_logsumexp_is_each_rows_logsumexp_and_logit(rows, dim, vocab, selected):
+    """Each selected row's logsumexp over a cluster's logits and its logit at the index, against
+    float64 numpy: vocabularies shorter and longer than the kernel's chunk of the table, rows that
+    fill groups and tasks only in part, spread logits (exponents far apart), none selected. The
+    other rows are 0."""
+    keys = jax.random.split(jax.random.PRNGKey(10), 5)
+    x = 3 * jax.random.normal(keys[0], (rows, dim))
+    table, bias = jax.random.normal(keys[1], (vocab, dim)), jax.random.normal(keys[2], (vocab,))
+    index = jax.random.randint(keys[3], (rows,), 0, vocab)
+    chosen = jax.random.bernoulli(keys[4], selected, (rows,))
+    lse, picked = jax.jit(cpu.cluster_logsumexp)(x, table, bias, index, chosen)
+    logits = np.asarray(x, np.float64) @ np.asarray(table, np.float64).T + np.asarray(bias, np.float64)
+    top = logits.max(axis=1)
+    expected_lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+    expected_picked = logits[np.arange(rows), np.asarray(index)]
+    chosen = np.asarray(chosen)
+    np.testing.assert_allclose(np.asarray(lse)[chosen], expected_lse[chosen], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(picked)[chosen], expected_picked[chosen], rtol=1e-5, atol=1e-5)
+    assert not np.asarray(lse)[~chosen].any() and not np.asarray(picked)[~chosen].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize('overrides', [dict(cutoffs=(20, 45), div_val=2), dict(cutoffs=(30,), div_val=1, d_embed=24),
+                                       dict()])
+def test_evaluation_scores_targets_by_the_cluster_kernel_as_training_does(overrides):
+    """Evaluation's log-probabilities (head and tail clusters by the kernel, no logits in memory)
+    equal training's (XLA's logits, log-softmax, the sorted tail), with targets in every cluster;
+    their gradient, for a caller that differentiates an evaluation, is training's. Evaluation runs
+    the kernel for every cluster; training for the tail clusters only (its backward pass needs the
+    head's logits, not theirs)."""
+    from memjax.model import ModelConfig, build_model, init_memory, init_params  # pylint: disable=g-import-not-at-top
+    cfg = ModelConfig(vocab_size=60, d_model=32, n_layer=1, n_head=2, d_head=16, d_inner=48, dropout=0.0, mem_len=4,
+                      **overrides)
+    model, params = build_model(cfg), init_params(cfg, jax.random.key(0))
+    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape), params)
+    tokens = jax.random.randint(jax.random.key(2), (3, 8), 0, 60)
+
+    def logprobs(deterministic):
+        return lambda params: model.apply({'params': params}, tokens, init_memory(cfg, 3), targets=tokens,
+                                          deterministic=deterministic)[0].target_logprobs
+
+    evaluation, training = logprobs(True), logprobs(False)
+    calls = lambda fn: _hlo(fn, params).count(f'custom_call_target="{cpu.CLUSTER_TARGET}"')
+    clusters = len(cfg.cutoffs) + 1
+    assert (calls(evaluation), calls(training)) == (clusters, clusters - 1)
+    np.testing.assert_allclose(jax.jit(evaluation)(params), jax.jit(training)(params), rtol=1e-5, atol=1e-5)
+    weight = jax.random.normal(jax.random.key(3), tokens.shape)
+    grads = [jax.jit(jax.grad(lambda p, f=f: jnp.sum(f(p) * weight)))(params) for f in (evaluation, training)]
+    for got, expected in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)

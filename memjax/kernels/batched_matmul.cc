@@ -693,6 +693,105 @@ ffi::Error RelativeSoftmaxGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> p
   return ffi::Error::Success();
 }
 
+
+// The adaptive softmax's log-denominators with no logits in memory: for each selected row n of
+// x [N, D] (rows[n]), lse[n] = log sum_v e^(x[n] . table[v] + bias[v]) over a cluster's V tokens
+// and picked[n] = x[n] . table[index[n]] + bias[index[n]]; 0 for the other rows. Rows go kCols at
+// a time, transposed into [D, kCols] (a product's rhs); the table in chunks of kVocabChunk tokens,
+// each chunk's logits [chunk, kCols] in cache and folded into a running max and sum per row (a
+// vector's lanes are rows: no reduction across lanes). A task takes up to kGroups such groups, so
+// that each chunk of the table, read from memory once, serves all of them. XLA writes the logits
+// [N, V] out and reads them twice (max, then sum); evaluation needs only these two numbers a row.
+constexpr int64_t kVocabChunk = 128;
+constexpr int64_t kGroups = 4;
+
+struct Cluster {
+  const float *x, *table, *bias;
+  const int32_t* index;
+  int64_t v_len, d_len;
+};
+
+void cluster_rows(const Cluster& c, const int64_t* rows, int64_t count, float* lse, float* picked,
+                  std::vector<float>& scratch) {
+  const int64_t groups = (count + kCols - 1) / kCols, d_len = c.d_len;
+  scratch.assign((groups * d_len + kVocabChunk) * kCols, 0.0f);  // A group's missing rows: zeros.
+  float* xt = scratch.data();
+  float* logits = xt + groups * d_len * kCols;
+  for (int64_t n = 0; n < count; ++n) {
+    const float* row = c.x + rows[n] * d_len;
+    float* column = xt + (n / kCols) * d_len * kCols + n % kCols;
+    for (int64_t k = 0; k < d_len; ++k) column[k * kCols] = row[k];
+  }
+  const float lowest = std::numeric_limits<float>::lowest();
+  vec top[kGroups][kVectors], sum[kGroups][kVectors];
+  for (int64_t g = 0; g < kGroups; ++g) {
+    for (int64_t v = 0; v < kVectors; ++v) top[g][v] = vec{} + lowest, sum[g][v] = vec{};
+  }
+  for (int64_t v0 = 0; v0 < c.v_len; v0 += kVocabChunk) {
+    const int64_t chunk = std::min(kVocabChunk, c.v_len - v0);
+    for (int64_t g = 0; g < groups; ++g) {
+      matmul<false>(c.table + v0 * d_len, d_len, xt + g * d_len * kCols, kCols, logits, kCols, chunk, d_len, kCols);
+      for (int64_t v = 0; v < kVectors; ++v) {
+        vec chunk_top = vec{} + lowest;
+        for (int64_t t = 0; t < chunk; ++t) {
+          float* at = logits + t * kCols + v * kLanes;
+          const vec x = load(at) + c.bias[v0 + t];
+          store(at, x);
+          chunk_top = x > chunk_top ? x : chunk_top;
+        }
+        const vec new_top = chunk_top > top[g][v] ? chunk_top : top[g][v];
+        vec total = sum[g][v] * exp_nonpositive(top[g][v] - new_top);
+        for (int64_t t = 0; t < chunk; ++t) total += exp_nonpositive(load(logits + t * kCols + v * kLanes) - new_top);
+        top[g][v] = new_top, sum[g][v] = total;
+      }
+    }
+  }
+  for (int64_t n = 0; n < count; ++n) {
+    const int64_t g = n / kCols, v = n % kCols / kLanes, lane = n % kLanes, row = rows[n];
+    lse[row] = top[g][v][lane] + std::log(sum[g][v][lane]);
+    const float* x = c.x + row * d_len;
+    const float* token = c.table + static_cast<int64_t>(c.index[row]) * d_len;
+    float dot = c.bias[c.index[row]];
+    for (int64_t k = 0; k < d_len; ++k) dot += x[k] * token[k];
+    picked[row] = dot;
+  }
+}
+
+ffi::Error ClusterLogsumexp(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> table,
+                            ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> index, ffi::Buffer<ffi::PRED> rows,
+                            ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::F32>> picked) {
+  const auto x_dims = x.dimensions(), t_dims = table.dimensions();
+  const int64_t n_len = x_dims.size() == 2 ? x_dims[0] : -1;
+  if (x_dims.size() != 2 || t_dims.size() != 2 || t_dims[1] != x_dims[1] || t_dims[0] < 1 ||
+      bias.dimensions().size() != 1 || bias.dimensions()[0] != t_dims[0] || index.element_count() != n_len ||
+      rows.element_count() != n_len) {
+    return ffi::Error::InvalidArgument("memjax_cluster_logsumexp: rows [N, D], table [V, D], bias [V], "
+                                       "index and selection [N]");
+  }
+  const Cluster c{x.typed_data(), table.typed_data(), bias.typed_data(), index.typed_data(), t_dims[0], x_dims[1]};
+  float *lse_data = lse->typed_data(), *picked_data = picked->typed_data();
+  std::fill(lse_data, lse_data + n_len, 0.0f);
+  std::fill(picked_data, picked_data + n_len, 0.0f);
+  auto selected = std::make_shared<std::vector<int64_t>>();
+  for (int64_t n = 0; n < n_len; ++n) {
+    if (rows.typed_data()[n]) selected->push_back(n);
+  }
+  for (int64_t n : *selected) {
+    if (c.index[n] < 0 || c.index[n] >= c.v_len) {
+      return ffi::Error::InvalidArgument("memjax_cluster_logsumexp: a selected row's index is outside the table");
+    }
+  }
+  // At least two tasks a thread where there are rows enough, up to kGroups groups each.
+  const int64_t groups = (static_cast<int64_t>(selected->size()) + kCols - 1) / kCols;
+  const int64_t per_task = std::clamp<int64_t>(groups / (2 * pool.num_threads()), 1, kGroups);
+  const int64_t tasks = (groups + per_task - 1) / per_task, size = selected->size();
+  parallel_for(pool, tasks, [=](int64_t task, std::vector<float>& scratch) {
+    const int64_t first = task * per_task * kCols, count = std::min(size - first, per_task * kCols);
+    cluster_rows(c, selected->data() + first, count, lse_data, picked_data, scratch);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The floats per vector this library was built for: which of the two register layouts above runs.
@@ -767,3 +866,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_span_attention, SpanAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_cluster_logsumexp, ClusterLogsumexp,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

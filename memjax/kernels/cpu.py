@@ -46,6 +46,7 @@ SOFTMAX_GRADIENT_TARGET = 'memjax_relative_softmax_gradient'
 ATTEND_TARGET = 'memjax_attend'
 ATTEND_GRADIENT_TARGET = 'memjax_attend_gradient'
 SPAN_ATTENTION_TARGET = 'memjax_span_attention'
+CLUSTER_TARGET = 'memjax_cluster_logsumexp'
 SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
 # Where the weight gradients take the kernel (measured on a Zen 5, BENCHMARKS.md): XLA:CPU's x^T g,
 # its copy of g included, ran at 198-341 GFLOP/s where a side of the map is 256 wide (the kernel
@@ -99,7 +100,7 @@ def register(compiler: Optional[str]) -> int:
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         for target in (TARGET, SOFTMAX_TARGET, SOFTMAX_GRADIENT_TARGET, ATTEND_TARGET, ATTEND_GRADIENT_TARGET,
-                       SPAN_ATTENTION_TARGET):
+                       SPAN_ATTENTION_TARGET, CLUSTER_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
         library.memjax_vector_lanes.restype = ctypes.c_int64
         return library.memjax_vector_lanes()
@@ -306,14 +307,29 @@ def span_attention(reference: Callable, content_query: jax.Array, memory_key: ja
         return tuple(jax.ffi.ffi_call(SPAN_ATTENTION_TARGET, out)(cq, mk, sk, pq, r, ok, mv, sv,
                                                                   scale=np.float32(scale)))
 
+    return with_reference_gradient(reference, forward, *operands)
+
+
+def cluster_logsumexp(x: jax.Array, table: jax.Array, bias: jax.Array, index: jax.Array,
+                      rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(lse [N], picked [N]) of a cluster's logits `x [N, D] @ table [V, D]^T + bias [V]` on the
+    selected `rows` [N] (bool): each row's logsumexp over the V tokens and its logit at `index` [N]
+    (in [0, V)); 0 on the other rows. By the kernel, with no logits in memory; it has no gradient of
+    its own (`with_reference_gradient`), and applies where `applies(x, table, bias)`."""
+    out = (jax.ShapeDtypeStruct(x.shape[:1], jnp.float32),) * 2
+    return tuple(jax.ffi.ffi_call(CLUSTER_TARGET, out)(x, table, bias, index.astype(jnp.int32), rows))
+
+
+def with_reference_gradient(reference: Callable, forward: Callable, *operands):
+    """`reference(*operands)`, computed by `forward` on CPU and by the reference elsewhere; its
+    gradient is the reference's everywhere. For kernels that only evaluate: the gradient computes
+    the reference's forward pass again where it needs one (XLA drops what it does not need)."""
     @jax.custom_vjp
     def run(*xs):
         return jax.lax.platform_dependent(*xs, cpu=forward, default=reference)
 
     def run_backward(xs, grads):
-        differentiable = lambda cq, mk, sk, pq, r, mv, sv: reference(cq, mk, sk, pq, r, xs[5], mv, sv)
-        grads = jax.vjp(differentiable, *xs[:5], *xs[6:])[1](grads)
-        return (*grads[:5], None, *grads[5:])
+        return jax.vjp(reference, *xs)[1](grads)
 
     run.defvjp(lambda *xs: (run(*xs), xs), run_backward)
     return run(*operands)

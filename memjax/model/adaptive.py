@@ -30,8 +30,8 @@ from memjax.model.primitives import BLOCKS, normal
 _TAIL_CHUNK_TOKENS = 64
 
 
-def cluster_logits(weights: dict, hidden: jax.Array, dtype) -> jax.Array:
-    """Float32 logits [..., V_i (+ n_tail)] of one cluster from its `_cluster_weights`."""
+def _cluster_inputs(weights: dict, hidden: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(x [..., d_i], table [V_i (+ n_tail), d_i], bias): one cluster's logits are x table^T + bias."""
     x = hidden.astype(dtype)
     if weights['proj'] is not None:
         x = cpu_kernels.linear_transposed(x, weights['proj'].astype(dtype)).astype(dtype)
@@ -41,8 +41,34 @@ def cluster_logits(weights: dict, hidden: jax.Array, dtype) -> jax.Array:
         # [tokens, V_0 + n_tail] logits concatenated nor their gradient split.
         table = jnp.concatenate([table, weights['cluster_kernel'].T.astype(table.dtype)])
         bias = jnp.concatenate([bias, weights['cluster_bias']])
-    logits = cpu_kernels.linear_transposed(x, table.astype(dtype))
+    return x, table.astype(dtype), bias
+
+
+def cluster_logits(weights: dict, hidden: jax.Array, dtype) -> jax.Array:
+    """Float32 logits [..., V_i (+ n_tail)] of one cluster from its `_cluster_weights`."""
+    x, table, bias = _cluster_inputs(weights, hidden, dtype)
+    logits = cpu_kernels.linear_transposed(x, table)
     return nn.with_logical_constraint(logits + bias, ('activation_batch', 'activation_length', 'activation_vocab'))
+
+
+def _picked_logprobs(dtype, weights: dict, hidden: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
+    """[...] a cluster's log-softmax at `index` [...] on `rows` [...] (0 on the others), by the CPU
+    kernel: each row's logsumexp with no [tokens, V_i] logits in memory."""
+    x, table, bias = _cluster_inputs(weights, hidden, dtype)
+    lse, picked = cpu_kernels.cluster_logsumexp(x.reshape(-1, x.shape[-1]), table, bias.astype(jnp.float32),
+                                                index.reshape(-1), rows.reshape(-1))
+    return (picked - lse).reshape(index.shape)
+
+
+def _kernel_applies(dtype) -> bool:
+    return cpu_kernels.applies(jnp.zeros((), dtype))
+
+
+def _head_logprobs(dtype, weights, hidden, index, rows):
+    """The head's log-softmax at `index` (`rows` all True: the reference of `_picked_logprobs`)."""
+    del rows
+    logprobs = jax.nn.log_softmax(cluster_logits(weights, hidden, dtype), axis=-1)
+    return jnp.take_along_axis(logprobs, index[..., None], axis=-1)[..., 0]
 
 
 def _chunk_logprobs(dtype, weights, x_chunk, local_chunk):
@@ -91,6 +117,29 @@ def _chunked_logprobs_bwd(dtype, residuals, cotangent):
 
 
 _chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
+
+
+def _sorted_tail_logprobs(dtype, weights: dict, hidden: jax.Array, local: jax.Array, inside: jax.Array) -> jax.Array:
+    """[B, T] log p(local | the tail cluster of `weights`) where `inside`, junk elsewhere, by XLA.
+
+    Only positions whose target lies in the cluster get its logits: each row's positions are
+    sorted cluster-first and scored in chunks, and chunks past every row's count are skipped.
+    On text most targets are head words, so this avoids most of the tail work, and the
+    [tokens, cluster size] logit matrix (GBs for WikiText-103's 200k-word tail) never exists.
+    """
+    batch, length = local.shape
+    chunk = min(length, max(4, _TAIL_CHUNK_TOKENS // batch))
+    n_chunks = -(-length // chunk)
+    order = jnp.argsort(~inside, axis=1, stable=True)  # cluster positions first, per row
+    pad = [(0, 0), (0, n_chunks * chunk - length)]
+    x = jnp.pad(jnp.take_along_axis(hidden, order[..., None], axis=1), pad + [(0, 0)])
+    sorted_local = jnp.pad(jnp.take_along_axis(local, order, axis=1), pad)
+    x = x.reshape(batch, n_chunks, chunk, -1).swapaxes(0, 1)
+    sorted_local = sorted_local.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+    active = jnp.arange(n_chunks) * chunk < inside.sum(axis=1).max()
+    sorted_logprobs = _chunked_logprobs(dtype, weights, x, sorted_local, active)
+    sorted_logprobs = sorted_logprobs.swapaxes(0, 1).reshape(batch, -1)[:, :length]
+    return jnp.take_along_axis(sorted_logprobs, jnp.argsort(order, axis=1), axis=1)
 
 
 class AdaptiveIO(nn.Module):
@@ -179,40 +228,38 @@ class AdaptiveIO(nn.Module):
         return cluster_logits(self._cluster_weights(i), hidden, self.config.dtype)
 
     def _tail_logprobs(self, hidden: jax.Array, targets: jax.Array, inside: jax.Array, i: int) -> jax.Array:
-        """[B, T] log p(target | tail cluster i) where `inside` (the target is in cluster i), junk elsewhere.
-
-        Only positions whose target lies in the cluster get its logits: each row's positions are
-        sorted cluster-first and scored in chunks, and chunks past every row's count are skipped.
-        On text most targets are head words, so this avoids most of the tail work, and the
-        [tokens, cluster size] logit matrix (GBs for WikiText-103's 200k-word tail) never exists.
-        """
+        """[B, T] log p(target | tail cluster i) where `inside` (the target is in cluster i), junk
+        elsewhere. On CPU the kernel scores exactly those positions (`_picked_logprobs`); its
+        gradient, and other platforms, take `_sorted_tail_logprobs`."""
         lo, hi = self.config.cluster_bounds[i], self.config.cluster_bounds[i + 1]
-        batch, length = targets.shape
-        chunk = min(length, max(4, _TAIL_CHUNK_TOKENS // batch))
-        n_chunks = -(-length // chunk)
-        order = jnp.argsort(~inside, axis=1, stable=True)  # cluster positions first, per row
-        pad = [(0, 0), (0, n_chunks * chunk - length)]
-        x = jnp.pad(jnp.take_along_axis(hidden, order[..., None], axis=1), pad + [(0, 0)])
-        local = jnp.pad(jnp.take_along_axis(jnp.clip(targets - lo, 0, hi - lo - 1), order, axis=1), pad)
-        x = x.reshape(batch, n_chunks, chunk, -1).swapaxes(0, 1)
-        local = local.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
-        active = jnp.arange(n_chunks) * chunk < inside.sum(axis=1).max()
-        sorted_logprobs = _chunked_logprobs(self.config.dtype, self._cluster_weights(i), x, local, active)
-        sorted_logprobs = sorted_logprobs.swapaxes(0, 1).reshape(batch, -1)[:, :length]
-        return jnp.take_along_axis(sorted_logprobs, jnp.argsort(order, axis=1), axis=1)
+        dtype = self.config.dtype
+        operands = (self._cluster_weights(i), hidden, jnp.clip(targets - lo, 0, hi - lo - 1), inside)
+        reference = functools.partial(_sorted_tail_logprobs, dtype)
+        if not _kernel_applies(dtype):
+            return reference(*operands)
+        return cpu_kernels.with_reference_gradient(reference, functools.partial(_picked_logprobs, dtype), *operands)
 
-    def target_logprobs(self, hidden: jax.Array, targets: jax.Array) -> jax.Array:
+    def target_logprobs(self, hidden: jax.Array, targets: jax.Array, evaluation: bool = False) -> jax.Array:
         """[B, T] log p(target) for hidden [B, T, d_model], computed cluster by cluster: the
         full-vocabulary logit matrix is never formed, nor a tail cluster's for positions whose
-        target is elsewhere."""
+        target is elsewhere. `evaluation` (no gradient expected): on CPU the head's logits are not
+        formed either (`_picked_logprobs`); training keeps them for its backward pass."""
         bounds = self.config.cluster_bounds
-        shortlist = bounds[1]
-        head = jax.nn.log_softmax(self._cluster_logits(hidden, 0), axis=-1)
-        picked = jnp.take_along_axis(head, jnp.clip(targets, 0, shortlist - 1)[..., None], axis=-1)[..., 0]
+        shortlist, dtype = bounds[1], self.config.dtype
+        targets = jnp.clip(targets, 0, bounds[-1] - 1)
+        # The head scores a head token itself and a tail token by its cluster's logit.
+        cluster = sum(((targets >= bound).astype(jnp.int32) for bound in bounds[1:-1]), jnp.zeros_like(targets))
+        head_index = jnp.where(cluster == 0, targets, shortlist + cluster - 1)
+        operands = (self._cluster_weights(0), hidden, head_index, jnp.ones(targets.shape, bool))
+        reference = functools.partial(_head_logprobs, dtype)
+        if evaluation and _kernel_applies(dtype):
+            picked = cpu_kernels.with_reference_gradient(reference, functools.partial(_picked_logprobs, dtype),
+                                                         *operands)
+        else:
+            picked = reference(*operands)
         for i in range(1, len(bounds) - 1):
-            inside = (targets >= bounds[i]) & (targets < bounds[i + 1])
-            tail_lp = self._tail_logprobs(hidden, targets, inside, i)
-            picked = jnp.where(inside, head[..., shortlist + i - 1] + tail_lp, picked)
+            inside = cluster == i
+            picked = jnp.where(inside, picked + self._tail_logprobs(hidden, targets, inside, i), picked)
         return picked
 
     def cluster_logprobs(self, hidden: jax.Array, i: int) -> jax.Array:

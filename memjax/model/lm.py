@@ -164,7 +164,7 @@ class MemoryLM(nn.Module):
         if targets is not None:
             check_ids(targets, cfg.vocab_size, 'targets')
             logprobs = jnp.where(ids_in_range(targets, cfg.vocab_size),
-                                 self.io.target_logprobs(h, targets), jnp.nan)
+                                 self.io.target_logprobs(h, targets, evaluation=deterministic), jnp.nan)
         output = ModelOutput(hidden=h, target_logprobs=logprobs, losses=losses)
         return (output, new_memory, caches[0]) if record else (output, new_memory)
 
