@@ -375,26 +375,39 @@ def test_evaluation_runs_the_one_pass_attention_and_scores_as_training_does(over
 
 @needs_kernel
 @pytest.mark.parametrize('rows,dim,vocab,selected', [(50, 24, 37, 0.6), (300, 64, 300, 1.0), (7, 5, 1, 1.0),
-                                                     (40, 16, 129, 0.0), (700, 8, 260, 0.3)])
-def test_cluster_logsumexp_is_each_rows_logsumexp_and_logit(rows, dim, vocab, selected):
-    """Each selected row's logsumexp over a cluster's logits and its logit at the index, against
-    float64 numpy: vocabularies shorter and longer than the kernel's chunk of the table, rows that
-    fill groups and tasks only in part, spread logits (exponents far apart), none selected. The
-    other rows are 0."""
-    keys = jax.random.split(jax.random.PRNGKey(10), 5)
+                                                     (40, 16, 129, 0.0), (700, 8, 600, 0.3)])
+def test_cluster_logprobs_and_gradient_are_the_log_softmax_at_the_index(rows, dim, vocab, selected):
+    """Each selected row's log-softmax at its index against float64 numpy, and the gradient of a
+    weighted sum of them against XLA's of the dense definition: vocabularies shorter and longer
+    than the kernel's chunks of the table and a task's share of them, rows that fill groups only
+    in part, widths beyond the register blocks, spread logits, none selected. The other rows are 0
+    and get no gradient."""
+    from memjax.model import adaptive  # pylint: disable=g-import-not-at-top
+    keys = jax.random.split(jax.random.PRNGKey(10), 6)
     x = 3 * jax.random.normal(keys[0], (rows, dim))
     table, bias = jax.random.normal(keys[1], (vocab, dim)), jax.random.normal(keys[2], (vocab,))
     index = jax.random.randint(keys[3], (rows,), 0, vocab)
     chosen = jax.random.bernoulli(keys[4], selected, (rows,))
-    lse, picked = jax.jit(cpu.cluster_logsumexp)(x, table, bias, index, chosen)
+    reference = adaptive._dense_picked_logprobs  # pylint: disable=protected-access
+    fn = lambda x, table, bias: cpu.cluster_logprobs(reference, x, table, bias, index, chosen)
     logits = np.asarray(x, np.float64) @ np.asarray(table, np.float64).T + np.asarray(bias, np.float64)
     top = logits.max(axis=1)
-    expected_lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
-    expected_picked = logits[np.arange(rows), np.asarray(index)]
-    chosen = np.asarray(chosen)
-    np.testing.assert_allclose(np.asarray(lse)[chosen], expected_lse[chosen], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(picked)[chosen], expected_picked[chosen], rtol=1e-5, atol=1e-5)
-    assert not np.asarray(lse)[~chosen].any() and not np.asarray(picked)[~chosen].any()
+    expected = logits[np.arange(rows), np.asarray(index)] - top - np.log(np.exp(logits - top[:, None]).sum(axis=1))
+    np.testing.assert_allclose(jax.jit(fn)(x, table, bias), np.where(chosen, expected, 0.0), rtol=1e-5, atol=1e-5)
+    # d/dlogits of sum_n w_n logp_n: w_n (onehot - softmax) on the selected rows.
+    weight = jax.random.normal(keys[5], (rows,))
+    probs = np.exp(logits - top[:, None])
+    dlogits = -probs / probs.sum(axis=1, keepdims=True)
+    dlogits[np.arange(rows), np.asarray(index)] += 1
+    dlogits *= np.where(chosen, np.asarray(weight, np.float64), 0.0)[:, None]
+    expected = (dlogits @ np.asarray(table, np.float64), dlogits.T @ np.asarray(x, np.float64), dlogits.sum(axis=0))
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * weight)
+    for grads in (jax.jit(jax.grad(loss(fn), (0, 1, 2)))(x, table, bias),
+                  jax.grad(loss(lambda *a: reference(*a, index, chosen)), (0, 1, 2))(x, table, bias)):
+        for g, e in zip(grads, expected):
+            # float32 sums of up to 700 terms of logits spread over tens: XLA's own error is 3e-6 of the largest.
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(e).max()))
+    assert f'custom_call_target="{cpu.CLUSTER_GRADIENT_TARGET}"' in _hlo(jax.grad(loss(fn), (0, 1, 2)), x, table, bias)
 
 
 @needs_kernel
@@ -404,8 +417,8 @@ def test_evaluation_scores_targets_by_the_cluster_kernel_as_training_does(overri
     """Evaluation's log-probabilities (head and tail clusters by the kernel, no logits in memory)
     equal training's (XLA's logits, log-softmax, the sorted tail), with targets in every cluster;
     their gradient, for a caller that differentiates an evaluation, is training's. Evaluation runs
-    the kernel for every cluster; training for the tail clusters only (its backward pass needs the
-    head's logits, not theirs)."""
+    the kernel for every cluster; training for the tail clusters only (the head's logits, which XLA
+    keeps for the backward pass, cost less than computing them again)."""
     from memjax.model import ModelConfig, build_model, init_memory, init_params  # pylint: disable=g-import-not-at-top
     cfg = ModelConfig(vocab_size=60, d_model=32, n_layer=1, n_head=2, d_head=16, d_inner=48, dropout=0.0, mem_len=4,
                       **overrides)

@@ -792,6 +792,120 @@ ffi::Error ClusterLogsumexp(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return ffi::Error::Success();
 }
 
+// Its gradient, given g [N], the cotangent of picked - lse on the selected rows: with
+// p = e^(logit - lse) and dlogit[n, v] = g[n] ([v == index[n]] - p[n, v]),
+//   dx[n] = sum_v dlogit[n, v] table[v],  dtable[v] = sum_n dlogit[n, v] x[n],  dbias[v] = sum_n dlogit[n, v].
+// The logits are computed again, a chunk of the table and a group of rows at a time, in cache. A
+// task owns kTaskChunks chunks of the table (their gradient is its alone) and takes every
+// selected row; its share of dx is summed over the tasks in their order afterwards. The tasks do
+// not depend on the thread count: the sums are the same from run to run and machine to machine.
+constexpr int64_t kTaskChunks = 4;
+
+// The selected rows by groups of kCols: their transpose xt [groups, D, kCols] (the logits' rhs),
+// the rows themselves xg [groups * kCols, D] (the table gradient's rhs), and per lane the row's
+// lse, cotangent and index (a group's missing rows: zero cotangent, index -1).
+struct Selected {
+  std::vector<float> xt, xg, lse, grad;
+  std::vector<int32_t> index;
+  int64_t groups;
+};
+
+void cluster_gradient_task(const Cluster& c, const Selected& r, int64_t chunk_begin, int64_t chunk_end, float* dtable,
+                           float* dbias, float* dxt, std::vector<float>& scratch) {
+  const int64_t d_len = c.d_len, group_size = d_len * kCols;
+  scratch.assign(kVocabChunk * kCols, 0.0f);
+  float* dlogits = scratch.data();
+  std::fill(dxt, dxt + r.groups * group_size, 0.0f);
+  for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
+    const int64_t v0 = chunk * kVocabChunk, rows = std::min(kVocabChunk, c.v_len - v0);
+    const float* table = c.table + v0 * d_len;
+    std::fill(dbias + v0, dbias + v0 + rows, 0.0f);
+    for (int64_t g = 0; g < r.groups; ++g) {
+      matmul<false>(table, d_len, r.xt.data() + g * group_size, kCols, dlogits, kCols, rows, d_len, kCols);
+      for (int64_t v = 0; v < kVectors; ++v) {
+        const int64_t lanes = g * kCols + v * kLanes;
+        const vec lse = load(r.lse.data() + lanes), grad = load(r.grad.data() + lanes);
+        ivec index;
+        std::memcpy(&index, r.index.data() + lanes, sizeof(index));
+        for (int64_t t = 0; t < rows; ++t) {
+          float* at = dlogits + t * kCols + v * kLanes;
+          const vec p = exp_nonpositive(load(at) + c.bias[v0 + t] - lse);
+          store(at, grad * ((index == static_cast<int32_t>(v0 + t) ? vec{} + 1.0f : vec{}) - p));
+        }
+      }
+      for (int64_t t = 0; t < rows; ++t) {
+        float total = 0.0f;
+        for (int64_t lane = 0; lane < kCols; ++lane) total += dlogits[t * kCols + lane];
+        dbias[v0 + t] += total;
+      }
+      matmul<true>(table, d_len, dlogits, kCols, dxt + g * group_size, kCols, d_len, rows, kCols, Dense{}, true);
+      matmul<false>(dlogits, kCols, r.xg.data() + g * kCols * d_len, d_len, dtable + v0 * d_len, d_len, rows, kCols,
+                    d_len, Dense{}, g > 0);
+    }
+  }
+}
+
+ffi::Error ClusterLogsumexpGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> table,
+                                    ffi::Buffer<ffi::F32> bias, ffi::Buffer<ffi::S32> index,
+                                    ffi::Buffer<ffi::PRED> rows, ffi::Buffer<ffi::F32> lse,
+                                    ffi::Buffer<ffi::F32> grad, ffi::Result<ffi::Buffer<ffi::F32>> grad_x,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> grad_table,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> grad_bias) {
+  const auto x_dims = x.dimensions(), t_dims = table.dimensions();
+  const int64_t n_len = x_dims.size() == 2 ? x_dims[0] : -1;
+  if (x_dims.size() != 2 || t_dims.size() != 2 || t_dims[1] != x_dims[1] || t_dims[0] < 1 ||
+      bias.element_count() != t_dims[0] || index.element_count() != n_len || rows.element_count() != n_len ||
+      lse.element_count() != n_len || grad.element_count() != n_len) {
+    return ffi::Error::InvalidArgument("memjax_cluster_logsumexp_gradient: rows [N, D], table [V, D], bias [V], "
+                                       "index, selection, lse and cotangent [N]");
+  }
+  const Cluster c{x.typed_data(), table.typed_data(), bias.typed_data(), index.typed_data(), t_dims[0], x_dims[1]};
+  const int64_t d_len = c.d_len;
+  std::vector<int64_t> selected;
+  for (int64_t n = 0; n < n_len; ++n) {
+    if (rows.typed_data()[n]) selected.push_back(n);
+  }
+  auto r = std::make_shared<Selected>();
+  r->groups = (static_cast<int64_t>(selected.size()) + kCols - 1) / kCols;
+  const int64_t lanes = r->groups * kCols;
+  r->xt.assign(lanes * d_len, 0.0f), r->xg.assign(lanes * d_len, 0.0f);
+  r->lse.assign(lanes, 0.0f), r->grad.assign(lanes, 0.0f), r->index.assign(lanes, -1);
+  for (int64_t n = 0; n < static_cast<int64_t>(selected.size()); ++n) {
+    const int64_t row = selected[n];
+    if (c.index[row] < 0 || c.index[row] >= c.v_len) {
+      return ffi::Error::InvalidArgument("memjax_cluster_logsumexp_gradient: a selected row's index is outside the table");
+    }
+    const float* from = c.x + row * d_len;
+    std::copy(from, from + d_len, r->xg.begin() + n * d_len);
+    float* column = r->xt.data() + (n / kCols) * d_len * kCols + n % kCols;
+    for (int64_t k = 0; k < d_len; ++k) column[k * kCols] = from[k];
+    r->lse[n] = lse.typed_data()[row], r->grad[n] = grad.typed_data()[row], r->index[n] = c.index[row];
+  }
+  const int64_t chunks = (c.v_len + kVocabChunk - 1) / kVocabChunk;
+  const int64_t tasks = (chunks + kTaskChunks - 1) / kTaskChunks;
+  std::vector<float> shares(tasks * lanes * d_len);  // Every task has finished when it goes.
+  float *dtable = grad_table->typed_data(), *dbias = grad_bias->typed_data(), *dxt = shares.data();
+  if (r->groups == 0) {
+    std::fill(dtable, dtable + c.v_len * d_len, 0.0f);
+    std::fill(dbias, dbias + c.v_len, 0.0f);
+  } else {
+    parallel_for(pool, tasks, [=](int64_t task, std::vector<float>& scratch) {
+      cluster_gradient_task(c, *r, task * kTaskChunks, std::min(chunks, (task + 1) * kTaskChunks), dtable, dbias,
+                            dxt + task * lanes * d_len, scratch);
+    });
+  }
+  float* dx = grad_x->typed_data();
+  std::fill(dx, dx + n_len * d_len, 0.0f);
+  for (int64_t n = 0; n < static_cast<int64_t>(selected.size()); ++n) {
+    float* out = dx + selected[n] * d_len;
+    for (int64_t task = 0; task < tasks; ++task) {
+      const float* share = dxt + task * lanes * d_len + (n / kCols) * d_len * kCols + n % kCols;
+      for (int64_t k = 0; k < d_len; ++k) out[k] += share[k * kCols];
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // The floats per vector this library was built for: which of the two register layouts above runs.
@@ -875,5 +989,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_cluster_logsumexp, ClusterLogsumexp,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(memjax_cluster_logsumexp_gradient, ClusterLogsumexpGradient,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

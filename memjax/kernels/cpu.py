@@ -47,6 +47,7 @@ ATTEND_TARGET = 'memjax_attend'
 ATTEND_GRADIENT_TARGET = 'memjax_attend_gradient'
 SPAN_ATTENTION_TARGET = 'memjax_span_attention'
 CLUSTER_TARGET = 'memjax_cluster_logsumexp'
+CLUSTER_GRADIENT_TARGET = 'memjax_cluster_logsumexp_gradient'
 SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
 # Where the weight gradients take the kernel (measured on a Zen 5, BENCHMARKS.md): XLA:CPU's x^T g,
 # its copy of g included, ran at 198-341 GFLOP/s where a side of the map is 256 wide (the kernel
@@ -100,7 +101,7 @@ def register(compiler: Optional[str]) -> int:
     try:
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         for target in (TARGET, SOFTMAX_TARGET, SOFTMAX_GRADIENT_TARGET, ATTEND_TARGET, ATTEND_GRADIENT_TARGET,
-                       SPAN_ATTENTION_TARGET, CLUSTER_TARGET):
+                       SPAN_ATTENTION_TARGET, CLUSTER_TARGET, CLUSTER_GRADIENT_TARGET):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform='cpu')
         library.memjax_vector_lanes.restype = ctypes.c_int64
         return library.memjax_vector_lanes()
@@ -310,14 +311,49 @@ def span_attention(reference: Callable, content_query: jax.Array, memory_key: ja
     return with_reference_gradient(reference, forward, *operands)
 
 
-def cluster_logsumexp(x: jax.Array, table: jax.Array, bias: jax.Array, index: jax.Array,
-                      rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(lse [N], picked [N]) of a cluster's logits `x [N, D] @ table [V, D]^T + bias [V]` on the
-    selected `rows` [N] (bool): each row's logsumexp over the V tokens and its logit at `index` [N]
-    (in [0, V)); 0 on the other rows. By the kernel, with no logits in memory; it has no gradient of
-    its own (`with_reference_gradient`), and applies where `applies(x, table, bias)`."""
-    out = (jax.ShapeDtypeStruct(x.shape[:1], jnp.float32),) * 2
-    return tuple(jax.ffi.ffi_call(CLUSTER_TARGET, out)(x, table, bias, index.astype(jnp.int32), rows))
+def cluster_logprobs(reference: Callable, x: jax.Array, table: jax.Array, bias: jax.Array, index: jax.Array,
+                     rows: jax.Array) -> jax.Array:
+    """[N] log-softmax of a cluster's logits `x [N, D] @ table [V, D]^T + bias [V]` at `index` [N]
+    (in [0, V)) on the selected `rows` [N] (bool), 0 on the others: `reference(x, table, bias,
+    index, rows)`. The kernel, where it applies, takes each selected row's logsumexp and logit
+    with no [N, V] logits in memory; its gradient computes the logits again, a chunk of the table
+    at a time, and from them the three products of dx, dtable and dbias."""
+    if not applies(x, table, bias):
+        return reference(x, table, bias, index, rows)
+    index = index.astype(jnp.int32)
+
+    def forward(x, table, bias, index, rows):
+        out = (jax.ShapeDtypeStruct(x.shape[:1], jnp.float32),) * 2
+        lse, picked = jax.ffi.ffi_call(CLUSTER_TARGET, out)(x, table, bias, index, rows)
+        return picked - lse, lse
+
+    def reference_with_lse(*xs):
+        return reference(*xs), jnp.zeros(xs[0].shape[:1], jnp.float32)  # The reference's gradient needs no lse.
+
+    @jax.custom_vjp
+    def run(*xs):
+        return jax.lax.platform_dependent(*xs, cpu=forward, default=reference_with_lse)[0]
+
+    def run_forward(*xs):
+        out, lse = jax.lax.platform_dependent(*xs, cpu=forward, default=reference_with_lse)
+        return out, (xs, lse)
+
+    def kernel_gradients(x, table, bias, index, rows, lse, grad):
+        out = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, table, bias))
+        return tuple(jax.ffi.ffi_call(CLUSTER_GRADIENT_TARGET, out)(x, table, bias, index, rows, lse, grad))
+
+    def reference_gradients(x, table, bias, index, rows, lse, grad):
+        del lse
+        return jax.vjp(lambda *a: reference(*a, index, rows), x, table, bias)[1](grad)
+
+    def run_backward(residuals, grad):
+        xs, lse = residuals
+        grads = jax.lax.platform_dependent(*xs, lse, grad.astype(jnp.float32), cpu=kernel_gradients,
+                                           default=reference_gradients)
+        return (*grads, None, None)
+
+    run.defvjp(run_forward, run_backward)
+    return run(x, table, bias, index, rows)
 
 
 def with_reference_gradient(reference: Callable, forward: Callable, *operands):

@@ -53,20 +53,26 @@ def cluster_logits(weights: dict, hidden: jax.Array, dtype) -> jax.Array:
 
 def _picked_logprobs(dtype, weights: dict, hidden: jax.Array, index: jax.Array, rows: jax.Array) -> jax.Array:
     """[...] a cluster's log-softmax at `index` [...] on `rows` [...] (0 on the others), by the CPU
-    kernel: each row's logsumexp with no [tokens, V_i] logits in memory."""
+    kernel: each row's logsumexp with no [tokens, V_i] logits in memory, forward and backward."""
     x, table, bias = _cluster_inputs(weights, hidden, dtype)
-    lse, picked = cpu_kernels.cluster_logsumexp(x.reshape(-1, x.shape[-1]), table, bias.astype(jnp.float32),
-                                                index.reshape(-1), rows.reshape(-1))
-    return (picked - lse).reshape(index.shape)
+    logprobs = cpu_kernels.cluster_logprobs(_dense_picked_logprobs, x.reshape(-1, x.shape[-1]), table,
+                                            bias.astype(jnp.float32), index.reshape(-1), rows.reshape(-1))
+    return logprobs.reshape(index.shape)
+
+
+def _dense_picked_logprobs(x, table, bias, index, rows):
+    """`_picked_logprobs`'s definition, every row's logits formed (where a program lowered for CPU
+    runs on another platform)."""
+    logprobs = jax.nn.log_softmax(jnp.einsum('nd,vd->nv', x, table, preferred_element_type=jnp.float32) + bias)
+    return jnp.where(rows, jnp.take_along_axis(logprobs, index[:, None], axis=-1)[:, 0], 0.0)
 
 
 def _kernel_applies(dtype) -> bool:
     return cpu_kernels.applies(jnp.zeros((), dtype))
 
 
-def _head_logprobs(dtype, weights, hidden, index, rows):
-    """The head's log-softmax at `index` (`rows` all True: the reference of `_picked_logprobs`)."""
-    del rows
+def _head_logprobs(dtype, weights, hidden, index):
+    """The head's log-softmax at `index`, by XLA: its logits kept for the backward pass."""
     logprobs = jax.nn.log_softmax(cluster_logits(weights, hidden, dtype), axis=-1)
     return jnp.take_along_axis(logprobs, index[..., None], axis=-1)[..., 0]
 
@@ -229,15 +235,14 @@ class AdaptiveIO(nn.Module):
 
     def _tail_logprobs(self, hidden: jax.Array, targets: jax.Array, inside: jax.Array, i: int) -> jax.Array:
         """[B, T] log p(target | tail cluster i) where `inside` (the target is in cluster i), junk
-        elsewhere. On CPU the kernel scores exactly those positions (`_picked_logprobs`); its
-        gradient, and other platforms, take `_sorted_tail_logprobs`."""
+        elsewhere: on CPU by the kernel, which scores exactly those positions (`_picked_logprobs`),
+        elsewhere by `_sorted_tail_logprobs`."""
         lo, hi = self.config.cluster_bounds[i], self.config.cluster_bounds[i + 1]
         dtype = self.config.dtype
         operands = (self._cluster_weights(i), hidden, jnp.clip(targets - lo, 0, hi - lo - 1), inside)
-        reference = functools.partial(_sorted_tail_logprobs, dtype)
-        if not _kernel_applies(dtype):
-            return reference(*operands)
-        return cpu_kernels.with_reference_gradient(reference, functools.partial(_picked_logprobs, dtype), *operands)
+        if _kernel_applies(dtype):
+            return _picked_logprobs(dtype, *operands)
+        return _sorted_tail_logprobs(dtype, *operands)
 
     def target_logprobs(self, hidden: jax.Array, targets: jax.Array, evaluation: bool = False) -> jax.Array:
         """[B, T] log p(target) for hidden [B, T, d_model], computed cluster by cluster: the
@@ -250,13 +255,10 @@ class AdaptiveIO(nn.Module):
         # The head scores a head token itself and a tail token by its cluster's logit.
         cluster = sum(((targets >= bound).astype(jnp.int32) for bound in bounds[1:-1]), jnp.zeros_like(targets))
         head_index = jnp.where(cluster == 0, targets, shortlist + cluster - 1)
-        operands = (self._cluster_weights(0), hidden, head_index, jnp.ones(targets.shape, bool))
-        reference = functools.partial(_head_logprobs, dtype)
         if evaluation and _kernel_applies(dtype):
-            picked = cpu_kernels.with_reference_gradient(reference, functools.partial(_picked_logprobs, dtype),
-                                                         *operands)
+            picked = _picked_logprobs(dtype, self._cluster_weights(0), hidden, head_index, jnp.ones(targets.shape, bool))
         else:
-            picked = reference(*operands)
+            picked = _head_logprobs(dtype, self._cluster_weights(0), hidden, head_index)
         for i in range(1, len(bounds) - 1):
             inside = cluster == i
             picked = jnp.where(inside, picked + self._tail_logprobs(hidden, targets, inside, i), picked)
