@@ -375,7 +375,8 @@ def test_evaluation_runs_the_one_pass_attention_and_scores_as_training_does(over
 
 @needs_kernel
 @pytest.mark.parametrize('rows,dim,vocab,selected', [(50, 24, 37, 0.6), (300, 64, 300, 1.0), (7, 5, 1, 1.0),
-                                                     (40, 16, 129, 0.0), (700, 8, 600, 0.3)])
+                                                     (40, 16, 129, 0.0), (700, 8, 600, 0.3),
+                                                     (20, 4, 9000, 0.5)])
 def test_cluster_logprobs_and_gradient_are_the_log_softmax_at_the_index(rows, dim, vocab, selected):
     """Each selected row's log-softmax at its index against float64 numpy, and the gradient of a
     weighted sum of them against XLA's of the dense definition: vocabularies shorter and longer

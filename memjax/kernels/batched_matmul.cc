@@ -796,10 +796,13 @@ ffi::Error ClusterLogsumexp(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 // p = e^(logit - lse) and dlogit[n, v] = g[n] ([v == index[n]] - p[n, v]),
 //   dx[n] = sum_v dlogit[n, v] table[v],  dtable[v] = sum_n dlogit[n, v] x[n],  dbias[v] = sum_n dlogit[n, v].
 // The logits are computed again, a chunk of the table and a group of rows at a time, in cache. A
-// task owns kTaskChunks chunks of the table (their gradient is its alone) and takes every
-// selected row; its share of dx is summed over the tasks in their order afterwards. The tasks do
-// not depend on the thread count: the sums are the same from run to run and machine to machine.
+// task owns kTaskChunks or more chunks of the table (their gradient is its alone) and takes every
+// selected row; its share of dx is summed over the tasks in their order afterwards. At most
+// kMaxTasks tasks, so that their shares stay small beside a large vocabulary's table (WikiText-103's
+// 160k-word cluster is 1,250 chunks). The tasks do not depend on the thread count: the sums are the
+// same from run to run and machine to machine.
 constexpr int64_t kTaskChunks = 4;
+constexpr int64_t kMaxTasks = 16;
 
 // The selected rows by groups of kCols: their transpose xt [groups, D, kCols] (the logits' rhs),
 // the rows themselves xg [groups * kCols, D] (the table gradient's rhs), and per lane the row's
@@ -882,7 +885,7 @@ ffi::Error ClusterLogsumexpGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     r->lse[n] = lse.typed_data()[row], r->grad[n] = grad.typed_data()[row], r->index[n] = c.index[row];
   }
   const int64_t chunks = (c.v_len + kVocabChunk - 1) / kVocabChunk;
-  const int64_t tasks = (chunks + kTaskChunks - 1) / kTaskChunks;
+  const int64_t tasks = std::min(kMaxTasks, (chunks + kTaskChunks - 1) / kTaskChunks);
   std::vector<float> shares(tasks * lanes * d_len);  // Every task has finished when it goes.
   float *dtable = grad_table->typed_data(), *dbias = grad_bias->typed_data(), *dxt = shares.data();
   if (r->groups == 0) {
@@ -890,7 +893,7 @@ ffi::Error ClusterLogsumexpGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     std::fill(dbias, dbias + c.v_len, 0.0f);
   } else {
     parallel_for(pool, tasks, [=](int64_t task, std::vector<float>& scratch) {
-      cluster_gradient_task(c, *r, task * kTaskChunks, std::min(chunks, (task + 1) * kTaskChunks), dtable, dbias,
+      cluster_gradient_task(c, *r, chunks * task / tasks, chunks * (task + 1) / tasks, dtable, dbias,
                             dxt + task * lanes * d_len, scratch);
     });
   }
