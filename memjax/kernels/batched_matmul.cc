@@ -1,5 +1,6 @@
 // memjax's float32 batched matrix product, Transformer-XL's span attention weights and the attention's
-// weighted values for XLA:CPU, with their gradients (XLA FFI handlers; memjax/kernels/cpu.py).
+// weighted values for XLA:CPU, with their gradients, evaluation's attention in one pass, and the
+// adaptive softmax's per-row logsumexp and its gradient (XLA FFI handlers; memjax/kernels/cpu.py).
 //
 // Why: XLA:CPU runs the attention's small batched products ([B*H] products of 128 x 64 x 256 at
 // the peer shape) at about half the CPU's peak: half MKL's rate on a Zen 3, 198-214 GFLOP/s on a

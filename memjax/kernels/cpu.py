@@ -7,9 +7,11 @@ kernel 396-470), and they are a quarter of an evaluation step (BENCHMARKS.md, op
 `batched_matmul.cc` is a register-blocked product compiled with `-march=native`; the attention
 calls it through `product`, for the forward and the gradient's products, through
 `relative_softmax` for one contiguous span's scores and softmax in one pass, and through `attend`
-for the weighted values with the heads in place; every linear map of a layer (`linear`) has its
-weight gradient from it, where XLA:CPU transposes the output gradient first. It keeps XLA's own
-einsums on other platforms and wherever the kernel does not apply.
+for the weighted values with the heads in place; evaluation goes from scores to weighted values
+in one pass (`span_attention`); every linear map of a layer (`linear`) has its weight gradient
+from it, where XLA:CPU transposes the output gradient first; the adaptive softmax's clusters score
+their targets without forming their logits (`cluster_logprobs`). It keeps XLA's own einsums on
+other platforms and wherever the kernel does not apply.
 
 It applies to float32 operands on a single-device CPU process (a custom call has no sharding
 rule, so meshes of several devices keep XLA's products), when a C++ compiler (`$CXX`, else g++)
