@@ -23,7 +23,11 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax.numpy as jnp
+
+from memjax.kernels import cpu as cpu_kernels
 from memjax.model import ModelConfig
+from memjax.model.primitives import BLOCKS
 
 BACKWARD_FACTOR = 3  # forward (1) + backward (2: input and weight gradients).
 
@@ -47,9 +51,13 @@ def _softmax_flops(cfg: ModelConfig, tokens: int, clusters: Optional[range] = No
 
 
 def tail_recompute_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> float:
-    """The tail clusters' forward again: their backward recomputes the logits rather than storing
-    them. Work the step does (XLA counts it) but not model FLOPs, so MFU leaves it out."""
+    """The tail clusters' logits again: their backward recomputes them rather than storing them,
+    and their projections too where memjax's CPU kernel does not score the clusters (it projects
+    every position once, outside). Work the step does (XLA counts it) but not model FLOPs, so MFU
+    leaves it out."""
     tail = _softmax_flops(cfg, batch * tgt_len, range(1, len(cfg.cluster_bounds) - 1))
+    if cpu_kernels.applies(jnp.zeros((), cfg.dtype)):
+        del tail['softmax_proj']
     return sum(tail.values())
 
 
@@ -77,8 +85,9 @@ def forward_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float
         'out_proj': 2.0 * tokens * inner * cfg.d_model,
         'feed_forward': 2 * 2.0 * tokens * cfg.d_model * cfg.d_inner,
     }
-    if cfg.memory == 'xl_cached' and cfg.memory_start == 'zeros':
-        per_layer['zero_row_kv'] = 2 * 2.0 * cfg.d_model * inner  # The key and value of a zero input.
+    if cfg.memory == 'xl_cached' and cfg.memory_start == 'zeros' and (cfg.pre_lnorm or BLOCKS[cfg.block].bias):
+        # The key and value of a zero input (maps without biases and LayerNorm take it to zeros).
+        per_layer['zero_row_kv'] = 2 * 2.0 * cfg.d_model * inner
     per_layer.update(_memory_row_flops(cfg, batch, tgt_len))
     flops = {name: cfg.n_layer * value for name, value in per_layer.items()}
     flops['embedding'] = _embedding_flops(cfg, tokens)

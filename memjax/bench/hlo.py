@@ -74,6 +74,22 @@ def op_flops(hlo: str) -> dict[str, float]:
             weights, values = (_dims(shape) for shape in re.findall(r'\w+\[[\d,]*\]', constraints)[:2])
             products = 2 if attend.group(1) == cpu_kernels.ATTEND_GRADIENT_TARGET else 1
             kernels[name] = products * 2.0 * math.prod(weights) * values[-1]
+        if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.SPAN_ATTENTION_TARGET}"' in rest:
+            # Evaluation's one pass (queries [B, T, H, D], then the memory's keys [B, M, H, D]): the
+            # content, positional and weighted-value products per score over K = M + T keys.
+            query, memory = (_dims(shape) for shape in re.findall(
+                r'\w+\[[\d,]*\]', re.search(r'operand_layout_constraints=\{(.*)', rest).group(1))[:2])
+            kernels[name] = 3 * 2.0 * math.prod(query) * (memory[1] + query[1])
+        cluster = re.search(f'custom_call_target="({cpu_kernels.CLUSTER_TARGET}|{cpu_kernels.CLUSTER_GRADIENT_TARGET})"',
+                            rest)
+        if opcode == 'custom-call' and cluster is not None:
+            # A cluster's logits (rows [N, D], table [V, D] first), as if every row were selected:
+            # an upper bound for a tail cluster, which scores only its targets' rows. The gradient
+            # computes them again and two products more.
+            rows, table = (_dims(shape) for shape in re.findall(
+                r'\w+\[[\d,]*\]', re.search(r'operand_layout_constraints=\{(.*)', rest).group(1))[:2])
+            products = 3 if cluster.group(1) == cpu_kernels.CLUSTER_GRADIENT_TARGET else 1
+            kernels[name] = products * 2.0 * rows[0] * table[0] * rows[1]
         # Fusions only: the ops of a loop's body are profiled as ops of their own.
         calls[name] = re.findall(r'calls=%?([\w.\-]+)', rest)
         if computation is not None:
