@@ -337,12 +337,13 @@ def test_evaluation_attention_equals_its_definition_and_its_gradient(batch, qlen
 
 
 @needs_kernel
-@pytest.mark.parametrize('overrides', [dict(mem_len=6), dict(mem_len=0), dict(mem_len=6, pre_lnorm=True, block='gpt2')])
+@pytest.mark.parametrize('overrides', [dict(mem_len=6), dict(mem_len=0), dict(mem_len=6, pre_lnorm=True, block='gpt2'),
+                                       dict(mem_len=8, memory='lamemo')])
 def test_evaluation_runs_the_one_pass_attention_and_scores_as_training_does(overrides):
     """A model's evaluation (deterministic, no weights collected) runs the one-pass attention and
-    no weights kernel; training, and an evaluation that collects the attention's parts for analysis,
-    keep the weights. All three give the same log-probabilities, segment after segment (the
-    memory carried, its first segment's zero rows included)."""
+    no weights kernel (LaMemo's look-ahead too); training, and an evaluation that collects the
+    attention's parts for analysis, keep the weights. All three give the same log-probabilities,
+    segment after segment (the memory carried, its first segment's zero rows included)."""
     from memjax.model import ModelConfig, build_model, init_memory, init_params  # pylint: disable=g-import-not-at-top
     cfg = ModelConfig(vocab_size=40, d_model=32, n_layer=2, n_head=2, d_head=16, d_inner=48, dropout=0.0, **overrides)
     model, params = build_model(cfg), init_params(cfg, jax.random.key(0))

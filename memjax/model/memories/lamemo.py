@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from memjax.kernels import cpu as cpu_kernels
-from memjax.model.attention import Attended, KeyBlock, span_scores_masked
+from memjax.model.attention import Attended, KeyBlock, span_attention, span_scores_masked
 from memjax.model.config import KindFields
 from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, register
 from memjax.model.positions import rel_shift
@@ -145,11 +145,19 @@ class LaMemoLayerMemory(LayerMemory):
             # causal span over W keys with the distance rows W ... 1, so the span softmax (memjax's
             # CPU kernel where it applies) serves, its output rows reversed back.
             near = view.maps.position(positions[positions.shape[0] - 1 - w:positions.shape[0] - 1])
-            probs, log_norm = cpu_kernels.relative_softmax(
-                functools.partial(span_scores_masked, scale), content_query[:, ::-1], keys[:, ::-1],
-                position_query[:, ::-1], near, key_valid[:, ::-1], scale)
-            probs = self.dropatt(probs, deterministic=view.deterministic).astype(cfg.dtype)
-            attended = cpu_kernels.attend(probs, values[:, ::-1], causal=True)
+            reversed_operands = (content_query[:, ::-1], keys[:, ::-1], position_query[:, ::-1], near,
+                                 key_valid[:, ::-1])
+            if view.deterministic and not self.is_mutable_collection('intermediates'):
+                # Evaluation: the one pass, the whole window as the span's own block (no memory block).
+                cq, k, pq, r, ok = reversed_operands
+                none = k[:, :0]
+                attended, log_norm = cpu_kernels.span_attention(
+                    functools.partial(span_attention, scale), cq, none, k, pq, r, ok, none, values[:, ::-1], scale)
+            else:
+                probs, log_norm = cpu_kernels.relative_softmax(
+                    functools.partial(span_scores_masked, scale), *reversed_operands, scale)
+                probs = self.dropatt(probs, deterministic=view.deterministic).astype(cfg.dtype)
+                attended = cpu_kernels.attend(probs, values[:, ::-1], causal=True)
             return attended[:, ::-1], log_norm[..., ::-1]
         scores = jnp.einsum('bmhd,bwhd->bhmw', content_query, keys, preferred_element_type=jnp.float32)
         scores += look_ahead_position_scores(position_query, positions, view.maps.position, seg_len)
