@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax.numpy as jnp
+import jax
 
 from memjax.kernels import cpu as cpu_kernels
 from memjax.model import ModelConfig
@@ -56,7 +56,7 @@ def tail_recompute_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> float:
     every position once, outside). Work the step does (XLA counts it) but not model FLOPs, so MFU
     leaves it out."""
     tail = _softmax_flops(cfg, batch * tgt_len, range(1, len(cfg.cluster_bounds) - 1))
-    if cpu_kernels.applies(jnp.zeros((), cfg.dtype)):
+    if cpu_kernels.applies(jax.ShapeDtypeStruct((), cfg.dtype)):
         del tail['softmax_proj']
     return sum(tail.values())
 

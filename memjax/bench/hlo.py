@@ -29,6 +29,12 @@ def _dot_flops(output: str, lhs: str, rest: str) -> float:
     return 2.0 * math.prod(_dims(output)) * size
 
 
+def _operand_dims(rest: str, count: int) -> list[list[int]]:
+    """The dimensions of a custom call's first `count` operands, from its layout constraints."""
+    constraints = re.search(r'operand_layout_constraints=\{(.*)', rest).group(1)
+    return [_dims(shape) for shape in re.findall(r'\w+\[[\d,]*\]', constraints)[:count]]
+
+
 def op_flops(hlo: str) -> dict[str, float]:
     """{op name of the optimized HLO: FLOPs of the matrix products it runs}; a fusion counts the dots
     of the computations it calls, and memjax's own CPU kernel counts its product."""
@@ -52,33 +58,28 @@ def op_flops(hlo: str) -> dict[str, float]:
         if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.TARGET}"' in rest:
             # memjax's batched product (memjax/kernels/cpu.py): lhs [..., M, K] (or [..., K, M] read
             # transposed) @ rhs [..., K, N].
-            lhs_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
-            contracted = _dims(lhs_shape)[-2 if re.search(r'transpose_lhs = true', rest) else -1]
+            contracted = _operand_dims(rest, 1)[0][-2 if re.search(r'transpose_lhs = true', rest) else -1]
             kernels[name] = 2.0 * math.prod(_dims(output)) * contracted
         if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.SOFTMAX_TARGET}"' in rest:
             # memjax's span softmax: a content and a positional product per score (the first output),
             # over the queries' last axis (queries [B, T, H, D] first).
-            query_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
-            kernels[name] = 2 * 2.0 * math.prod(_dims(output)) * _dims(query_shape)[-1]
+            kernels[name] = 2 * 2.0 * math.prod(_dims(output)) * _operand_dims(rest, 1)[0][-1]
         if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.SOFTMAX_GRADIENT_TARGET}"' in rest:
             # Its gradient: four products per score (probabilities [B, H, T, K] first), over the
             # queries' last axis (the query gradient [B, T, H, D] is the first output).
-            probs_shape = re.search(r'operand_layout_constraints=\{(\w+\[[\d,]*\])', rest).group(1)
-            kernels[name] = 4 * 2.0 * math.prod(_dims(probs_shape)) * _dims(output)[-1]
+            kernels[name] = 4 * 2.0 * math.prod(_operand_dims(rest, 1)[0]) * _dims(output)[-1]
         attend = re.search(f'custom_call_target="({cpu_kernels.ATTEND_TARGET}|{cpu_kernels.ATTEND_GRADIENT_TARGET})"',
                            rest)
         if opcode == 'custom-call' and attend is not None:
             # The weighted values (weights [B, H, T, K], values [B, K, H, D] first): one product per
             # weight and value dimension; the gradient two.
-            constraints = re.search(r'operand_layout_constraints=\{(.*)', rest).group(1)
-            weights, values = (_dims(shape) for shape in re.findall(r'\w+\[[\d,]*\]', constraints)[:2])
+            weights, values = _operand_dims(rest, 2)
             products = 2 if attend.group(1) == cpu_kernels.ATTEND_GRADIENT_TARGET else 1
             kernels[name] = products * 2.0 * math.prod(weights) * values[-1]
         if opcode == 'custom-call' and f'custom_call_target="{cpu_kernels.SPAN_ATTENTION_TARGET}"' in rest:
             # Evaluation's one pass (queries [B, T, H, D], then the memory's keys [B, M, H, D]): the
             # content, positional and weighted-value products per score over K = M + T keys.
-            query, memory = (_dims(shape) for shape in re.findall(
-                r'\w+\[[\d,]*\]', re.search(r'operand_layout_constraints=\{(.*)', rest).group(1))[:2])
+            query, memory = _operand_dims(rest, 2)
             kernels[name] = 3 * 2.0 * math.prod(query) * (memory[1] + query[1])
         cluster = re.search(f'custom_call_target="({cpu_kernels.CLUSTER_TARGET}|{cpu_kernels.CLUSTER_GRADIENT_TARGET})"',
                             rest)
@@ -86,8 +87,7 @@ def op_flops(hlo: str) -> dict[str, float]:
             # A cluster's logits (rows [N, D], table [V, D] first), as if every row were selected:
             # an upper bound for a tail cluster, which scores only its targets' rows. The gradient
             # computes them again and two products more.
-            rows, table = (_dims(shape) for shape in re.findall(
-                r'\w+\[[\d,]*\]', re.search(r'operand_layout_constraints=\{(.*)', rest).group(1))[:2])
+            rows, table = _operand_dims(rest, 2)
             products = 3 if cluster.group(1) == cpu_kernels.CLUSTER_GRADIENT_TARGET else 1
             kernels[name] = products * 2.0 * rows[0] * table[0] * rows[1]
         # Fusions only: the ops of a loop's body are profiled as ops of their own.

@@ -120,8 +120,8 @@ def vector_lanes() -> int:
     return register(shutil.which(os.environ.get('CXX', 'g++')))
 
 
-def applies(*operands: jax.Array) -> bool:
-    """Whether the kernels run for these operands (decided while tracing)."""
+def applies(*operands) -> bool:
+    """Whether the kernels run for these operands (decided while tracing; anything with a `dtype`)."""
     return (os.environ.get(SWITCH, 'on') != 'off' and jax.device_count() == 1
             and jax.devices()[0].platform == 'cpu' and all(x.dtype == jnp.float32 for x in operands)
             and vector_lanes() > 0)
@@ -191,10 +191,12 @@ def _rows(a: jax.Array, dims: int = 1) -> jax.Array:
     return a.reshape(-1, math.prod(a.shape[a.ndim - dims:]))
 
 
-def _on_cpu(reference: Callable, forward: Callable, gradients: Callable, *operands: jax.Array) -> jax.Array:
-    """`reference(*operands)` (one output), computed by `forward` on CPU and its gradient by
-    `gradients(*operands, grad)` there; elsewhere the reference and XLA's gradient of it. Which
-    runs is chosen per platform when the program is lowered."""
+def _on_cpu(reference: Callable, forward: Callable, gradients: Optional[Callable], *operands):
+    """`reference(*operands)`, computed by `forward` on CPU and its gradient by
+    `gradients(*operands, grad)` there; elsewhere the reference and XLA's gradient of it. Without
+    `gradients` (a kernel that only evaluates) the gradient is the reference's on CPU too, its
+    forward pass computed again where it needs one (XLA drops what it does not need). Which runs
+    is chosen per platform when the program is lowered."""
     def reference_gradients(*operands_and_grad):
         return jax.vjp(reference, *operands_and_grad[:-1])[1](operands_and_grad[-1])
 
@@ -206,7 +208,9 @@ def _on_cpu(reference: Callable, forward: Callable, gradients: Callable, *operan
         return run(*xs), xs
 
     def run_backward(xs, grad):
-        return jax.lax.platform_dependent(*xs, grad.astype(jnp.float32), cpu=gradients, default=reference_gradients)
+        grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
+        return jax.lax.platform_dependent(*xs, grad, cpu=gradients or reference_gradients,
+                                          default=reference_gradients)
 
     run.defvjp(run_forward, run_backward)
     return run(*operands)
@@ -310,7 +314,7 @@ def span_attention(reference: Callable, content_query: jax.Array, memory_key: ja
         return tuple(jax.ffi.ffi_call(SPAN_ATTENTION_TARGET, out)(cq, mk, sk, pq, r, ok, mv, sv,
                                                                   scale=np.float32(scale)))
 
-    return with_reference_gradient(reference, forward, *operands)
+    return _on_cpu(reference, forward, None, *operands)
 
 
 def cluster_logprobs(reference: Callable, x: jax.Array, table: jax.Array, bias: jax.Array, index: jax.Array,
@@ -356,18 +360,3 @@ def cluster_logprobs(reference: Callable, x: jax.Array, table: jax.Array, bias: 
 
     run.defvjp(run_forward, run_backward)
     return run(x, table, bias, index, rows)
-
-
-def with_reference_gradient(reference: Callable, forward: Callable, *operands):
-    """`reference(*operands)`, computed by `forward` on CPU and by the reference elsewhere; its
-    gradient is the reference's everywhere. For kernels that only evaluate: the gradient computes
-    the reference's forward pass again where it needs one (XLA drops what it does not need)."""
-    @jax.custom_vjp
-    def run(*xs):
-        return jax.lax.platform_dependent(*xs, cpu=forward, default=reference)
-
-    def run_backward(xs, grads):
-        return jax.vjp(reference, *xs)[1](grads)
-
-    run.defvjp(lambda *xs: (run(*xs), xs), run_backward)
-    return run(*operands)

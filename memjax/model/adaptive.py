@@ -68,7 +68,7 @@ def _dense_picked_logprobs(x, table, bias, index, rows):
 
 
 def _kernel_applies(dtype) -> bool:
-    return cpu_kernels.applies(jnp.zeros((), dtype))
+    return cpu_kernels.applies(jax.ShapeDtypeStruct((), dtype))
 
 
 def _head_logprobs(dtype, weights, hidden, index):

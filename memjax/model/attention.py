@@ -415,13 +415,9 @@ def span_attention(scale: float, content_query, memory_key, segment_key, positio
     return cpu_kernels.attend(probs.astype(value.dtype), value, causal=True), log_norm
 
 
-def _side_by_side_rows(blocks: Sequence[jax.Array], segment: jax.Array) -> jax.Array:
+def _before_segment(blocks: Sequence[jax.Array], segment: jax.Array) -> jax.Array:
     """The blocks before the segment as one [B, N, H, D] (N = 0 without any)."""
-    if len(blocks) == 1:
-        return blocks[0]
-    if not blocks:
-        return jnp.zeros(segment.shape[:1] + (0,) + segment.shape[2:], segment.dtype)
-    return jnp.concatenate(blocks, axis=1)
+    return jnp.concatenate(blocks, axis=1) if blocks else segment[:, :0]
 
 
 def dropout_residual_norm(cfg: ModelConfig, h, branch, deterministic: bool):
@@ -556,8 +552,8 @@ class RelativeAttention(nn.Module):
             # per head, the memory's keys and values not concatenated with the segment's.
             attended, log_norm = cpu_kernels.span_attention(
                 functools.partial(span_attention, cfg.d_head ** -0.5), content_query,
-                _side_by_side_rows(block_keys, segment_key), segment_key, position_query, pos_key, key_valid,
-                _side_by_side_rows(block_values, segment_value), segment_value, cfg.d_head ** -0.5)
+                _before_segment(block_keys, segment_key), segment_key, position_query, pos_key, key_valid,
+                _before_segment(block_values, segment_value), segment_value, cfg.d_head ** -0.5)
         elif key_valid is not None:  # One contiguous span: the rel-shift is a fixed offset per query.
             probs, log_norm = cpu_kernels.relative_softmax(
                 functools.partial(span_scores_masked, cfg.d_head ** -0.5), content_query, key, position_query,
