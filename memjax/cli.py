@@ -42,7 +42,8 @@ def _exit_now(exit_code: int) -> NoReturn:
 
 def fail(error: BaseException, label: str, exit_code: int) -> NoReturn:
     """Prints `label: error` as one line (plus the traceback under --verbose) and exits."""
-    if flags.FLAGS.is_parsed() and _VERBOSE.value:
+    # While the flags are parsed (a config file that does not load) --verbose is only in argv.
+    if (_VERBOSE.value if flags.FLAGS.is_parsed() else '--verbose' in sys.argv):
         traceback.print_exception(error, file=sys.stderr)
     message = ' '.join(str(error).split())  # Library messages may span lines.
     print(f'{label}: {message}{metrics_lib.where_details_are()}', file=sys.stderr)
@@ -59,6 +60,10 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
         fail(error, errors.UsageError.label, errors.UsageError.exit_code)
     except (OSError, KeyError, AttributeError) as error:  # Raised by --config.a.b=v overrides.
         config_error = _config_error(error, argv)
+        fail(config_error, config_error.label, config_error.exit_code)
+    except Exception as error:  # pylint: disable=broad-except  (the config file's own code failed)
+        config_error = _config_error(OSError(f'{type(error).__name__}: {error}'), argv)
+        config_error.__cause__ = error  # --verbose prints the file's own traceback.
         fail(config_error, config_error.label, config_error.exit_code)
 
 
@@ -77,17 +82,31 @@ def main(command: Callable[[list[str]], Any]) -> None:
     app.run(guarded, flags_parser=_parse_flags)
 
 
+def _load_hint(last: str) -> str:
+    """What to do about a config file that does not load, from the last line of what it raised."""
+    if last.startswith('ValueError: '):  # A config file's own (an unknown ':argument'): its words say.
+        return ''
+    if 'positional argument' in last:
+        return ' (the part after ":" is get_config()\'s argument: drop it, or give one get_config() takes)'
+    if 'Could not override field' in last:
+        return (' (the file sets a field to a value of another type than its default: see the field in '
+                'memjax/config_lib.py)')
+    if last.startswith(('No such file', '[Errno', 'it defines no')):
+        return ' (give the path of a configs/*.py file that defines get_config())'
+    return ' (fix the file; --verbose shows where)'
+
+
 def _config_error(error: Exception, argv: Sequence[str] = ()) -> errors.ConfigError:
     """The ConfigError for what ml_collections raises while loading a config file: OSError for
     a file that does not load, KeyError/AttributeError (with a did-you-mean) for an unknown field."""
+    given = [a.split('=', 1)[1] for a in argv if a.startswith('--config=')]
+    where = f'--config={given[-1]}' if given else 'the --config file'
+    if isinstance(error, AttributeError) and 'get_config' in str(error):
+        error = OSError('it defines no get_config()')
     if isinstance(error, OSError):
-        given = [a.split('=', 1)[1] for a in argv if a.startswith('--config=')]
-        where = f'--config={given[-1]}' if given else 'the --config file'
         last = str(error).splitlines()[-1].strip()
-        # A config file's own ValueError (an unknown ':argument') says what to write instead.
-        hint = '' if last.startswith('ValueError: ') else (
-            ' (give the path of a configs/*.py file that defines get_config())')
-        return errors.ConfigError(f'{where} does not load: {last.removeprefix("ValueError: ").rstrip(".")}{hint}.')
+        return errors.ConfigError(f'{where} does not load: {last.removeprefix("ValueError: ").rstrip(".")}'
+                                  f'{_load_hint(last)}.')
     detail = str(error.args[0] if error.args else error).replace('\\n', ' ').replace("\\'", "'")
     name = re.match(r"""\W*(\w+)""", detail)
     given = [a[2:].split('=', 1)[0] for a in argv

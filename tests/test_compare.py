@@ -1,12 +1,14 @@
 """memjax.compare: every method at one budget, resumable, failures reported, parameters matched."""
 
 import os
+import types
 
 import numpy as np
 import pytest
 
 from memjax import compare
 from memjax import config_lib
+from memjax import errors
 import training_fixtures
 
 
@@ -56,12 +58,49 @@ def test_a_second_run_reads_everything_back(compared, corpus):
     assert before == {name: os.stat(os.path.join(checkpoints, name)).st_mtime_ns for name in os.listdir(checkpoints)}
 
 
-def test_a_failing_method_is_reported_and_the_others_go_on(corpus, tmp_path, monkeypatch):
-    broken = compare.Method(model=lambda c: {'memory': 'lamemo', 'lamemo_eps': -1.0})
-    monkeypatch.setitem(compare.METHODS, 'broken', broken)
+def test_a_failing_method_is_reported_the_others_go_on_and_the_command_fails(corpus, tmp_path, monkeypatch):
+    monkeypatch.setitem(compare.METHODS, 'broken', compare.Method(model=lambda c: {'memory': 'lamemo'}))
+    train_one = compare.train_one
+
+    def failing(config, workdir):
+        if '/broken/' in workdir:
+            raise RuntimeError('the disk is full')
+        return train_one(config, workdir)
+
+    monkeypatch.setattr(compare, 'train_one', failing)
     report = compare.run_comparison(tiny_comparison(corpus, methods=('broken', 'none')), str(tmp_path))
-    assert set(report['failures']) == {'broken/seed0'} and 'lamemo_eps' in report['failures']['broken/seed0']
+    assert set(report['failures']) == {'broken/seed0'} and 'disk is full' in report['failures']['broken/seed0']
     assert {r['method'] for r in report['rows']} == {'none'}
+    # The command reports the holes with a failing status, for scripts and schedulers.
+    monkeypatch.setattr(compare.cli, 'load_config', lambda flag: tiny_comparison(corpus, methods=('none',)))
+    monkeypatch.setattr(compare.cli, 'run', lambda job: report)
+    monkeypatch.setattr(compare.evaluate, 'WORKDIR', types.SimpleNamespace(value=str(tmp_path)))
+    with pytest.raises(SystemExit) as stopped:
+        compare.main(['compare'])
+    assert stopped.value.code == errors.EXIT_RUNTIME
+
+
+@pytest.mark.parametrize('compare_fields, message', [
+    ({'eval_mem_lens': (-5,)}, 'xl at eval memory -5: invalid config'),
+    ({'eval_mem_lens': ()}, 'compare.eval_mem_lens is empty'),
+    ({'methods': ()}, 'compare.methods is empty'),
+    ({'methods': ('xl', 'lstm')}, "compare.methods has unknown ['lstm']"),
+    ({'methods': ('trams',)}, "compare.methods needs ['xl']"),
+])
+def test_a_bad_comparison_is_refused_before_anything_trains(corpus, tmp_path, compare_fields, message):
+    config = tiny_comparison(corpus, methods=('xl',))
+    config.compare.update(compare_fields)
+    with pytest.raises(errors.ConfigError) as refused:
+        compare.run_comparison(config, str(tmp_path))
+    assert message in str(refused.value)
+    assert not os.listdir(tmp_path)
+
+
+def test_a_methods_own_bad_field_is_refused_before_anything_trains(corpus, tmp_path, monkeypatch):
+    monkeypatch.setitem(compare.METHODS, 'broken', compare.Method(model=lambda c: {'memory': 'lamemo', 'lamemo_eps': -1.0}))
+    with pytest.raises(errors.ConfigError, match='compare: broken at eval memory 8: .*lamemo_eps'):
+        compare.run_comparison(tiny_comparison(corpus, methods=('none', 'broken')), str(tmp_path))
+    assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize('method', ['lamemo', 'infinity', 'cross_head'])

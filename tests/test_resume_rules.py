@@ -148,6 +148,36 @@ def test_workdir_that_is_a_file_a_url_or_missing_for_evaluation_is_an_error(tmp_
     assert not os.path.exists(tmp_path / 's3:')  # No local look-alike folder.
 
 
+def test_a_folder_no_memjax_run_wrote_is_refused_and_its_files_are_left_as_they_were(tmp_path):
+    theirs = tmp_path / 'theirs'
+    theirs.mkdir()
+    (theirs / 'config.json').write_text('their own')
+    with pytest.raises(errors.WorkdirError, match=r'no memjax run wrote \(config.json\).*--workdir=.*theirs/run'):
+        workdir_lib.check(str(theirs), create=True)
+    assert (theirs / 'config.json').read_text() == 'their own'
+    workdir_lib.check(str(theirs), create=False)  # Evaluation writes only where it is told.
+    for marker in workdir_lib.MARKERS:  # A run's folder, at any stage, is accepted.
+        run = tmp_path / f'run_{marker}'
+        (run / marker).mkdir(parents=True)
+        (run / 'config.json').write_text('{}')
+        workdir_lib.check(str(run), create=True)
+    workdir_lib.check(str(tmp_path / 'new'), create=True)
+    workdir_lib.check(str(tmp_path / 'new'), create=True)  # Created empty: still fine.
+
+
+def test_a_runs_checkpoints_folder_or_step_named_as_workdir_points_at_the_run(tmp_path):
+    (tmp_path / 'memjax.log').write_text('')
+    (tmp_path / 'checkpoints' / '12').mkdir(parents=True)
+    for inside in ('checkpoints', 'checkpoints/12', 'checkpoints/'):
+        for create in (True, False):
+            with pytest.raises(errors.WorkdirError, match=f'name the run.s own folder, --workdir={tmp_path}\\.'):
+                workdir_lib.check(str(tmp_path / inside) + ('/' if inside.endswith('/') else ''), create=create)
+    assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['12']
+    other = tmp_path / 'data' / 'checkpoints'  # A folder of that name outside a run is any folder.
+    other.mkdir(parents=True)
+    workdir_lib.check(str(other), create=True)
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason='root may write into read-only folders')
 def test_read_only_workdir_is_an_error(tmp_path):
     os.chmod(tmp_path, 0o555)

@@ -65,7 +65,37 @@ def test_unknown_field_unloadable_config_and_bad_flag_value(env):
     assert_one_line(code, stderr, errors.EXIT_USAGE, 'Usage error', 'batch_size')
     code, stderr = run([sys.executable, '-m', 'memjax.bench', 'no-such-suite'], env)
     assert_one_line(code, stderr, errors.EXIT_USAGE, "unknown benchmark suite 'no-such-suite'")
+    code, stderr = run(train + [f'--config={training_fixtures.TINY}:extra'], env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, 'takes 0 positional arguments', 'drop it')
     assert not os.path.exists('/nonexistent/never-created')
+
+
+@pytest.mark.parametrize('source, fragments', [
+    ('def get_config(:\n  pass\n', ('does not load: SyntaxError: invalid syntax', 'line 1')),
+    ('def get_config():\n  return undefined_name\n', ("NameError: name 'undefined_name' is not defined",)),
+    ('X = 1\n', ('it defines no get_config()',)),
+])
+def test_a_config_file_that_does_not_load_is_one_line_and_verbose_shows_its_traceback(env, tmp_path, source,
+                                                                                       fragments):
+    config = tmp_path / 'mine.py'
+    config.write_text(source)
+    command = [sys.executable, '-m', 'memjax.train', f'--config={config}', f'--workdir={tmp_path / "w"}']
+    code, stderr = run(command, env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, f'--config={config}', *fragments)
+    code, stderr = run(command + ['--verbose'], env)
+    assert code == errors.EXIT_USAGE and ('mine.py", line' in stderr or 'get_config()' in stderr)
+    assert not os.path.exists(tmp_path / 'w')
+
+
+def test_training_into_a_folder_memjax_did_not_write_changes_nothing_there(corpus, env, tmp_path):
+    theirs = tmp_path / 'theirs'
+    theirs.mkdir()
+    for name in ('config.json', 'train_summary.json'):
+        (theirs / name).write_text('their own')
+    code, stderr = run(cli_fixtures.tiny_command(str(theirs), corpus, str(tmp_path / 'tfds')), env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'holds files no memjax run wrote', f'--workdir={theirs}/run')
+    assert sorted(os.listdir(theirs)) == ['config.json', 'train_summary.json']
+    assert {(theirs / name).read_text() for name in os.listdir(theirs)} == {'their own'}
 
 
 def test_every_model_and_train_problem_is_reported_in_one_round(corpus, env, tmp_path):

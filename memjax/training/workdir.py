@@ -32,13 +32,22 @@ HEARTBEAT_S = 60.0
 STALE_AFTER_S = 600.0
 
 
+# Names only memjax writes into a workdir: a folder holding none of them is not memjax's.
+MARKERS = ('memjax.log', LOCK_FILE, 'checkpoints')
+
+
 def check(workdir: str, create: bool) -> None:
     """Raises WorkdirError unless `workdir` is (or, with `create`, can become) a writable folder
-    or a gs:// location in an existing bucket.
+    or a gs:// location in an existing bucket, and is not a run's checkpoints folder.
 
-    Without `create` (evaluation) a missing workdir is an error and nothing is created.
+    Without `create` (evaluation) a missing workdir is an error and nothing is created. With it, a
+    folder that exists must be empty or a memjax workdir: a run writes config.json and
+    train_summary.json there, which would replace files of those names that are someone else's.
     """
     storage.require_support(workdir, '--workdir')
+    _check_not_checkpoints(workdir)
+    if create:
+        _check_ours(workdir)
     if storage.is_remote(workdir):
         _check_remote(workdir, create)
         return
@@ -56,6 +65,30 @@ def check(workdir: str, create: bool) -> None:
     if not os.access(workdir, os.W_OK | os.X_OK):
         raise errors.WorkdirError(f'--workdir={workdir} is not writable: fix its permissions or '
                                   'choose another folder.')
+
+
+def _check_ours(workdir: str) -> None:
+    names = storage.listdir(workdir)
+    if names and not any(name in MARKERS for name in names):
+        shown = ', '.join(names[:3]) + (', ...' if len(names) > 3 else '')
+        raise errors.WorkdirError(
+            f'--workdir={workdir} holds files no memjax run wrote ({shown}): a run would write its '
+            f'config.json and train_summary.json among them. Name a new or empty folder, e.g. '
+            f'--workdir={storage.join(workdir, "run")}.')
+
+
+def _check_not_checkpoints(workdir: str) -> None:
+    """A run's checkpoints folder, or a step in it, named as a workdir: its parent is meant."""
+    path = workdir.rstrip('/')
+    for _ in range(2):  # The folder itself, or a step folder inside it.
+        parent, _, name = path.rpartition('/')
+        if (name in ('checkpoints', 'checkpoints_damaged') and parent
+                and {'memjax.log', LOCK_FILE, 'config.json'} & set(storage.listdir(parent))):
+            raise errors.WorkdirError(f'--workdir={workdir} is inside the checkpoints of the run in {parent}: '
+                                      f'name the run\'s own folder, --workdir={parent}.')
+        path = parent
+        if not path:
+            return
 
 
 def _client():
