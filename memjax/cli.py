@@ -75,11 +75,25 @@ def main(command: Callable[[list[str]], Any]) -> None:
             return command(argv)
         except errors.UserError as error:
             fail(error, error.label, error.exit_code)
-        except Exception:  # A bug: keep its traceback, but do not hang on the way out.
-            traceback.print_exc()
+        except Exception as error:  # pylint: disable=broad-except
+            if isinstance(error, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in str(error):
+                out_of_memory = _out_of_memory(error)
+                fail(out_of_memory, out_of_memory.label, out_of_memory.exit_code)
+            traceback.print_exc()  # A bug: keep its traceback, but do not hang on the way out.
             _exit_now(1)
 
     app.run(guarded, flags_parser=_parse_flags)
+
+
+def _out_of_memory(error: Exception) -> errors.OutOfMemoryError:
+    """A device allocation that failed mid-run (the state's own size is checked before it starts)."""
+    detail = re.search(r'Out of memory[^.\n]*', str(error))
+    out_of_memory = errors.OutOfMemoryError(
+        f'a step did not fit the device\'s memory ({detail.group(0) if detail else "RESOURCE_EXHAUSTED"}): '
+        'lower the batch size or tgt_len, raise config.train.grad_accum_steps, set config.model.remat=full, '
+        'or shard over more devices (config.mesh).')
+    out_of_memory.__cause__ = error
+    return out_of_memory
 
 
 def _load_hint(last: str) -> str:

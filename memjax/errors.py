@@ -62,6 +62,11 @@ class DivergedError(UserError):
     label = 'Training stopped'
 
 
+class OutOfMemoryError(UserError, MemoryError):
+    """The run's state or a step does not fit the devices' memory."""
+    label = 'Out of memory'
+
+
 class BenchError(UserError, ValueError):
     """A benchmark suite cannot run as asked (unknown suite, missing peer package)."""
     exit_code = EXIT_USAGE

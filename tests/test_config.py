@@ -202,6 +202,10 @@ def no_compilation(monkeypatch):
     ({'data.train_documents': -1}, 'config.data.train_documents=-1'),
     ({'model.n_head': 0}, 'n_head=0'),
     ({'model.mem_len': 0, 'eval.model.same_length': True}, 'same_length'),
+    ({'model.mem_len': 2**31}, 'positions are int32'),
+    ({'model.positions': 'learned_absolute', 'model.n_positions': 4}, 'segments of 8 tokens'),
+    ({'model.positions': 'learned_absolute', 'model.n_positions': 8, 'eval.tgt_len': 16},
+     'config.eval.model: Invalid model config: segments of 16 tokens'),
 ])
 def test_invalid_config_names_the_field_before_compiling(tmp_path, no_compilation, overrides,
                                                          field):

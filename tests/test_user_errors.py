@@ -160,6 +160,13 @@ def test_bad_data_and_tokenizer_files_are_one_line(corpus, env, tmp_path):
         str(tmp_path / 'w3'), corpus, str(tmp_path / 'tfds'), '--config.data.tokenizer=sentencepiece',
         f'--config.data.vocab_path={model}'), env)
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'is not a sentencepiece model')
+    a_file = tmp_path / 'a_file'
+    a_file.write_text('x')
+    code, stderr = run(cli_fixtures.tiny_command(str(tmp_path / 'w4'), corpus, str(a_file / 'tfds')), env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, f'config.data.data_dir: {a_file}/tfds cannot be created')
+    code, stderr = run(cli_fixtures.tiny_command(str(tmp_path / 'w5'), corpus, str(tmp_path / 'tfds'),
+                                                 f'--config.data.cache_dir={a_file}/cache'), env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, f'config.data.cache_dir: {a_file}/cache cannot be created')
 
 
 def patched_train(patch: str) -> list[str]:
@@ -249,3 +256,26 @@ def test_generate_errors_are_one_line(trained, env, tmp_path):
     assert_one_line(code, stderr, errors.EXIT_USAGE, 'top_k=-1 must be >= 0')
     code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={tmp_path}', '--prompt=a'], env)
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'no readable checkpoint')
+
+
+def test_a_state_too_large_for_the_device_is_refused_before_anything_is_built(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(trainer, 'make_train_step', lambda *a, **k: pytest.fail('compiled'))
+    monkeypatch.setattr(trainer, 'device_memory_bytes', lambda device: 16 * 2**30)
+    # An XL memory position: 2 layers x batch 4 x d_model 32 float32 hidden states and 4 validity
+    # bytes (configs/tiny.py), 1028 bytes: 2**30 positions hold 1028 GiB.
+    config = training_fixtures.tiny_config(corpus, model__mem_len=2**30)
+    with pytest.raises(errors.OutOfMemoryError, match=r'needs 1,028.0 GiB per device .*memory 1,028.0 GiB; '
+                                                      r"mem_len=1073741824, batch 4\), more than a device's 16.0 GiB"):
+        trainer.train_and_evaluate(config, str(tmp_path / 'w'))
+    assert not os.path.exists(trainer.checkpoint_dir(str(tmp_path / 'w')))
+
+
+def test_a_step_out_of_device_memory_is_one_line_with_the_ways_out(env):
+    script = ('import jax\nfrom memjax import cli\n\ndef job(argv):\n'
+              "    raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 307200000000 bytes.')\n\n"
+              'cli.main(job)\n')
+    code, stderr = run([sys.executable, '-c', script], env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'Out of memory: a step did not fit',
+                    '(Out of memory allocating 307200000000 bytes)', 'grad_accum_steps', 'remat=full')
+    code, stderr = run([sys.executable, '-c', script.replace('RESOURCE_EXHAUSTED', 'INTERNAL')], env)
+    assert code == 1 and 'Traceback' in stderr  # Not a memory problem: a bug, with its traceback.

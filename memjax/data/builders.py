@@ -425,6 +425,15 @@ def data_dir(data_cfg: DataConfig) -> Path:
     return Path(data_cfg.data_dir or DEFAULT_DATA_DIR).expanduser()
 
 
+def make_folder(folder: Path, field: str) -> None:
+    """Creates `folder`, which config.data.<field> names, or says which field to change."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise errors.DataError(f'config.data.{field}: {folder} cannot be created ({error.strerror or error}): '
+                               'name a folder you can write to.') from None
+
+
 def manual_dir(data_cfg: DataConfig) -> Path:
     return (Path(data_cfg.manual_dir).expanduser() if data_cfg.manual_dir
             else data_dir(data_cfg) / 'downloads' / 'manual')
@@ -486,6 +495,7 @@ def prepare(data_cfg: DataConfig) -> _MemjaxTextBuilder:
         _check_manual_files(builder, folder)
         download_config = tfds.download.DownloadConfig(manual_dir=str(folder))
     tfds.disable_progress_bar()
+    make_folder(data_dir(data_cfg), 'data_dir')
     builder.download_and_prepare(download_config=download_config)
     return builder
 

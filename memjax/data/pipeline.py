@@ -187,7 +187,7 @@ def load_token_ids(data_cfg: DataConfig, split: str, tokenizer: Tokenizer,
         encoded = [tokenizer.encode(doc) for doc in
                    builders.run_documents(data_cfg, builder, split)]
         offsets = np.cumsum([0] + [len(x) for x in encoded], dtype=np.int64)
-        tokens_path.parent.mkdir(parents=True, exist_ok=True)
+        builders.make_folder(tokens_path.parent, 'cache_dir' if cache_dir or data_cfg.cache_dir else 'data_dir')
         _save_npy(docs_path, offsets)
         _save_npy(tokens_path, np.concatenate(encoded).astype(np.int32))
         cached = _load_cache(tokens_path, docs_path, tokenizer.vocab_size)

@@ -253,6 +253,9 @@ class ModelConfig:
         for name in ('dropout', 'dropatt'):
             need(0.0 <= getattr(self, name) < 1.0, f'{name}={getattr(self, name)} must be in [0, 1).')
         need(self.mem_len >= 0, f'mem_len={self.mem_len} must be >= 0 (0 disables memory).')
+        # Positions and distances are int32 indices.
+        need(self.mem_len + max(self.segment_len, 0) < 2**31, f'mem_len={self.mem_len} must be below '
+             f'2**31 - segment_len: positions are int32.')
         need(not (self.same_length and self.mem_len == 0),
              'same_length=True needs mem_len > 0: every query sees exactly mem_len keys.')
         need(self.memory_start in _MEMORY_STARTS,

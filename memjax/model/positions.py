@@ -43,7 +43,12 @@ POSITIONS = {'relative_sinusoid': relative_sinusoid_table, 'learned_absolute': N
 
 @add_check
 def _known_positions(cfg: ModelConfig) -> list[str]:
-    return [] if cfg.positions in POSITIONS else [f'positions={cfg.positions!r} must be one of {tuple(POSITIONS)}.']
+    if cfg.positions not in POSITIONS:
+        return [f'positions={cfg.positions!r} must be one of {tuple(POSITIONS)}.']
+    if POSITIONS[cfg.positions] is None and cfg.segment_len > cfg.n_positions:
+        return [f'segments of {cfg.segment_len} tokens but the learned position table has n_positions='
+                f'{cfg.n_positions} rows: shorten tgt_len or raise n_positions.']
+    return []
 
 
 def position_scores(query: jax.Array, pos_key: jax.Array) -> jax.Array:

@@ -129,13 +129,55 @@ def setup(config: ml_collections.ConfigDict | config_lib.RunConfig, workdir: str
     tx = optim.make_optimizer(run.train)
     # Built once; deriving the shardings here rejects splits that do not divide before compiling.
     partitioner = sharding.Partitioner.from_config(run.mesh, devices)
-    return Experiment(
+    exp = Experiment(
         run=run, tokenizer=tokenizer,
         model=model_lib.build_model(run.model), eval_model=model_lib.build_model(run.eval_model),
         tx=tx, schedule=optim.learning_rate_schedule(run.train),
         local_batch=run.train.batch_size // jax.process_count(), partitioner=partitioner,
         state_sharding=train_step_lib.state_shardings(partitioner, run.model, tx),
         memory_sharding=partitioner.memory(run.model, run.train.batch_size))
+    check_fits(exp, training, devices)
+    return exp
+
+
+def _bytes_per_device(tree: Any) -> int:
+    """The largest shard of each leaf summed: what one device holds of `tree` (abstract arrays
+    with shardings)."""
+    shard = lambda leaf: leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    return sum(int(np.prod(shard(leaf))) * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def device_memory_bytes(device: jax.Device) -> int:
+    """What one device may hold: its allocator's limit, or on the CPU the host's memory shared by
+    its CPU devices."""
+    limit = (device.memory_stats() or {}).get('bytes_limit')
+    if limit:
+        return int(limit)
+    host = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    return host // max(1, len([d for d in jax.local_devices() if d.platform == device.platform]))
+
+
+def check_fits(exp: Experiment, training: bool, devices: list[jax.Device]) -> None:
+    """Raises OutOfMemoryError before anything is built when the state alone (training:
+    parameters, optimizer state and memory; evaluation: parameters and memory) exceeds a device's
+    memory: a mem_len or batch off by orders of magnitude, found in a second instead of at the
+    first allocation."""
+    state, memory = abstract_state(exp)
+    if not training:
+        memory = jax.eval_shape(lambda: exp.partitioner.init_memory(exp.eval_mcfg, exp.run.eval.batch_size))
+    held = {'parameters': state.params, 'optimizer state': state.opt_state if training else (), 'memory': memory}
+    need = {name: _bytes_per_device(tree) for name, tree in held.items()}
+    have = device_memory_bytes(devices[0])
+    if sum(need.values()) > have:
+        gib = lambda n: f'{n / 2**30:,.1f} GiB' if n >= 2**30 else f'{n / 2**20:,.1f} MiB'
+        parts = ', '.join(f'{name} {gib(n)}' for name, n in need.items() if n)
+        mcfg = exp.mcfg if training else exp.eval_mcfg
+        batch = exp.run.train.batch_size if training else exp.run.eval.batch_size
+        raise errors.OutOfMemoryError(
+            f'the {"training" if training else "evaluation"} state needs {gib(sum(need.values()))} per device '
+            f'({parts}; mem_len={mcfg.mem_len}, batch {batch}), more than a device\'s {gib(have)}: lower '
+            'mem_len or the batch size, shrink the model, or shard it over more devices (config.mesh).')
+
 
 
 def init_state(exp: Experiment, params: Any = None) -> tuple[train_step_lib.TrainState, Any]:
