@@ -24,6 +24,7 @@ from memjax import evaluate  # noqa: E402
 from memjax.generation import text as generation_text  # noqa: E402
 from memjax.bench.suites import peer  # noqa: E402
 from memjax import import_transfo_xl  # noqa: E402
+from memjax.convert import hf_io  # noqa: E402
 from memjax.convert import transfo_xl_original as original  # noqa: E402
 from memjax.generation import Sampling, sample  # noqa: E402
 from memjax.model import lm  # noqa: E402
@@ -173,8 +174,15 @@ class _Marker:
 def test_a_file_naming_any_other_callable_is_refused_and_never_run(tmp_path):
     marker = tmp_path / 'ran'
     torch.save({'model': _Marker(str(marker))}, tmp_path / 'model.pt')
-    with pytest.raises(errors.CheckpointError, match='reads safely'):
+    torch.save({'weight': _Marker(str(marker))}, tmp_path / 'pytorch_model.bin')
+    with pytest.raises(errors.CheckpointError, match='reads safely') as original_refused:
         original.read_model(str(tmp_path / 'model.pt'))
+    with pytest.raises(errors.CheckpointError, match='reads safely') as hf_refused:
+        hf_io._read_weights_file(str(tmp_path / 'pytorch_model.bin'))
+    for refused in (original_refused, hf_refused):
+        # The callable torch's loader refused is named; its advice to load the file unsafely is not passed on.
+        assert 'GLOBAL io.open' in str(refused.value)
+        assert 'weights_only' not in str(refused.value) and 'safe_globals' not in str(refused.value)
     assert not marker.exists()
 
 

@@ -70,6 +70,17 @@ def test_unknown_field_unloadable_config_and_bad_flag_value(env):
     assert not os.path.exists('/nonexistent/never-created')
 
 
+def test_a_bench_report_that_cannot_be_written_is_refused_before_measuring(env, tmp_path):
+    a_file = tmp_path / 'a_file'
+    a_file.write_text('x')
+    bench = [sys.executable, '-m', 'memjax.bench', 'ops', '--size=tiny']
+    code, stderr = run(bench + [f'--out={a_file}/report.json'], env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, f'{a_file} is a file, not a folder')
+    code, stderr = run(bench + [f'--out={tmp_path}'], env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, f'{tmp_path} is a folder')
+    assert '[bench]' not in stderr  # Nothing measured.
+
+
 @pytest.mark.parametrize('source, fragments', [
     ('def get_config(:\n  pass\n', ('does not load: SyntaxError: invalid syntax', 'line 1')),
     ('def get_config():\n  return undefined_name\n', ("NameError: name 'undefined_name' is not defined",)),

@@ -12,6 +12,7 @@ from ml_collections import config_flags
 from memjax import cli
 from memjax import errors
 from memjax.bench import harness
+from memjax.training import workdir as workdir_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Optional configs/*.py file; suites take the model fields they do not vary '
@@ -33,6 +34,8 @@ def main(argv):
     if len(argv) != 2:
         raise errors.UsageError(f'name exactly one suite (one of {harness.available_suites()}); '
                              f'got {argv[1:]}.')
+    if _OUT.value:  # Before the measurement, which a bad path would otherwise throw away.
+        workdir_lib.check_writable_file(_OUT.value)
     harness.add_xla_flags(argv[1])
     cli.prepare_host_memory()
     tiny = _SIZE.value == 'tiny'

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import sys
 from typing import Any, Callable, Mapping, Optional, Union
 
@@ -148,13 +149,30 @@ def _read_safetensors(path: str) -> dict[str, np.ndarray]:
     return safetensors.numpy.load_file(path)  # bfloat16 works: jax registers ml_dtypes with numpy.
 
 
+def refusal(error: Exception) -> str:
+    """Why torch's weights-only loader refused a file, in its own specific words (the line naming
+    the global or opcode), without its advice to load the file unsafely."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    specific = next((line for line in lines if line.startswith('WeightsUnpickler error:')), None)
+    if specific is not None:
+        return specific.removeprefix('WeightsUnpickler error:').strip().split('. ')[0]  # Not its allowlisting advice.
+    if lines and 'weights_only' not in lines[0]:
+        return lines[0]
+    return type(error).__name__
+
+
 def _read_torch_bin(path: str) -> Mapping[str, Any]:
     try:
         import torch  # pylint: disable=g-import-not-at-top  (optional dependency)
     except ImportError as e:
         raise CheckpointError(f'{path} is a PyTorch file and reading it needs torch: '
                               "pip install -e '.[parity]', or re-save the model as safetensors.") from e
-    state = torch.load(path, map_location='cpu', weights_only=True)
+    try:
+        state = torch.load(path, map_location='cpu', weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError, ValueError) as error:
+        raise CheckpointError(f'{path} is not a file of tensors this importer reads safely ({refusal(error)}); '
+                              'memjax never runs code from a checkpoint: re-save the weights as safetensors '
+                              'from code you trust.') from error
     if not isinstance(state, Mapping):
         raise CheckpointError(f'{path} holds a {type(state).__name__}, not a state dict (key -> tensor).')
     return state

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from memjax.convert import hf_transfo_xl
-from memjax.convert.hf_io import CheckpointError
+from memjax.convert.hf_io import CheckpointError, refusal
 from memjax.data.tokenizers import ByteTokenizer, Tokenizer, WordTokenizer
 from memjax.model import ModelConfig
 
@@ -80,8 +80,7 @@ def safe_load(path: str, what: str) -> Any:
     except FileNotFoundError as error:
         raise CheckpointError(f'{path} does not exist; give the {what} file.') from error
     except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f'{path} is not a {what} this importer reads safely ({first}); it only builds '
+        raise CheckpointError(f'{path} is not a {what} this importer reads safely ({refusal(error)}); it only builds '
                               f'the original code\'s own classes, never arbitrary ones.') from error
 
 

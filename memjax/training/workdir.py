@@ -123,8 +123,14 @@ def check_writable_file(path: str) -> None:
         return  # An object is never a folder; a bucket's permissions show at the write.
     if os.path.isdir(path):
         raise errors.WorkdirError(f'{path} is a folder, so the result cannot be written there: '
-                                  'move it away.')
-    target = path if os.path.exists(path) else os.path.dirname(path) or '.'
+                                  'name a file, or move the folder away.')
+    folder = os.path.dirname(os.path.abspath(path))
+    existing = folder
+    while not os.path.exists(existing):  # The folders still to be made: the first that exists decides.
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise errors.WorkdirError(f'cannot write {path}: {existing} is a file, not a folder.')
+    target = path if os.path.exists(path) else existing
     if not os.access(target, os.W_OK):
         raise errors.WorkdirError(f'cannot write {path}: fix the permissions of {target}.')
 
