@@ -64,7 +64,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig
                      **{k: getattr(exp.eval_mcfg, k) for k in memories.run_time_fields(exp.eval_mcfg.memory)}},
     }
     metrics_lib.log_eval(step, split, result.mean_nll, result.num_tokens, exp.unit)
-    trainer.write_json(out_path, summary)
+    trainer.write_result(out_path, summary)
     return summary
 
 

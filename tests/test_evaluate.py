@@ -109,3 +109,15 @@ def test_evaluate_command_scores_test_split_from_checkpoint(corpus, tmp_path):
     assert summary['bpc'] == pytest.approx(summary['loss'] / np.log(2))
     with open(os.path.join(workdir, 'eval_test.json')) as f:
         assert json.load(f)['num_tokens'] == summary['num_tokens']
+    # Evaluated again with another memory: the file holds the newest result, the history both, and
+    # the training summary before them.
+    other = evaluate.evaluate_checkpoint(training_fixtures.tiny_config(
+        corpus, train__num_steps=2, eval__split='test', eval__model__mem_len=4), workdir)
+    with open(os.path.join(workdir, 'eval_test.json')) as f:
+        assert json.load(f)['settings']['mem_len'] == 4
+    with open(os.path.join(workdir, trainer.HISTORY_FILE)) as f:
+        history = [json.loads(line) for line in f]
+    assert [(h['file'], h.get('loss', h.get('valid_loss'))) for h in history] == [
+        ('train_summary.json', trained['valid_loss']), ('first.json', first['loss']),
+        ('eval_test.json', summary['loss']), ('eval_test.json', other['loss'])]
+    assert history[2]['settings']['mem_len'] == 8 and other['loss'] != summary['loss']

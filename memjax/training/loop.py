@@ -331,6 +331,21 @@ def write_json(path: str, payload: Any) -> None:
         storage.write_text(path, json.dumps(payload, indent=2, sort_keys=True))
 
 
+HISTORY_FILE = 'results_history.jsonl'
+
+
+def write_result(path: str, payload: dict) -> None:
+    """Writes `path`, the latest result of its kind (a run's summary, an evaluation), and appends it
+    as one line to results_history.jsonl beside it: a rerun with other settings replaces the file,
+    never the record of the results before it."""
+    write_json(path, payload)
+    if jax.process_index() == 0:
+        folder, name = path.rpartition('/')[0], path.rpartition('/')[2]
+        history = storage.join(folder, HISTORY_FILE) if folder else HISTORY_FILE
+        line = json.dumps({'file': name, 'written': time.strftime('%Y-%m-%d %H:%M:%S'), **payload}, sort_keys=True)
+        storage.write_text(history, (storage.read_text(history) or '') + line + '\n')
+
+
 def read_json(path: str) -> Optional[Any]:
     """The JSON in `path`, or None when it is missing or unreadable."""
     text = storage.read_text(path)
@@ -730,11 +745,13 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
         f'valid_{metric}': final[metric],
         'valid_tokens': final['num_tokens'],
         **({'valid_accuracy': final['accuracy']} if 'accuracy' in final else {}),
-        # A finished run started again trains nothing: its throughput stays the one measured.
-        'train_tokens_per_s': ((logged_tokens - compile_tokens) / train_seconds if train_seconds > 0
+        # A finished run started again trains nothing, and a run of one dispatch times only its
+        # compilation: the throughput stays the one measured before (None if none was).
+        'train_tokens_per_s': ((logged_tokens - compile_tokens) / train_seconds
+                               if train_seconds > 0 and logged_tokens > compile_tokens
                                else (read_json(summary_path) or {}).get('train_tokens_per_s')),
         'wall_seconds': time.time() - wall_start,
     }
-    write_json(summary_path, summary)
+    write_result(summary_path, summary)
     logging.info('Done: %s', json.dumps(summary))
     return summary
