@@ -97,7 +97,8 @@ def test_a_bad_comparison_is_refused_before_anything_trains(corpus, tmp_path, co
 
 
 def test_a_methods_own_bad_field_is_refused_before_anything_trains(corpus, tmp_path, monkeypatch):
-    monkeypatch.setitem(compare.METHODS, 'broken', compare.Method(model=lambda c: {'memory': 'lamemo', 'lamemo_eps': -1.0}))
+    broken = compare.Method(model=lambda c: {'memory': 'lamemo', 'lamemo_eps': -1.0})
+    monkeypatch.setitem(compare.METHODS, 'broken', broken)
     with pytest.raises(errors.ConfigError, match='compare: broken at eval memory 8: .*lamemo_eps'):
         compare.run_comparison(tiny_comparison(corpus, methods=('none', 'broken')), str(tmp_path))
     assert not os.listdir(tmp_path)

@@ -283,7 +283,8 @@ def test_a_state_too_large_for_the_device_is_refused_before_anything_is_built(co
 
 def test_a_step_out_of_device_memory_is_one_line_with_the_ways_out(env):
     script = ('import jax\nfrom memjax import cli\n\ndef job(argv):\n'
-              "    raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 307200000000 bytes.')\n\n"
+              "    raise jax.errors.JaxRuntimeError(\n"
+              "        'RESOURCE_EXHAUSTED: Out of memory allocating 307200000000 bytes.')\n\n"
               'cli.main(job)\n')
     code, stderr = run([sys.executable, '-c', script], env)
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'Out of memory: a step did not fit',
