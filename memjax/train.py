@@ -2,8 +2,9 @@
 
 Re-running with the same workdir resumes from its newest intact checkpoint, provided the
 config still fits it (see memjax/training/resume.py); a run stopped by SIGTERM checkpoints first
-and exits 0. Multi-process runs add `--coordinator_address=HOST:PORT --num_processes=N
---process_id=I` (or nothing on a Cloud TPU VM): see memjax/runtime/distributed.py.
+and exits 0, by Ctrl-C checkpoints first and exits 130 (a second Ctrl-C stops at once).
+Multi-process runs add `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (or
+nothing on a Cloud TPU VM): see memjax/runtime/distributed.py.
 """
 
 from memjax import early_sigterm
@@ -11,6 +12,8 @@ from memjax import early_sigterm
 early_sigterm.install()  # Before the imports below, which take seconds.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import sys
+
 from absl import flags
 from ml_collections import config_flags
 
@@ -32,6 +35,8 @@ def main(argv):
     if len(argv) > 1:
         raise errors.UsageError(f'unexpected arguments: {argv[1:]}')
     cli.run(lambda: trainer.train_and_evaluate(cli.load_run(_CONFIG), _WORKDIR.value))
+    if early_sigterm.interrupted():  # Saved, but not finished: a script must not go on as if it were.
+        sys.exit(early_sigterm.INTERRUPTED)
 
 
 if __name__ == '__main__':

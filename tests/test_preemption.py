@@ -5,6 +5,7 @@ import signal
 
 import pytest
 
+from memjax import early_sigterm
 from memjax.training import metrics as metrics_lib
 from memjax.training import preemption
 import cli_fixtures
@@ -60,7 +61,7 @@ def runs(tmp_path_factory):
     first_scalars = metrics_lib.read_scalars(str(root / 'interrupted'))
     first_summary = os.path.exists(root / 'interrupted' / 'train_summary.json')
     resumed_log = cli_fixtures.checked(cli_fixtures.Run(command, env, str(root / 'resumed.log')))
-    return dict(root=root, interrupted_log=interrupted_log, resumed_log=resumed_log,
+    return dict(root=root, corpus=corpus, env=env, interrupted_log=interrupted_log, resumed_log=resumed_log,
                 checkpoints=checkpoints, first_scalars=first_scalars, first_summary=first_summary,
                 resumed=metrics_lib.read_scalars(str(root / 'interrupted')),
                 baseline=metrics_lib.read_scalars(str(root / 'baseline')))
@@ -95,3 +96,30 @@ def test_rerun_resumes_exactly(runs):
             assert resumed[tag][s] == pytest.approx(baseline[tag][s], rel=1e-6, abs=1e-7), (tag, s)
     assert resumed['valid/loss'][NUM_STEPS] == pytest.approx(baseline['valid/loss'][NUM_STEPS],
                                                              rel=1e-6)
+
+
+def test_ctrl_c_saves_a_checkpoint_at_a_step_boundary_and_exits_130(runs):
+    root = runs['root']
+    command = cli_fixtures.tiny_command(str(root / 'ctrl_c'), runs['corpus'], str(root / 'data'), *OVERRIDES)
+    run = cli_fixtures.Run(command, runs['env'], str(root / 'ctrl_c.log'))
+    run.wait_for_text(SIGNAL_AFTER)
+    run.process.send_signal(signal.SIGINT)
+    log = cli_fixtures.checked(run, early_sigterm.INTERRUPTED)
+    assert 'Interrupted by Ctrl-C: saved' in log and 'Traceback' not in log
+    (name,) = os.listdir(root / 'ctrl_c' / 'checkpoints')
+    assert 10 * SEGMENTS <= int(name) < NUM_STEPS and int(name) % SEGMENTS == 0
+
+
+def test_a_second_ctrl_c_stops_at_once_with_130(monkeypatch):
+    stops = []
+    monkeypatch.setattr(early_sigterm, 'stop', lambda message='', exit_code=None: stops.append((message, exit_code)))
+    monkeypatch.setitem(early_sigterm._state, 'signal', None)
+    requests = []
+    with early_sigterm.diverted(lambda: requests.append(early_sigterm.name())):
+        early_sigterm._react(signal.SIGINT)  # The first: the loop saves at its next boundary.
+        assert requests == ['Ctrl-C'] and not stops and early_sigterm.status() == early_sigterm.INTERRUPTED
+        early_sigterm._react(signal.SIGINT)  # The second: at once.
+    assert stops[0][1] == early_sigterm.INTERRUPTED and 'second Ctrl-C' in stops[0][0]
+    monkeypatch.setitem(early_sigterm._state, 'signal', None)
+    early_sigterm._react(signal.SIGTERM)  # Outside the loop: the default stop, exit 0.
+    assert stops[-1] == ('', None) and early_sigterm.status() == 0 and early_sigterm.name() == 'SIGTERM'

@@ -221,7 +221,8 @@ _PAUSED_START = '''
 '''
 
 
-def test_sigterm_during_start_up_exits_zero(corpus, env, tmp_path):
+@pytest.mark.parametrize('signum, code, name', [(signal.SIGTERM, 0, 'SIGTERM'), (signal.SIGINT, 130, 'Ctrl-C')])
+def test_a_signal_during_start_up_stops_at_once(corpus, env, tmp_path, signum, code, name):
     command = cli_fixtures.tiny_command(str(tmp_path / 'w'), corpus, str(tmp_path / 'tfds'),
                                         '--host_memory=off')
     process = subprocess.Popen(patched_train(_PAUSED_START) + command[3:], env=env,
@@ -230,10 +231,11 @@ def test_sigterm_during_start_up_exits_zero(corpus, env, tmp_path):
     for line in process.stdout:  # TFDS prints its progress on stdout first.
         if line.strip() == 'PAUSED':
             break
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     _, stderr = process.communicate(timeout=TIMEOUT_S)
-    assert process.returncode == 0, stderr[-3000:]
-    assert 'nothing new to save' in stderr
+    assert process.returncode == code, stderr[-3000:]
+    assert f'Stopped by {name} outside the training loop: nothing new to save' in stderr
+    assert 'Traceback' not in stderr
     assert not os.listdir(trainer.checkpoint_dir(str(tmp_path / 'w')))
 
 

@@ -733,8 +733,8 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
         finally:
             ckpt.close()
     if preempted:
-        logging.warning('Preempted: saved %s; run the same command again to resume.',
-                        last_checkpoint)
+        logging.warning('%s: saved %s; run the same command again to resume.',
+                        'Interrupted by Ctrl-C' if early_sigterm.interrupted() else 'Preempted', last_checkpoint)
         return {'step': step, 'preempted': True, 'checkpoint': last_checkpoint,
                 'wall_seconds': time.time() - wall_start}
 

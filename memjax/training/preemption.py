@@ -93,7 +93,7 @@ def stop_once_written(wait: Callable[[], None]):
             wait()
         except errors.UserError as error:
             early_sigterm.stop(f'{error.label}: {error}', error.exit_code)
-        early_sigterm.stop('Stopped by SIGTERM after training: the final checkpoint is written; the '
-                           'final validation runs when the same command is run again.')
+        early_sigterm.stop(f'Stopped by {early_sigterm.name()} after training: the final checkpoint is written; '
+                           'the final validation runs when the same command is run again.')
 
     return early_sigterm.diverted(finish)
