@@ -57,7 +57,8 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
         if 'Error whilst parsing config file' in str(error):  # get_config() raised: its own words.
             config_error = _config_error(OSError(str(error).strip()), argv)
             fail(config_error, config_error.label, config_error.exit_code)
-        fail(error, errors.UsageError.label, errors.UsageError.exit_code)
+        fail(errors.UsageError(f'{error}{_config_field_hint(str(error))}'), errors.UsageError.label,
+             errors.UsageError.exit_code)
     except (OSError, KeyError, AttributeError) as error:  # Raised by --config.a.b=v overrides.
         config_error = _config_error(error, argv)
         fail(config_error, config_error.label, config_error.exit_code)
@@ -83,6 +84,17 @@ def main(command: Callable[[list[str]], Any]) -> None:
             _exit_now(1)
 
     app.run(guarded, flags_parser=_parse_flags)
+
+
+def _config_field_hint(message: str) -> str:
+    """For an unknown flag that is a config field (`--num_steps=3`): where the field is."""
+    unknown = re.match(r"Unknown command line flag '(\w+)'", message)
+    if not unknown:
+        return ''
+    config = config_lib.base_config()
+    where = [f'--config.{section}.{unknown.group(1)}=...' for section, fields in config.items()
+             if isinstance(fields, ml_collections.ConfigDict) and unknown.group(1) in fields]
+    return f'; a config field is set as {" or ".join(where)}' if where else ''
 
 
 def _out_of_memory(error: Exception) -> errors.OutOfMemoryError:

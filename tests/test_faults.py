@@ -165,6 +165,10 @@ def test_every_checkpoint_damaged_stops_with_exit_3_until_the_user_starts_afresh
     # Not silently later either.
     code, stderr = run(command(workdir, corpus, data_dir, '--config.train.num_steps=12'), env)
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'holds the damaged steps 4, 8')
+    # Evaluation says where they went, not only "train first".
+    code, stderr = run(command(workdir, corpus, data_dir, module='memjax.evaluate'), env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'no readable checkpoint',
+                    f'{trainer.checkpoint_dir(workdir)}_damaged holds the damaged steps')
     shutil.move(trainer.checkpoint_dir(workdir) + '_damaged', str(tmp_path / 'kept'))
     code, stderr = run(command(workdir, corpus, data_dir, '--config.train.num_steps=4'), env)
     assert code == 0, stderr[-3000:]

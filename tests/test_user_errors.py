@@ -65,6 +65,9 @@ def test_unknown_field_unloadable_config_and_bad_flag_value(env):
     assert_one_line(code, stderr, errors.EXIT_USAGE, 'Usage error', 'batch_size')
     code, stderr = run([sys.executable, '-m', 'memjax.bench', 'no-such-suite'], env)
     assert_one_line(code, stderr, errors.EXIT_USAGE, "unknown benchmark suite 'no-such-suite'")
+    code, stderr = run(train + [f'--config={training_fixtures.TINY}', '--num_steps=3'], env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, "Unknown command line flag 'num_steps'",
+                    'set as --config.train.num_steps=...')
     code, stderr = run(train + [f'--config={training_fixtures.TINY}:extra'], env)
     assert_one_line(code, stderr, errors.EXIT_USAGE, 'takes 0 positional arguments', 'drop it')
     assert not os.path.exists('/nonexistent/never-created')

@@ -229,7 +229,11 @@ def newest_params(exp: Experiment, workdir: str) -> tuple[int, Any]:
         finally:
             ckpt.close()
     if found is None:
-        raise errors.CheckpointError(f'no readable checkpoint in {directory}: train first with '
+        why = ('every step there failed to restore (the log names each)' if checkpointing.has_checkpoints(directory)
+               else 'there is none')
+        damaged = f'{directory}_damaged'
+        aside = f'; {damaged} holds the damaged steps a training start set aside' if storage.listdir(damaged) else ''
+        raise errors.CheckpointError(f'no readable checkpoint in {directory}: {why}{aside}. Train first with '
                                      f'python -m memjax.train --workdir={workdir} ...')
     return found
 
