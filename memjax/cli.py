@@ -102,8 +102,8 @@ def _out_of_memory(error: Exception) -> errors.OutOfMemoryError:
     detail = re.search(r'Out of memory[^.\n]*', str(error))
     out_of_memory = errors.OutOfMemoryError(
         f'a step did not fit the device\'s memory ({detail.group(0) if detail else "RESOURCE_EXHAUSTED"}): '
-        'lower the batch size or tgt_len, raise config.train.grad_accum_steps, set config.model.remat=full, '
-        'or shard over more devices (config.mesh).')
+        'lower the batch size, tgt_len or mem_len (config.train, config.eval), in training raise '
+        'config.train.grad_accum_steps or set config.model.remat=full, or shard over more devices (config.mesh).')
     out_of_memory.__cause__ = error
     return out_of_memory
 

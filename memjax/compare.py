@@ -282,7 +282,8 @@ def main(argv):
     if len(argv) > 1:
         raise errors.UsageError(f'unexpected arguments: {argv[1:]}')
     config = cli.load_config(evaluate.CONFIG)
-    _check(config)
+    # Checked inside the run: resolving asks JAX for its devices, which must wait for the
+    # distributed run to be joined.
     report = cli.run(lambda: run_comparison(config, evaluate.WORKDIR.value))
     print(storage.read_text(os.path.join(evaluate.WORKDIR.value, 'comparison.md')))
     if report['failures']:  # A script or scheduler must not read a comparison with holes as done.

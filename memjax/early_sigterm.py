@@ -27,11 +27,10 @@ import sys
 import threading
 from typing import Callable, Iterator, Optional
 
-_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 INTERRUPTED = 130  # A shell's status for a command stopped by Ctrl-C.
 _reactions: list[Callable[[], None]] = []  # The innermost diversion answers.
 _cleanups: list[Callable[[], None]] = []  # Run before the default stop (a workdir lock).
-_state = {'installed': False, 'signal': None}
+_state = {'installed': False, 'signal': None, 'signals': set(), 'sigint_before': None}
 
 
 def install() -> None:
@@ -39,11 +38,15 @@ def install() -> None:
     else starts threads (memjax.train does, before its imports)."""
     if _state['installed'] or threading.current_thread() is not threading.main_thread():
         return
+    # A process started to ignore Ctrl-C (a shell's background job, nohup ... &) goes on ignoring it.
+    _state['sigint_before'] = signal.getsignal(signal.SIGINT)
+    ignored = _state['sigint_before'] is signal.SIG_IGN
+    _state['signals'] = {signal.SIGTERM} if ignored else {signal.SIGTERM, signal.SIGINT}
     # A thread started before this call (an import that starts one) still takes a signal: its
     # Python handler then answers in the main thread, the way it always could.
-    for signum in _SIGNALS:
+    for signum in _state['signals']:
         signal.signal(signum, lambda signum, frame: _react(signum))
-    signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    signal.pthread_sigmask(signal.SIG_BLOCK, _state['signals'])
     threading.Thread(target=_answer, daemon=True, name='memjax-sigterm').start()
     _state['installed'] = True
 
@@ -69,7 +72,7 @@ def status() -> int:
 
 def _answer() -> None:
     while True:
-        _react(signal.sigwait(_SIGNALS))
+        _react(signal.sigwait(_state['signals']))
 
 
 def _react(signum: int) -> None:
@@ -122,6 +125,6 @@ def hand_over() -> None:
     SIGINT to Python's KeyboardInterrupt; until then they stop the process as before."""
     if not _state['installed']:
         return
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+    signal.signal(signal.SIGINT, _state['sigint_before'])
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _state['signals'])
     _state['installed'] = False

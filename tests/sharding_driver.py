@@ -177,7 +177,9 @@ def main(workdir: str) -> None:
         batches = batches or train_batches(exp)
         state, memory, metrics = train(exp, steps, batches)
         results['meshes'][name] = dict(metrics_lists(metrics), layout=layout(exp, state, memory),
-                                       validation=validation(exp, steps, state.params))
+                                       validation=validation(exp, steps, state.params),
+                                       state_bytes={'train': trainer.state_bytes(exp, True),
+                                                    'eval': trainer.state_bytes(exp, False)})
         results['seconds'][name] = time.time() - start
     for memory in MEMORY_KINDS:
         start = time.time()

@@ -2,6 +2,9 @@
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -123,3 +126,24 @@ def test_a_second_ctrl_c_stops_at_once_with_130(monkeypatch):
     monkeypatch.setitem(early_sigterm._state, 'signal', None)
     early_sigterm._react(signal.SIGTERM)  # Outside the loop: the default stop, exit 0.
     assert stops[-1] == ('', None) and early_sigterm.status() == 0 and early_sigterm.name() == 'SIGTERM'
+
+
+@pytest.mark.parametrize('ignored', [False, True])
+def test_ctrl_c_before_the_loop_stops_with_130_unless_the_process_was_started_to_ignore_it(ignored):
+    script = textwrap.dedent(f'''
+        import os, signal, time
+        if {ignored}:  # As a shell starts a background job.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        from memjax import early_sigterm
+        early_sigterm.install()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(2)
+        print('still running')
+    ''')
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=60,
+                          cwd=training_fixtures.REPO)
+    if ignored:
+        assert done.returncode == 0 and 'still running' in done.stdout
+    else:
+        assert done.returncode == early_sigterm.INTERRUPTED and 'still running' not in done.stdout
+        assert 'Stopped by Ctrl-C outside the training loop: nothing new to save' in done.stderr

@@ -156,7 +156,10 @@ def test_a_folder_no_memjax_run_wrote_is_refused_and_its_files_are_left_as_they_
         workdir_lib.check(str(theirs), create=True)
     assert (theirs / 'config.json').read_text() == 'their own'
     workdir_lib.check(str(theirs), create=False)  # Evaluation writes only where it is told.
-    for marker in workdir_lib.MARKERS:  # A run's folder, at any stage, is accepted.
+    # A run's folder, at any stage, is accepted: the log of process 0, of another process (which
+    # may come first in a multi-process run), a gs:// run's stamped log, the lock, checkpoints.
+    for marker in ('memjax.log', 'memjax.process_3.log', 'memjax.20261127-052400.host.123.log',
+                   workdir_lib.LOCK_FILE, 'checkpoints'):
         run = tmp_path / f'run_{marker}'
         (run / marker).mkdir(parents=True)
         (run / 'config.json').write_text('{}')
@@ -168,14 +171,22 @@ def test_a_folder_no_memjax_run_wrote_is_refused_and_its_files_are_left_as_they_
 def test_a_runs_checkpoints_folder_or_step_named_as_workdir_points_at_the_run(tmp_path):
     (tmp_path / 'memjax.log').write_text('')
     (tmp_path / 'checkpoints' / '12').mkdir(parents=True)
-    for inside in ('checkpoints', 'checkpoints/12', 'checkpoints/'):
+    for inside in ('checkpoints', 'checkpoints/12', 'checkpoints/', 'checkpoints/new'):
         for create in (True, False):
             with pytest.raises(errors.WorkdirError, match=f'name the run.s own folder, --workdir={tmp_path}\\.'):
                 workdir_lib.check(str(tmp_path / inside) + ('/' if inside.endswith('/') else ''), create=create)
     assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['12']
-    other = tmp_path / 'data' / 'checkpoints'  # A folder of that name outside a run is any folder.
+    assert not os.path.exists(tmp_path / 'checkpoints' / 'new')  # Refused before anything is created.
+    other = tmp_path / 'data' / 'checkpoints'  # A folder of that name outside a run is any folder,
     other.mkdir(parents=True)
-    workdir_lib.check(str(other), create=True)
+    (other.parent / 'config.json').write_text('{}')  # even beside someone's config.json.
+    workdir_lib.check(str(other / 'run1'), create=True)
+    imported = tmp_path / 'imported'  # An imported workdir has no log: its config and tokenizer.
+    (imported / 'checkpoints' / '0').mkdir(parents=True)
+    for name in ('config.json', 'tokenizer.json'):
+        (imported / name).write_text('{}')
+    with pytest.raises(errors.WorkdirError, match='inside the checkpoints of the run'):
+        workdir_lib.check(str(imported / 'checkpoints'), create=False)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason='root may write into read-only folders')

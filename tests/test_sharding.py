@@ -108,6 +108,25 @@ def test_params_and_adam_moments_are_split_as_the_rules_say(driver, mesh):
     assert hidden['shard_shape'] == [2, 8 // (sizes['data'] * sizes['fsdp']), 8, 32]
 
 
+@pytest.mark.parametrize('mesh', SHARDED_MESHES)
+def test_the_state_size_check_counts_what_one_device_holds(driver, mesh):
+    layout, sizes = driver['meshes'][mesh]['layout'], driver['meshes'][mesh]['layout']['mesh']
+    counted = driver['meshes'][mesh]['state_bytes']
+    float32 = lambda shapes: 4 * sum(int(np.prod(shape)) for shape in shapes)
+    assert counted['train']['parameters'] == counted['eval']['parameters'] == float32(
+        param['shard_shape'] for param in layout['params'].values())
+    # Training's memory (hidden states) is split over the batch axes; evaluation's (the keys and
+    # values as projected, 'xl_cached') over the batch axes and, by its heads, over 'tensor'.
+    one = driver['meshes']['one_device']['state_bytes']
+    split = sizes['data'] * sizes['fsdp']
+    assert counted['train']['memory'] * split == pytest.approx(one['train']['memory'], rel=0.01)
+    # Keys and values: 2 x [2 layers, batch 8, mem 8, 4 heads, 8] float32; 'valid' and 'fresh': 2 x [8, 8] bool.
+    keys_values, masks = 2 * 2 * 8 * 8 * 4 * 8 * 4, 2 * 8 * 8
+    assert one['eval']['memory'] == keys_values + masks
+    assert counted['eval']['memory'] == keys_values // (split * sizes['tensor']) + masks // split
+    assert counted['eval']['optimizer state'] == 0 < counted['train']['optimizer state']
+
+
 def test_one_device_mesh_replicates(driver):
     layout = driver['meshes']['one_device']['layout']
     assert all(p['shard_shape'] == p['shape'] for p in layout['params'].values())

@@ -170,9 +170,11 @@ def _read_torch_bin(path: str) -> Mapping[str, Any]:
     try:
         state = torch.load(path, map_location='cpu', weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError, ValueError) as error:
+        advice = ('memjax never runs code from a checkpoint: re-save the weights as safetensors from code you trust'
+                  if isinstance(error, pickle.UnpicklingError) else 'the file is damaged or not torch\'s: download it '
+                  'again')
         raise CheckpointError(f'{path} is not a file of tensors this importer reads safely ({refusal(error)}); '
-                              'memjax never runs code from a checkpoint: re-save the weights as safetensors '
-                              'from code you trust.') from error
+                              f'{advice}.') from error
     if not isinstance(state, Mapping):
         raise CheckpointError(f'{path} holds a {type(state).__name__}, not a state dict (key -> tensor).')
     return state

@@ -78,6 +78,22 @@ def save_figure(figure, target: os.PathLike | str) -> None:
     write_bytes(target, buffer.getvalue())
 
 
+def append_text(target: os.PathLike | str, text: str) -> None:
+    """Adds `text` at the end of `target`: a local file in append mode (concurrent writers'
+    lines stay whole); an object, which cannot be appended to, rewritten with its content read
+    first (an object that exists but cannot be read raises rather than be replaced)."""
+    target = path(target)
+    if not is_remote(target):
+        with open(target, 'a', encoding='utf-8') as f:
+            f.write(text)
+        return
+    try:
+        before = target.read_text()
+    except FileNotFoundError:
+        before = ''
+    write_text(target, before + text)
+
+
 def read_text(source: os.PathLike | str) -> Optional[str]:
     """The text of `source`, or None when it does not exist or cannot be read."""
     try:

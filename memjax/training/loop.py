@@ -157,17 +157,25 @@ def device_memory_bytes(device: jax.Device) -> int:
     return host // max(1, len([d for d in jax.local_devices() if d.platform == device.platform]))
 
 
-def check_fits(exp: Experiment, training: bool, devices: list[jax.Device]) -> None:
-    """Raises OutOfMemoryError before anything is built when the state alone (training:
-    parameters, optimizer state and memory; evaluation: parameters and memory) exceeds a device's
-    memory: a mem_len or batch off by orders of magnitude, found in a second instead of at the
-    first allocation."""
+def state_bytes(exp: Experiment, training: bool) -> dict[str, int]:
+    """Bytes one device holds of the state: training's parameters, optimizer state and memory, or
+    evaluation's parameters and memory (config.eval's batch and memory)."""
     state, memory = abstract_state(exp)
     if not training:
-        memory = jax.eval_shape(lambda: exp.partitioner.init_memory(exp.eval_mcfg, exp.run.eval.batch_size))
+        shapes = jax.eval_shape(lambda: model_lib.init_memory(exp.eval_mcfg, exp.run.eval.batch_size))
+        memory = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                                        exp.partitioner.memory(exp.eval_mcfg, exp.run.eval.batch_size))
     held = {'parameters': state.params, 'optimizer state': state.opt_state if training else (), 'memory': memory}
-    need = {name: _bytes_per_device(tree) for name, tree in held.items()}
-    have = device_memory_bytes(devices[0])
+    return {name: _bytes_per_device(tree) for name, tree in held.items()}
+
+
+def check_fits(exp: Experiment, training: bool, devices: list[jax.Device]) -> None:
+    """Raises OutOfMemoryError before anything is built when the state alone exceeds a device's
+    memory: a mem_len or batch off by orders of magnitude, found in a second instead of at the
+    first allocation."""
+    need = state_bytes(exp, training)
+    # One of this process's own: another process's device cannot be asked (GPU, TPU).
+    have = device_memory_bytes(next(d for d in devices if d.process_index == jax.process_index()))
     if sum(need.values()) > have:
         gib = lambda n: f'{n / 2**30:,.1f} GiB' if n >= 2**30 else f'{n / 2**20:,.1f} MiB'
         parts = ', '.join(f'{name} {gib(n)}' for name, n in need.items() if n)
@@ -347,7 +355,10 @@ def write_result(path: str, payload: dict) -> None:
         folder, name = path.rpartition('/')[0], path.rpartition('/')[2]
         history = storage.join(folder, HISTORY_FILE) if folder else HISTORY_FILE
         line = json.dumps({'file': name, 'written': time.strftime('%Y-%m-%d %H:%M:%S'), **payload}, sort_keys=True)
-        storage.write_text(history, (storage.read_text(history) or '') + line + '\n')
+        try:
+            storage.append_text(history, line + '\n')
+        except (OSError, ValueError) as error:  # The result itself is written; its record is not worth a run.
+            logging.warning('Could not add the result to %s (%s: %s).', history, type(error).__name__, error)
 
 
 def read_json(path: str) -> Optional[Any]:

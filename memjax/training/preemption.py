@@ -96,4 +96,6 @@ def stop_once_written(wait: Callable[[], None]):
         early_sigterm.stop(f'Stopped by {early_sigterm.name()} after training: the final checkpoint is written; '
                            'the final validation runs when the same command is run again.')
 
-    return early_sigterm.diverted(finish)
+    # Off the signal thread, which must stay free to answer a second Ctrl-C while this waits.
+    return early_sigterm.diverted(
+        lambda: threading.Thread(target=finish, daemon=True, name='memjax-final-save').start())

@@ -32,8 +32,10 @@ HEARTBEAT_S = 60.0
 STALE_AFTER_S = 600.0
 
 
-# Names only memjax writes into a workdir: a folder holding none of them is not memjax's.
-MARKERS = ('memjax.log', LOCK_FILE, 'checkpoints')
+def is_marker(name: str) -> bool:
+    """Whether `name` is one only memjax writes into a workdir: a log of any process (on gs://
+    each run's own, stamped), the lock, the checkpoints. A folder holding none is not memjax's."""
+    return name in (LOCK_FILE, 'checkpoints') or (name.startswith('memjax') and name.endswith('.log'))
 
 
 def check(workdir: str, create: bool) -> None:
@@ -45,12 +47,17 @@ def check(workdir: str, create: bool) -> None:
     train_summary.json there, which would replace files of those names that are someone else's.
     """
     storage.require_support(workdir, '--workdir')
-    _check_not_checkpoints(workdir)
+    if storage.is_remote(workdir):
+        _check_remote(workdir, create)  # First: the bucket answers (credentials) before it is listed.
+        _check_not_checkpoints(workdir)
+    else:
+        _check_not_checkpoints(workdir)  # First: nothing is created inside a run's checkpoints.
+        _check_local(workdir, create)
     if create:
         _check_ours(workdir)
-    if storage.is_remote(workdir):
-        _check_remote(workdir, create)
-        return
+
+
+def _check_local(workdir: str, create: bool) -> None:
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise errors.WorkdirError(f'--workdir={workdir} is a file, not a folder: name a folder.')
     if not os.path.exists(workdir):
@@ -67,9 +74,17 @@ def check(workdir: str, create: bool) -> None:
                                   'choose another folder.')
 
 
+def _names(folder: str) -> list[str]:
+    try:
+        return storage.listdir(folder)
+    except OSError as error:
+        raise errors.WorkdirError(f'cannot list {folder} ({error.strerror or error}): fix its permissions or '
+                                  'choose another folder.') from None
+
+
 def _check_ours(workdir: str) -> None:
-    names = storage.listdir(workdir)
-    if names and not any(name in MARKERS for name in names):
+    names = _names(workdir)
+    if names and not any(is_marker(name) for name in names):
         shown = ', '.join(names[:3]) + (', ...' if len(names) > 3 else '')
         raise errors.WorkdirError(
             f'--workdir={workdir} holds files no memjax run wrote ({shown}): a run would write its '
@@ -77,13 +92,18 @@ def _check_ours(workdir: str) -> None:
             f'--workdir={storage.join(workdir, "run")}.')
 
 
+def _is_run(names: list[str]) -> bool:
+    """A run's folder: a log or the lock, or what an import writes (memjax.import_transfo_xl)."""
+    return any(is_marker(name) and name != 'checkpoints' for name in names) or {
+        'config.json', 'tokenizer.json'} <= set(names)
+
+
 def _check_not_checkpoints(workdir: str) -> None:
     """A run's checkpoints folder, or a step in it, named as a workdir: its parent is meant."""
     path = workdir.rstrip('/')
     for _ in range(2):  # The folder itself, or a step folder inside it.
         parent, _, name = path.rpartition('/')
-        if (name in ('checkpoints', 'checkpoints_damaged') and parent
-                and {'memjax.log', LOCK_FILE, 'config.json'} & set(storage.listdir(parent))):
+        if name in ('checkpoints', 'checkpoints_damaged') and parent and _is_run(_names(parent)):
             raise errors.WorkdirError(f'--workdir={workdir} is inside the checkpoints of the run in {parent}: '
                                       f'name the run\'s own folder, --workdir={parent}.')
         path = parent
