@@ -5,6 +5,7 @@ real command line instead of calling the trainer in the pytest process.
 """
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,14 +46,20 @@ def tiny_command(workdir: str, corpus: str, data_dir: str, *extra: str,
             f'--config.data.text_path={corpus}', f'--config.data.data_dir={data_dir}', *extra]
 
 
+def interruptible() -> None:
+    """A child's Ctrl-C as a terminal's: a test runner started in the background (`cmd &` in a
+    script) ignores SIGINT, and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """A started command whose stdout and stderr go to `log_path`."""
 
     def __init__(self, command: Sequence[str], env: dict, log_path: str):
         self.log_path = log_path
         self._log = open(log_path, 'w')
-        self.process = subprocess.Popen(command, env=env, stdout=self._log,
-                                        stderr=subprocess.STDOUT, cwd=training_fixtures.REPO)
+        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        cwd=training_fixtures.REPO, preexec_fn=interruptible)
 
     def log(self) -> str:
         with open(self.log_path) as f:

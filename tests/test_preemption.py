@@ -141,7 +141,7 @@ def test_ctrl_c_before_the_loop_stops_with_130_unless_the_process_was_started_to
         print('still running')
     ''')
     done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=60,
-                          cwd=training_fixtures.REPO)
+                          cwd=training_fixtures.REPO, preexec_fn=cli_fixtures.interruptible)
     if ignored:
         assert done.returncode == 0 and 'still running' in done.stdout
     else:

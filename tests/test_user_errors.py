@@ -230,7 +230,7 @@ def test_a_signal_during_start_up_stops_at_once(corpus, env, tmp_path, signum, c
                                         '--host_memory=off')
     process = subprocess.Popen(patched_train(_PAUSED_START) + command[3:], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=training_fixtures.REPO)
+                               cwd=training_fixtures.REPO, preexec_fn=cli_fixtures.interruptible)
     for line in process.stdout:  # TFDS prints its progress on stdout first.
         if line.strip() == 'PAUSED':
             break
