@@ -69,9 +69,12 @@ class TramsGrid:
 
 def _ints(name: str, values: Sequence[str]) -> tuple[int, ...]:
     try:
-        return tuple(int(v) for v in values)
+        ints = tuple(int(v) for v in values)
     except ValueError:
-        raise errors.UsageError(f'--{name}={",".join(values)} must be comma-separated integers.') from None
+        ints = ()
+    if not ints or min(ints) < 1:  # A size named by its flag, not by the model field it becomes.
+        raise errors.UsageError(f'--{name}={",".join(values)} must be comma-separated positive integers.')
+    return ints
 
 
 def trams_grid_from_flags() -> TramsGrid:
@@ -81,7 +84,7 @@ def trams_grid_from_flags() -> TramsGrid:
         name, _, value = item.partition('=')
         if name not in ('pool', 'select', 'segment', 'segment_pool'):
             raise errors.UsageError(f'--fixed={item}: name one of pool, select, segment, segment_pool.')
-        grid[name] = _ints('fixed', [value])[0]
+        grid[name] = _ints(f'fixed={name}', [value])[0]
     return TramsGrid(**grid)
 
 

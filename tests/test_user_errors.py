@@ -252,6 +252,10 @@ def test_an_unknown_sweep_is_one_line(env, tmp_path):
     code, stderr = run([sys.executable, '-m', 'memjax.sweep', 'tram', '--config=configs/tiny.py',
                         f'--workdir={tmp_path}'], env)
     assert_one_line(code, stderr, errors.EXIT_USAGE, "name exactly one sweep (one of ['trams'])")
+    for flag in ('--pools=-4,8', '--fixed=pool=0'):  # Named by the flag, not by the mem_len it becomes.
+        code, stderr = run([sys.executable, '-m', 'memjax.sweep', 'trams', '--config=configs/tiny.py',
+                            f'--workdir={tmp_path}', flag], env)
+        assert_one_line(code, stderr, errors.EXIT_USAGE, f'{flag} must be comma-separated positive integers')
 
 
 def test_help_lists_the_flags_users_set(env):
