@@ -61,6 +61,7 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
              errors.UsageError.exit_code)
     except (OSError, KeyError, AttributeError) as error:  # Raised by --config.a.b=v overrides.
         config_error = _config_error(error, argv)
+        config_error.__cause__ = error  # --verbose prints where it was raised.
         fail(config_error, config_error.label, config_error.exit_code)
     except Exception as error:  # pylint: disable=broad-except  (the config file's own code failed)
         config_error = _config_error(OSError(f'{type(error).__name__}: {error}'), argv)
@@ -125,11 +126,11 @@ def _load_hint(last: str) -> str:
 def _config_error(error: Exception, argv: Sequence[str] = ()) -> errors.ConfigError:
     """The ConfigError for what ml_collections raises while loading a config file: OSError for
     a file that does not load, KeyError/AttributeError (with a did-you-mean) for an unknown field."""
-    given = [a.split('=', 1)[1] for a in argv if a.startswith('--config=')]
-    where = f'--config={given[-1]}' if given else 'the --config file'
     if isinstance(error, AttributeError) and 'get_config' in str(error):
         error = OSError('it defines no get_config()')
     if isinstance(error, OSError):
+        files = [a.split('=', 1)[1] for a in argv if a.startswith('--config=')]
+        where = f'--config={files[-1]}' if files else 'the --config file'
         last = str(error).splitlines()[-1].strip()
         return errors.ConfigError(f'{where} does not load: {last.removeprefix("ValueError: ").rstrip(".")}'
                                   f'{_load_hint(last)}.')

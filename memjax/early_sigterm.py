@@ -122,7 +122,7 @@ def cleanup_on_stop(cleanup: Callable[[], None]):
 
 def hand_over() -> None:
     """Gives SIGTERM back to whoever installs a handler next (JAX's preemption service), and
-    SIGINT to Python's KeyboardInterrupt; until then they stop the process as before."""
+    SIGINT the handler it had before `install()`; until then they stop the process as before."""
     if not _state['installed']:
         return
     signal.signal(signal.SIGINT, _state['sigint_before'])

@@ -187,7 +187,6 @@ def check_fits(exp: Experiment, training: bool, devices: list[jax.Device]) -> No
             'mem_len or the batch size, shrink the model, or shard it over more devices (config.mesh).')
 
 
-
 def init_state(exp: Experiment, params: Any = None) -> tuple[train_step_lib.TrainState, Any]:
     """Step 0 with fresh (or the given) float32 parameters, fresh optimizer state and an empty
     memory, created in their shards."""
