@@ -20,8 +20,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.parametrize('extra', [{}, {'cutoffs': (64, 128), 'div_val': 2},
                                    {'memory': 'lamemo', 'n_layer': 2, 'mem_len': 24},
-                                   {'memory': 'lamemo', 'lamemo_look_ahead': False}],
-                         ids=['plain', 'adaptive', 'lamemo', 'lamemo_no_look_ahead'])
+                                   {'memory': 'lamemo', 'lamemo_look_ahead': False},
+                                   {'memory': 'infinity', 'segment_len': 16, 'ltm_basis': 24},
+                                   {'memory': 'infinity', 'segment_len': 16, 'ltm_basis': 24, 'ltm_sticky': True}],
+                         ids=['plain', 'adaptive', 'lamemo', 'lamemo_no_look_ahead', 'infinity', 'infinity_sticky'])
 def test_analytic_flops_match_xla_cost_analysis(extra):
     # Dropout off: XLA would also count its random-bit generation, which is not model work.
     mcfg = workload.model_config(None, **{**dict(d_model=64, n_layer=1, n_head=2, d_head=32, d_inner=256,

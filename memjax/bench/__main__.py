@@ -25,6 +25,8 @@ _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed runs; the median is repo
                                 '(default 5; tiny: 2).')
 flags.adopt_module_key_flags(cli)  # --host_memory, --verbose in --help.
 _LIST = flags.DEFINE_boolean('list', False, 'Print the available suites and exit.')
+_PARTS = flags.DEFINE_list('parts', [], 'Only these parts of a suite that has parts (accel: peak, peer, train, '
+                           'eval, methods, choices, probe); default: the suite\'s own.')
 
 
 def main(argv):
@@ -36,13 +38,13 @@ def main(argv):
                              f'got {argv[1:]}.')
     if _OUT.value:  # Before the measurement, which a bad path would otherwise throw away.
         workdir_lib.check_writable_file(_OUT.value)
-    harness.add_xla_flags(argv[1])
+    harness.prepare_environment(argv[1])
     cli.prepare_host_memory()
     tiny = _SIZE.value == 'tiny'
     ctx = harness.Context(
         size=_SIZE.value, config=cli.load_run(_CONFIG),
         warmup=_WARMUP.value if _WARMUP.value is not None else (1 if tiny else 2),
-        repeats=_REPEATS.value if _REPEATS.value is not None else (2 if tiny else 5))
+        repeats=_REPEATS.value if _REPEATS.value is not None else (2 if tiny else 5), parts=tuple(_PARTS.value))
     report = harness.run_suite(argv[1], ctx, command=['python', '-m', 'memjax.bench'] + sys.argv[1:])
     print(harness.report_text(report))
     if _OUT.value:

@@ -1,5 +1,9 @@
 """Analytic FLOP count of a Transformer-XL training step (the numerator of MFU).
 
+The infinity-former (memory='infinity') adds its long-term memory's work per layer: the gate over the
+rows leaving the short-term memory, the ridge refit of N coefficients, their key and value maps,
+the queries' scores against them, the mu / sigma maps and the read (`_ltm_flops`).
+
 LaMemo (memory='lamemo') adds the memory rows' work: every layer projects their output and runs
 their feed-forward (they go up the stack with the segment), and with look-ahead projects their
 queries and scores them against the W = min(M, T) window keys (positional scores: the newest W
@@ -102,8 +106,30 @@ def _look_ahead_distances(cfg: ModelConfig, tgt_len: int) -> tuple[int, int]:
     return w, w + (-(-cfg.mem_len // w) - 1) * (2 * w - 1)
 
 
+def _ltm_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float]:
+    """Per layer: the infinity-former's LTM (memjax.model.memories.infinity), S = segment rows
+    refit into N coefficients; sticky memories resample at `samples` points instead of the
+    static [N, N] map."""
+    n, d, inner = cfg.ltm_basis, cfg.d_model, cfg.n_head * cfg.d_head
+    samples = n if cfg.ltm_samples == -1 else cfg.ltm_samples
+    rows = batch * tgt_len
+    return {
+        'ltm_gate': 2.0 * rows * 3 * d * d,
+        'ltm_refit': 2.0 * rows * n * d,
+        'ltm_resample': 2.0 * batch * (2 * samples * n * d if cfg.ltm_sticky else n * n * d),
+        'ltm_kv_proj': 2 * 2.0 * batch * n * d * inner,
+        'ltm_scores': 2.0 * rows * n * inner,
+        'ltm_mu_sigma': 2 * 2.0 * rows * cfg.n_head * n,
+        'ltm_read': 2.0 * rows * n * inner,
+        'ltm_out_proj': 2.0 * rows * inner * d,
+    }
+
+
 def _memory_row_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float]:
-    """Per layer: LaMemo's memory rows (module docstring); nothing for other memories."""
+    """Per layer: LaMemo's memory rows (module docstring), the infinity-former's LTM; nothing for
+    other memories."""
+    if cfg.memory == 'infinity':
+        return _ltm_flops(cfg, batch, tgt_len)
     if cfg.memory != 'lamemo':
         return {}
     rows = batch * cfg.mem_len
@@ -126,6 +152,12 @@ def skipped_input_gradient_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> 
     inner = cfg.n_head * cfg.d_head
     memory_rows = 2 * 2.0 * batch * cfg.mem_len * cfg.d_model * inner  # keys and values
     sinusoids = 2.0 * (cfg.mem_len + tgt_len) * cfg.d_model * inner
+    if cfg.memory == 'infinity':
+        # The gate reads the carried rows (no input gradient), the ridge matrices are constants,
+        # and the old coefficients are carried state: their resampling has no backward at all.
+        ltm = _ltm_flops(cfg, batch, tgt_len)
+        constants = ltm['ltm_gate'] + ltm['ltm_refit'] + 2 * ltm['ltm_resample']
+        return cfg.n_layer * (memory_rows + sinusoids + constants)
     if cfg.memory != 'lamemo':
         return cfg.n_layer * (memory_rows + sinusoids)
     # LaMemo: only the first layer's memory rows (the stored embeddings) are constants.

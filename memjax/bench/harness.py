@@ -73,15 +73,18 @@ def get_suite(name: str) -> Callable[['Context'], 'SuiteResult']:
     return _SUITES[name]
 
 
-def add_xla_flags(name: str) -> None:
-    """Adds the XLA flags suite `name` declares (its module's XLA_FLAGS) to the environment; call it
-    before JAX starts its backend, which reads them once."""
+def prepare_environment(name: str) -> None:
+    """Adds the XLA flags suite `name` declares (its module's XLA_FLAGS) and the environment
+    variables it sets unless the user did (ENVIRONMENT); call it before JAX starts its backend,
+    which reads them once."""
     get_suite(name)
-    wanted = getattr(importlib.import_module(_module_name(name)), 'XLA_FLAGS', ())
+    module = importlib.import_module(_module_name(name))
     present = os.environ.get('XLA_FLAGS', '')
-    missing = [flag for flag in wanted if flag not in present.split()]
+    missing = [flag for flag in getattr(module, 'XLA_FLAGS', ()) if flag not in present.split()]
     if missing:
         os.environ['XLA_FLAGS'] = ' '.join([present, *missing]).strip()
+    for variable, value in getattr(module, 'ENVIRONMENT', {}).items():
+        os.environ.setdefault(variable, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +94,7 @@ class Context:
     config: Optional[config_lib.RunConfig] = None  # --config resolved; None: the suite's default.
     warmup: int = 2
     repeats: int = 5
+    parts: tuple[str, ...] = ()  # --parts: which parts of a suite that has them (its PARTS); (): its default.
 
     def __post_init__(self):
         if self.size not in SIZES:
@@ -368,6 +372,8 @@ def _jsonable(value: Any) -> Any:
 def run_suite(name: str, ctx: Context, command: Optional[Sequence[str]] = None) -> dict[str, Any]:
     """Runs suite `name` and returns the JSON-ready report (machine, config, rows, figures)."""
     suite = get_suite(name)
+    if ctx.parts and not hasattr(importlib.import_module(_module_name(name)), 'PARTS'):
+        raise BenchError(f'the {name} suite has no parts; leave out --parts.')
     started = datetime.datetime.now(datetime.timezone.utc)
     start = time.perf_counter()
     result = suite(ctx)

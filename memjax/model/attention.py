@@ -563,6 +563,9 @@ class RelativeAttention(nn.Module):
             if position is not None:
                 scores = scores + position
             scores = jnp.where(mask, scores * (cfg.d_head ** -0.5), jnp.finfo(jnp.float32).min)
+            # Scores, softmax and log-denominator in float32 under any compute dtype: exp() turns
+            # bf16's 0.4 % error in a score of 20 into 8 % in a weight; only the weights that
+            # multiply the values are rounded to it.
             probs, log_norm = jax.nn.softmax(scores, axis=-1), jax.nn.logsumexp(scores, axis=-1)
         # For analysis (memjax.analysis; a no-op unless applied with mutable=['intermediates']): what
         # the scores were made of, keys in attended order, the segment last.

@@ -19,7 +19,8 @@ _COMPUTE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _MEMORY_STARTS = ('empty', 'zeros')
 # Fields of every memory kind that shape no parameter: evaluation may override them
 # (config.eval.model), together with the kind's own `run_time_fields`.
-RUN_TIME_FIELDS = ('clamp_len', 'same_length')
+# compute_dtype among them: a float32-trained run evaluates in bfloat16 (docs/mixed_precision.md).
+RUN_TIME_FIELDS = ('clamp_len', 'same_length', 'compute_dtype')
 # Fields that act in training only (Skip-Retain, cross-head attention): evaluation runs with their
 # defaults, which switch them off.
 TRAINING_FIELDS = ('skip_rule', 'skip_p', 'skip_until', 'sch_beta')

@@ -27,7 +27,8 @@ MEMORIES = ('xl', 'lamemo')
 
 @harness.register('lamemo')
 def run(ctx: harness.Context) -> harness.SuiteResult:
-    roofline = peak.measure_peak(ctx)['peak_gflops_per_s']
+    measured_peak = peak.measure_peak(ctx)
+    roofline = measured_peak['peak_gflops_per_s']
     rows, figures = [], {}
     for name, shape, batch, seq in TINY if ctx.tiny else FULL:
         works, steps = {}, {}
@@ -48,7 +49,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
                 'step_ms': step_s * 1e3, 'tokens_per_s': batch * seq / step_s,
                 'gflop_per_step': model_flops / 1e9,
                 'xla_over_analytic': steps[memory].flops / model_flops if steps[memory].flops else float('nan'),
-                'mfu_percent': 100.0 * model_flops / step_s / 1e9 / roofline[mcfg.compute_dtype],
+                **peak.mfu_percents(model_flops / step_s / 1e9, mcfg.compute_dtype, measured_peak),
                 'forward_flops_by_part': flops.forward_flops(mcfg, batch, seq),
                 'timing': timings[memory].as_dict(), 'model': shape})
         xl, lamemo = rows[-2], rows[-1]

@@ -1,9 +1,14 @@
 """`peak`: measured matmul throughput of this machine at the model's matrix sizes.
 
 The best GFLOP/s over these shapes is the roofline the other suites divide by (MFU): a
-measured, not a datasheet, peak, so the ratio says how far the model is from what XLA's
-matmuls achieve here. bf16 runs use bf16 inputs with float32 accumulation
+measured peak, so the ratio says how far the model is from what XLA's matmuls achieve here;
+on an accelerator every row also gives its share of the chip's datasheet rate
+(`memjax.bench.chips`). bf16 runs use bf16 inputs with float32 accumulation
 (`preferred_element_type`), as the model's mixed-precision path does.
+
+A GPU or TPU is measured with squares of 4096^3 to 16384^3 as well: a 2048^3 product is over
+before an H100's 132 SMs are busy (118 TFLOP/s bf16 measured on an H200 whose 8192^3 product
+runs at ~790), so a peak taken from small shapes would flatter every MFU divided by it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from memjax.bench import chips
 from memjax.bench import harness
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
@@ -49,9 +55,17 @@ def measure(shape: tuple[int, int, int, int], dtype: str, ctx: harness.Context) 
     compiled = harness.compile_fn(matmul, lhs, rhs)
     timing = harness.time_fn(compiled.executable, lhs, rhs, warmup=ctx.warmup, repeats=ctx.repeats)
     flops = 2.0 * batch * m * k * n
+    chip = chips.datasheet(jax.devices()[0].device_kind)
     return {'dtype': dtype, 'batch': batch, 'm': m, 'k': k, 'n': n, 'gflop': flops / 1e9,
             'median_ms': timing.median_s * 1e3, 'gflops_per_s': flops / timing.median_s / 1e9,
+            'datasheet_percent': (100.0 * flops / timing.median_s / 1e12 / chip.tflops(dtype)
+                                  if chip else None),
             'timing': timing.as_dict()}
+
+
+def accelerator_sizes(ctx: harness.Context) -> bool:
+    """Whether to measure at the sizes that fill an accelerator (not on CPUs, not at --size=tiny)."""
+    return not ctx.tiny and jax.default_backend() != 'cpu'
 
 
 def measure_peak(ctx: harness.Context) -> dict[str, Any]:
@@ -64,13 +78,26 @@ def measure_peak(ctx: harness.Context) -> dict[str, Any]:
         # plus squares to see where this CPU's matmul throughput saturates.
         shapes = matmul_shapes(batch=4, tgt_len=256, mem_len=256, d_model=512, n_head=8, d_head=64,
                                d_inner=2048) + [_square(1024), _square(2048)]
+        if accelerator_sizes(ctx):
+            shapes += [_square(4096), _square(8192), _square(16384)]
     rows = []
     for dtype in DTYPES:
         for name, shape in shapes:
             ctx.log(f'peak: {dtype} {name}')
             rows.append({'matmul': name, **measure(shape, dtype, ctx)})
     best = {dtype: max(r['gflops_per_s'] for r in rows if r['dtype'] == dtype) for dtype in DTYPES}
-    return {'rows': rows, 'peak_gflops_per_s': best}
+    chip = chips.datasheet(jax.devices()[0].device_kind)
+    return {'rows': rows, 'peak_gflops_per_s': best,
+            'datasheet_gflops_per_s': {dtype: chip.tflops(dtype) * 1e3 if chip else None for dtype in DTYPES},
+            'chip': chip.name if chip else None}
+
+
+def mfu_percents(achieved_gflops_per_s: float, dtype: str, peak: dict[str, Any]) -> dict[str, Any]:
+    """MFU of a step against `measure_peak`'s measured peak and against the datasheet (None
+    without one), for the compute dtype."""
+    datasheet = peak['datasheet_gflops_per_s'][dtype]
+    return {'mfu_percent': 100.0 * achieved_gflops_per_s / peak['peak_gflops_per_s'][dtype],
+            'mfu_datasheet_percent': 100.0 * achieved_gflops_per_s / datasheet if datasheet else None}
 
 
 @harness.register('peak')
@@ -78,8 +105,11 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     peak = measure_peak(ctx)
     return harness.SuiteResult(
         rows=peak['rows'],
-        columns=('matmul', 'dtype', 'batch', 'm', 'k', 'n', 'gflop', 'median_ms', 'gflops_per_s'),
-        figures={f'peak_gflops_per_s_{dtype}': value for dtype, value in peak['peak_gflops_per_s'].items()},
+        columns=('matmul', 'dtype', 'batch', 'm', 'k', 'n', 'gflop', 'median_ms', 'gflops_per_s',
+                 'datasheet_percent'),
+        figures={**{f'peak_gflops_per_s_{dtype}': value for dtype, value in peak['peak_gflops_per_s'].items()},
+                 **{f'datasheet_gflops_per_s_{dtype}': value
+                    for dtype, value in peak['datasheet_gflops_per_s'].items()}, 'chip': peak['chip']},
         config={'accumulation': 'float32 (preferred_element_type)', 'jit': 'one jitted einsum per shape',
                 'flops_per_matmul': '2 * batch * m * k * n'},
         notes=['peak = the best median GFLOP/s over the shapes of that dtype; MFU elsewhere divides by '

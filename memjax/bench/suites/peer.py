@@ -27,11 +27,12 @@ What each side is allowed (identical unless stated):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -100,8 +101,9 @@ def jax_cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def build_pair(shape: Shape, vocab: Vocab, seed: int = 0) -> tuple[Any, model_lib.ModelConfig, dict]:
-    """A random HF model and the same model in memjax: (hf_model, memjax config, memjax params)."""
+def build_pair(shape: Shape, vocab: Vocab, seed: int = 0, device: str = 'cpu') -> tuple[Any, model_lib.ModelConfig, dict]:
+    """A random HF model on torch `device` and the same model in memjax: (hf_model, memjax config,
+    memjax params)."""
     torch, transformers = import_torch()
     torch.manual_seed(seed)
     with warnings.catch_warnings():  # TransfoXL is deprecated in transformers 4.37; it still works.
@@ -114,7 +116,7 @@ def build_pair(shape: Shape, vocab: Vocab, seed: int = 0) -> tuple[Any, model_li
         hf_model = transformers.TransfoXLLMHeadModel(hf_config)
     mcfg = convert.model_config_from_hf(hf_config)
     params = convert.params_from_hf_state_dict(hf_model.state_dict(), mcfg, source='HF peer model')
-    return hf_model, mcfg, jax.tree_util.tree_map(jnp.asarray, params)
+    return hf_model.to(device), mcfg, jax.tree_util.tree_map(jnp.asarray, params)
 
 
 def hf_param_count(hf_model) -> int:
@@ -139,6 +141,7 @@ def max_logprob_difference(hf_model, mcfg: model_lib.ModelConfig, params, tokens
     given explicitly, so its last position per segment is left out of the comparison.
     """
     torch, _ = import_torch()
+    device = next(hf_model.parameters()).device
     segments = (tokens.shape[1] - 1) // tgt_len
     apply = jax.jit(lambda p, x, m, y: model_lib.build_model(mcfg).apply({'params': p}, x, m, targets=y))
     memory, mems, worst = model_lib.init_memory(mcfg, tokens.shape[0]), None, 0.0
@@ -149,11 +152,12 @@ def max_logprob_difference(hf_model, mcfg: model_lib.ModelConfig, params, tokens
         with torch.no_grad():
             for s in range(segments):
                 inputs = tokens[:, s * tgt_len:(s + 1) * tgt_len]
-                out = hf_model(torch.as_tensor(inputs), mems=mems, labels=torch.as_tensor(inputs))
+                inputs_on_device = torch.as_tensor(inputs, device=device)
+                out = hf_model(inputs_on_device, mems=mems, labels=inputs_on_device)
                 mems = out.mems
                 mj, memory = apply(params, jnp.asarray(inputs, jnp.int32), memory,
                                    jnp.asarray(tokens[:, s * tgt_len + 1:(s + 1) * tgt_len + 1], jnp.int32))
-                diff = np.abs(np.asarray(mj.target_logprobs)[:, :-1] + out.losses.numpy()).max()
+                diff = np.abs(np.asarray(mj.target_logprobs)[:, :-1] + out.losses.float().cpu().numpy()).max()
                 worst = max(worst, float(diff))
     finally:
         hf_model.crit.keep_order = keep_order
@@ -181,46 +185,70 @@ def check_same_model(hf_model, mcfg: model_lib.ModelConfig, params, shape: Shape
 # The timed loops: each call advances one segment and carries the memory (and the weights).
 
 
-class HFTrainLoop:
-    """HF forward + backward + Adam on one segment per call, `mems` carried (HF detaches them)."""
+def torch_autocast(device, dtype: Optional[str]):
+    """`torch.autocast` to `dtype` ('bfloat16') on `device`'s kind, or nothing (dtype None): the
+    mixed precision PyTorch users train with (float32 weights, bf16 products)."""
+    torch, _ = import_torch()
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
-    def __init__(self, hf_model, forward: Callable, inputs):
+
+def _synchronize(device) -> None:
+    """Waits for `device`'s queued kernels: a CUDA call returns before its work is done, so a timed
+    step ends here (as memjax's ends at `jax.block_until_ready`)."""
+    torch, _ = import_torch()
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+class HFTrainLoop:
+    """HF forward + backward + Adam on one segment per call, `mems` carried (HF detaches them);
+    under `autocast` ('bfloat16') the products run in bf16, weights and Adam in float32."""
+
+    def __init__(self, hf_model, forward: Callable, inputs, autocast: Optional[str] = None):
         torch, _ = import_torch()
         self._model = hf_model
         self._forward = forward
         self._inputs = inputs
+        self._autocast = autocast
         self._optimizer = torch.optim.Adam(hf_model.parameters(), lr=LEARNING_RATE)
         self._mems = hf_model.transformer.init_mems(inputs.shape[0])
 
     def __call__(self) -> None:
         self._model.train()  # Dropout is 0, so train mode computes what eval mode computes.
-        out = self._forward(self._inputs, mems=self._mems, labels=self._inputs)
+        with torch_autocast(self._inputs.device, self._autocast):
+            out = self._forward(self._inputs, mems=self._mems, labels=self._inputs)
         out.loss.backward()
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
         self._mems = out.mems
+        _synchronize(self._inputs.device)
 
 
 class HFEvalLoop:
     """HF forward with target scores, no gradients, `mems` carried."""
 
-    def __init__(self, hf_model, forward: Callable, inputs):
+    def __init__(self, hf_model, forward: Callable, inputs, autocast: Optional[str] = None):
         self._model = hf_model
         self._forward = forward
         self._inputs = inputs
+        self._autocast = autocast
         self._mems = hf_model.transformer.init_mems(inputs.shape[0])
 
     def __call__(self) -> None:
         torch, _ = import_torch()
         self._model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), torch_autocast(self._inputs.device, self._autocast):
             self._mems = self._forward(self._inputs, mems=self._mems, labels=self._inputs).mems
+        _synchronize(self._inputs.device)
 
 
-def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape: Shape) -> dict[str, Any]:
+def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape: Shape,
+                 reprojecting: bool = True) -> dict[str, Any]:
     """Compiled memjax train and eval loops on the peer's weights and tokens: per mode (loop, compile
     seconds, the optimized HLO text, whose op names the profiler reports). 'eval' is the model
-    `memjax.evaluate` runs, 'eval_reprojecting' the trained kind's own."""
+    `memjax.evaluate` runs, 'eval_reprojecting' (unless not `reprojecting`) the trained kind's own."""
     inputs = jnp.asarray(tokens[:, :shape.tgt_len], jnp.int32)
     targets = jnp.asarray(tokens[:, 1:shape.tgt_len + 1], jnp.int32)
     tx = optax.adam(LEARNING_RATE)
@@ -233,16 +261,37 @@ def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape:
     train = workload.compile_step(work)
     loops = {'train': (workload.StepLoop(train.executable, work), train.lower_s + train.compile_s,
                        train.executable.as_text())}
-    for mode, eval_mcfg in (('eval', memories.evaluation_config(mcfg, {})), ('eval_reprojecting', mcfg)):
+    for mode, eval_mcfg in (('eval', memories.evaluation_config(mcfg, {})), ('eval_reprojecting', mcfg))[:1 + reprojecting]:
         evaluate, eval_loop = eval_speed.compile_eval(eval_mcfg, params, eval_speed.eval_batch(inputs, targets))
         loops[mode] = (eval_loop, evaluate.lower_s + evaluate.compile_s, evaluate.executable.as_text())
     return loops
 
 
-def hf_loops(hf_model, forward: Callable, tokens: np.ndarray, shape: Shape) -> dict[str, Any]:
+def _criterion_in_float32(hf_model) -> None:
+    """Runs HF's softmax layer outside autocast on float32 hidden states. CPU autocast leaves its
+    log_softmax in bf16, which HF's loss cannot write into its float32 buffer (CUDA autocast takes
+    log_softmax to float32 itself, so there the model runs unpatched)."""
     torch, _ = import_torch()
-    inputs = torch.as_tensor(tokens[:, :shape.tgt_len])
-    return {'train': HFTrainLoop(hf_model, forward, inputs), 'eval': HFEvalLoop(hf_model, forward, inputs)}
+    crit = hf_model.crit
+    if getattr(crit, 'memjax_float32', False):
+        return
+    original = crit.forward
+
+    def forward(hidden, labels=None, *args, **kwargs):
+        with torch.autocast(hidden.device.type, enabled=False):
+            return original(hidden.float(), labels, *args, **kwargs)
+
+    crit.forward, crit.memjax_float32 = forward, True
+
+
+def hf_loops(hf_model, forward: Callable, tokens: np.ndarray, shape: Shape,
+             autocast: Optional[str] = None) -> dict[str, Any]:
+    torch, _ = import_torch()
+    inputs = torch.as_tensor(tokens[:, :shape.tgt_len], device=next(hf_model.parameters()).device)
+    if autocast and inputs.device.type == 'cpu':
+        _criterion_in_float32(hf_model)
+    return {'train': HFTrainLoop(hf_model, forward, inputs, autocast),
+            'eval': HFEvalLoop(hf_model, forward, inputs, autocast)}
 
 
 def first_call_seconds(loop: Callable) -> float:

@@ -30,7 +30,8 @@ TINY_SIZES = (
 
 @harness.register('train')
 def run(ctx: harness.Context) -> harness.SuiteResult:
-    roofline = peak.measure_peak(ctx)['peak_gflops_per_s']
+    measured_peak = peak.measure_peak(ctx)
+    roofline = measured_peak['peak_gflops_per_s']
     rows = []
     for name, shape, batch, seq in TINY_SIZES if ctx.tiny else FULL_SIZES:
         mcfg = workload.model_config(ctx.config, mem_len=seq, **shape)
@@ -50,7 +51,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
             'xla_over_analytic': (measured['xla_flops'] / model_flops
                                   if measured['xla_flops'] else float('nan')),
             'achieved_gflops_per_s': achieved / 1e9,
-            'mfu_percent': 100.0 * achieved / 1e9 / peak_gflops,
+            **peak.mfu_percents(achieved / 1e9, mcfg.compute_dtype, measured_peak),
             'model_flops_per_step': model_flops, 'xla_flops_per_step': measured['xla_flops'],
             'forward_flops_by_part': flops.forward_flops(mcfg, batch, seq),
             'peak_gflops_per_s': peak_gflops, 'timing': measured['timing'],
@@ -61,7 +62,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
         rows=rows,
         columns=('size', 'params_M', 'dtype', 'batch', 'tgt_len', 'mem_len', 'compile_s', 'step_ms',
                  'tokens_per_s', 'mflop_per_token', 'xla_over_analytic', 'achieved_gflops_per_s',
-                 'mfu_percent'),
+                 'mfu_percent', 'mfu_datasheet_percent'),
         figures={
             'largest': largest['size'],
             'largest_tokens_per_s': largest['tokens_per_s'],
@@ -73,6 +74,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
                         'state/memory donated', 'dropout': workload.model_config(ctx.config).dropout,
                 'flops': 'memjax.bench.flops: matmuls of the forward pass x 3, less the input '
                          'gradients that never run',
-                'mfu_denominator': 'peak suite, best matmul GFLOP/s of the compute dtype, same run'},
+                'mfu_denominator': 'peak suite, best matmul GFLOP/s of the compute dtype, same run; '
+                                   'mfu_datasheet_percent: the chip\'s datasheet rate (memjax.bench.chips)'},
         notes=['xla_over_analytic > 1 is expected: XLA also counts element-wise work (dropout random '
                'bits, softmax, LayerNorm, Adam); with scan_layers its count covers one layer only.'])

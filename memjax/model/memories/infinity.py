@@ -260,11 +260,15 @@ class InfinityLayerMemory(LayerMemory):
         cfg = self.config
         kind = InfinityMemory(cfg)
         waiting = state['hidden'][:, :cfg.segment_len]
+        # The ridge fit (G solved in float64 once per shape) is applied in float32 at full precision
+        # under any compute dtype: the coefficients are refit from themselves every update, so a
+        # bf16 or TF32 rounding would compound over a document.
+        einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
         new = (waiting * nn.sigmoid(self.gate(waiting))).astype(jnp.float32)
         past_rows, new_rows = kind.update_matrices()
         fresh = kind.starts_afresh(shared)[:, None, None]
         g_new = jnp.where(fresh, kind.fresh_matrix(), new_rows)  # [B, S, N]
-        coefficients = jnp.einsum('bsn,bsd->bnd', g_new, new)
+        coefficients = einsum('bsn,bsd->bnd', g_new, new)
         old = state['coefficients']
         if cfg.ltm_sticky:
             positions = sticky_positions(self.make_rng('sticky'),
@@ -272,10 +276,10 @@ class InfinityLayerMemory(LayerMemory):
                                          kind.samples, cfg.ltm_sticky_within_bin)
             # Where the memory was sampled (apply(..., mutable='intermediates') to inspect or plot).
             self.sow('intermediates', 'sticky_positions', positions)
-            sampled = jnp.einsum('bmn,bnd->bmd', basis_values(positions, *kind.basis), old)
-            past = jnp.einsum('mn,bmd->bnd', past_rows, sampled)
+            sampled = einsum('bmn,bnd->bmd', basis_values(positions, *kind.basis), old)
+            past = einsum('mn,bmd->bnd', past_rows, sampled)
         else:  # Evenly spaced samples: sampling and refitting fold into one static [N, N] map.
-            past = jnp.einsum('nk,bkd->bnd', kind.even_resample_matrix(), old)
+            past = einsum('nk,bkd->bnd', kind.even_resample_matrix(), old)
         return coefficients + jnp.where(fresh, 0.0, past)
 
     def attend(self, state, shared, view):
@@ -297,6 +301,8 @@ class InfinityLayerMemory(LayerMemory):
         cfg = self.config
         scores = jnp.einsum('bthd,bnhd->bhtn', query, ltm['keys'],
                             preferred_element_type=jnp.float32) * cfg.d_head ** -0.5
+        # mu, sigma^2 and the Gaussian densities in float32: bf16 spaces mu's values near 1 by
+        # 2^-8 = 0.004, 40 % of the narrowest basis width (0.01), enough to move the read.
         mu = nn.sigmoid(self.mu(scores)[..., 0].astype(jnp.float32))  # [B, H, T]
         sigma2 = jnp.maximum(nn.softplus(self.sigma(scores)[..., 0].astype(jnp.float32)), cfg.ltm_min_variance)
         density = expected_basis(mu, sigma2, cfg.ltm_basis, cfg.ltm_widths)  # [B, H, T, N]

@@ -111,7 +111,11 @@ def look_ahead_position_scores(query: jax.Array, positions: jax.Array, project, 
 
 def interpolation_weight(log_prev: jax.Array, log_new: jax.Array, eps: float) -> jax.Array:
     """alpha = s_prev / (s_prev + s_new + eps) from log-denominators (eq. 11), in float32, shifted by
-    their maximum as the authors' code does (so eps acts on the shifted sums)."""
+    their maximum as the authors' code does (so eps acts on the shifted sums).
+
+    The denominators are carried as float32 logs under any compute dtype: a sum of exp(scores) over
+    M + T keys overflows float16 and bf16's range is no help to its 8-bit precision, and alpha is
+    re-applied every segment, so its error would compound in the memory."""
     top = jnp.maximum(log_prev, log_new)
     prev, new = jnp.exp(log_prev - top), jnp.exp(log_new - top)
     return prev / (prev + new + eps)
@@ -177,6 +181,9 @@ class LaMemoLayerMemory(LayerMemory):
                 alpha = interpolation_weight(log_prev, log_new, cfg.lamemo_eps)
                 self.sow('intermediates', 'alpha', alpha)  # memjax.analysis.lamemo.memorizing_coefficients
                 alpha = alpha.transpose(0, 2, 1)[..., None]
+                # Mixed in float32, rounded to the compute dtype once for the carried rows: a
+                # rounding per segment that alpha < 1 contracts, so it does not accumulate
+                # (tests/test_mixed_precision.py: the bf16 error flat over 40 segments).
                 context = alpha * prev.astype(jnp.float32) + (1.0 - alpha) * new.astype(jnp.float32)
             else:
                 context = new

@@ -25,6 +25,7 @@ training-free: it evaluates parameters trained as 'xl' (`runs_on`), with
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -54,12 +55,15 @@ class TramsFields(KindFields):
 
 def key_metric(keys: jax.Array, query_kernel: jax.Array, metric: str) -> jax.Array:
     """[B, N, H, Dh] keys, W_Q [d_model, H, Dh] -> [B, N, H] float32 rank of each row per head."""
+    # A ranking: near-ties decide which rows are kept, so it is float32 at full precision under any
+    # compute dtype (GPUs' default float32 product is TF32, 10-bit; the authors' PyTorch's is not).
     keys, query_kernel = keys.astype(jnp.float32), query_kernel.astype(jnp.float32)
-    total = jnp.einsum('bnhk,hk->bnh', keys, query_kernel.sum(axis=0))  # sum_d K'_d
+    einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
+    total = einsum('bnhk,hk->bnh', keys, query_kernel.sum(axis=0))  # sum_d K'_d
     if metric == 'paper':
         return total / jnp.sqrt(jnp.float32(query_kernel.shape[0]))
-    gram = jnp.einsum('dhk,dhl->hkl', query_kernel, query_kernel)  # W_Q^T W_Q per head
-    norm = jnp.sqrt(jnp.maximum(jnp.einsum('bnhk,hkl,bnhl->bnh', keys, gram, keys), 0.0))
+    gram = einsum('dhk,dhl->hkl', query_kernel, query_kernel)  # W_Q^T W_Q per head
+    norm = jnp.sqrt(jnp.maximum(einsum('bnhk,hkl,bnhl->bnh', keys, gram, keys), 0.0))
     return norm * jnp.abs(total)
 
 

@@ -1,0 +1,349 @@
+"""`accel`: memjax on one GPU or TPU, against the chip's datasheet and PyTorch on the same chip.
+
+One command for a lease of an accelerator (`launch/accel_lease.sh` runs it in one device call):
+
+- peak: bf16 and float32 (TF32 on GPUs) products up to 16384^3 beside the datasheet rate.
+- peer: HF `TransfoXLLMHeadModel` on the same device (CUDA PyTorch), at enwik8-base's shape:
+  eager with bf16 autocast and `torch.compile`, against memjax in bf16, training and evaluation.
+  Same weights: imported into memjax, parameter counts and float32 log-probs checked first.
+- train: Transformer-XL's training step at enwik8-base, wt103-large and enwik8-large, bf16 and
+  float32: compile seconds (persistent cache off), tokens/s, TFLOP/s, MFU against the datasheet
+  and the measured peak, the step's device memory.
+- eval: wt103-large's evaluation at the paper's protocol (tgt 128, mem 1600, clamp 1000,
+  same_length), the model `memjax.evaluate` runs.
+- methods: LaMemo / XL and infinity-former / XL training steps at wt103-base (bf16), timed
+  round-robin, beside their FLOPs ratios; and XL with d_head 48 against 41 (tensor-core tiles).
+- choices: at wt103-large bf16 (`largest`), the step unrolled (`scan_layers=False`), without donation, and
+  with `remat='dots_saveable'`, each against the train part's row.
+- probe: the wt103-large bf16 row alone, for A/B runs of XLA flags in separate processes.
+
+Rows print as they are measured (a lease may end mid-suite); `--parts` picks parts. The peer runs
+before the large steps because JAX's allocator keeps what it grew to, and PyTorch shares the chip.
+`--size=tiny` runs the same code on CPU at seconds-long shapes (the test suite).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from memjax import model as model_lib
+from memjax.bench import flops
+from memjax.bench import harness
+from memjax.bench import workload
+from memjax.bench.suites import eval_speed
+from memjax.bench.suites import peak
+from memjax.bench.suites import peer
+from memjax.model import memories
+
+PARTS = ('peak', 'peer', 'train', 'eval', 'methods', 'choices', 'probe')
+DEFAULT_PARTS = PARTS[:-1]
+# PyTorch allocates on the same chip in the peer part: JAX takes memory as it needs it instead of
+# 75 % of it up front. Read once, when JAX starts its backend (after this module is imported).
+ENVIRONMENT = {'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'}
+
+# The papers' shapes (configs/transformer_xl_*.py; tests/test_bench.py holds them to the files).
+# Batches are per chip: the papers' global batches ran over 4-64 chips. Each is the configs'
+# per-chip share where it fits an 80 GB card without remat (wt103-large 16 of 128, enwik8-large
+# 8 of 64), enwik8-base's whole 22; a step that does not fit is retried at half the batch.
+ENWIK8_BASE = dict(n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, vocab_size=204)
+WT103_BASE = dict(n_layer=16, d_model=410, n_head=10, d_head=41, d_inner=2100, vocab_size=267735,
+                  cutoffs=(20000, 40000, 200000), div_val=1, tie_projs=(False, True, True, True))
+WT103_LARGE = dict(n_layer=18, d_model=1024, n_head=16, d_head=64, d_inner=4096, vocab_size=267735,
+                   cutoffs=(20000, 40000, 200000), div_val=4, tie_projs=(False, True, True, True))
+ENWIK8_LARGE = dict(n_layer=24, d_model=1024, n_head=8, d_head=128, d_inner=3072, vocab_size=204)
+INFINITY = dict(memory='infinity', ltm_basis=150, ltm_widths=(0.01, 0.05), ltm_ridge=1.0, ltm_tau=0.5,
+                ltm_reset_tokens=900, ltm_min_variance=1e-6, ltm_kl_weight=1e-5, ltm_kl_sigma=0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    name: str
+    model: dict
+    batch: int
+    tgt_len: int  # = mem_len in training.
+
+
+TINY_MODEL = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, vocab_size=64)
+TINY_ADAPTIVE = dict(TINY_MODEL, vocab_size=300, cutoffs=(100, 200), div_val=2, tie_projs=(False, True, True))
+SETUPS = {
+    'full': dict(
+        train=(Step('enwik8-base', ENWIK8_BASE, 22, 512), Step('wt103-large', WT103_LARGE, 16, 384),
+               Step('enwik8-large', ENWIK8_LARGE, 8, 768)),
+        largest=Step('wt103-large', WT103_LARGE, 16, 384),
+        eval=Step('wt103-large', WT103_LARGE, 16, 128), eval_model=dict(mem_len=1600, clamp_len=1000, same_length=True),
+        methods=Step('wt103-base', WT103_BASE, 32, 150),
+        peer=peer.Shape(n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=512, mem_len=512,
+                        batch_size=22),
+        peer_vocab=peer.Vocab('enwik8 bytes', 204, (), 1), aligned_d_head=48),
+    'tiny': dict(
+        train=(Step('2x32 adaptive', TINY_ADAPTIVE, 2, 8),), largest=Step('2x32 adaptive', TINY_ADAPTIVE, 2, 8),
+        eval=Step('2x32', TINY_MODEL, 2, 4), eval_model=dict(mem_len=12, clamp_len=6, same_length=True),
+        methods=Step('2x32', TINY_MODEL, 2, 8),
+        peer=peer.SHAPES['tiny'], peer_vocab=peer.VOCABS['tiny'][0], aligned_d_head=24),
+}
+COLUMNS = ('part', 'case', 'dtype', 'batch', 'tgt_len', 'mem_len', 'compile_s', 'step_ms', 'tokens_per_s',
+           'tflops_per_s', 'mfu_datasheet_percent', 'mfu_percent', 'step_memory_gib', 'vs', 'ratio', 'flops_ratio')
+GIB = 2.0 ** 30
+
+
+def _memory_limit() -> Optional[int]:
+    """Bytes the first device may allocate (None where the backend does not say: CPUs)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get('bytes_limit')
+
+
+def _step_memory(compiled: harness.Compiled) -> int:
+    """Bytes a call of the compiled step holds at its peak: its arguments, its temporaries and the
+    outputs that do not reuse a donated argument (XLA's own buffer assignment)."""
+    m = compiled.memory()
+    return m['argument_size_bytes'] + m['temp_size_bytes'] + m['output_size_bytes'] - m['alias_size_bytes']
+
+
+def _out_of_memory(error: Exception) -> bool:
+    return 'RESOURCE_EXHAUSTED' in str(error) or 'out of memory' in str(error).lower()
+
+
+class Suite:
+    """The rows measured so far and what every part divides by."""
+
+    def __init__(self, ctx: harness.Context):
+        self.ctx = ctx
+        self.setup = SETUPS[ctx.size]
+        self.rows: list[dict[str, Any]] = []
+        self.peak: Optional[dict[str, Any]] = None
+        self.notes: list[str] = []
+
+    def add(self, row: dict[str, Any]) -> dict[str, Any]:
+        self.rows.append(row)
+        shown = ', '.join(f'{c}={harness.format_value(row.get(c))}' for c in COLUMNS if row.get(c) is not None)
+        self.ctx.log(f'accel row: {shown}')
+        return row
+
+    def throughput(self, part: str, case: str, mcfg: model_lib.ModelConfig, batch: int, tgt_len: int,
+                   step_s: float, model_flops: float, compiled: Optional[harness.Compiled], **extra) -> dict:
+        """A row of a timed step: tokens/s, TFLOP/s and MFU against the datasheet and the peak."""
+        achieved = model_flops / step_s / 1e9
+        mfu = peak.mfu_percents(achieved, mcfg.compute_dtype, self.peak) if self.peak else {}
+        return {'part': part, 'case': case, 'dtype': mcfg.compute_dtype, 'batch': batch, 'tgt_len': tgt_len,
+                'mem_len': mcfg.mem_len, 'step_ms': step_s * 1e3, 'tokens_per_s': batch * tgt_len / step_s,
+                'tflops_per_s': achieved / 1e3, 'model_flops_per_step': model_flops,
+                'compile_s': compiled.lower_s + compiled.compile_s if compiled else None,
+                'step_memory_gib': _step_memory(compiled) / GIB if compiled else None,
+                'scan_layers': mcfg.scan_layers, 'remat': mcfg.remat, 'model': mcfg.as_dict(), **mfu, **extra}
+
+    # ------------------------------------------------------------------------------------------
+
+    def measure_peak(self) -> None:
+        self.peak = peak.measure_peak(self.ctx)
+        for row in self.peak['rows']:
+            self.add({'part': 'peak', 'case': row['matmul'], 'dtype': row['dtype'],
+                      'step_ms': row['median_ms'], 'tflops_per_s': row['gflops_per_s'] / 1e3,
+                      'mfu_datasheet_percent': row['datasheet_percent'], 'timing': row['timing']})
+
+    def compile_fitting(self, mcfg: model_lib.ModelConfig, batch: int, tgt_len: int, donate: bool = True):
+        """(workload, compiled step) at `batch`, halved (at most twice) while XLA's buffer assignment
+        says the step does not fit the device."""
+        limit = _memory_limit()
+        for _ in range(3):
+            work = workload.build(mcfg, batch, tgt_len, self.ctx.config)
+            compiled = workload.compile_step(work, donate=donate)
+            if limit is None or _step_memory(compiled) <= limit or batch == 1:
+                return work, compiled
+            self.ctx.log(f'accel: batch {batch} needs {_step_memory(compiled) / GIB:.1f} GiB of '
+                         f'{limit / GIB:.1f}; trying {batch // 2}')
+            batch //= 2
+        return work, compiled
+
+    def train_row(self, part: str, step: Step, dtype: str, vs: Optional[dict] = None, donate: bool = True,
+                  **fields) -> Optional[dict]:
+        """Compiles and times one training step; a step out of device memory is a row saying so."""
+        mcfg = workload.model_config(self.ctx.config, mem_len=step.tgt_len, compute_dtype=dtype, dropout=0.0,
+                                     dropatt=0.0, **{'scan_layers': True, **step.model, **fields})
+        case = step.name + ''.join(f' {k}={v}' for k, v in fields.items()) + ('' if donate else ' not donated')
+        self.ctx.log(f'accel: {part} {case} {dtype} batch {step.batch} tgt = mem = {step.tgt_len}')
+        try:
+            work, compiled = self.compile_fitting(mcfg, step.batch, step.tgt_len, donate)
+            loop = workload.StepLoop(compiled.executable, work)
+            timing = harness.time_fn(loop, warmup=self.ctx.warmup, repeats=self.ctx.repeats)
+        except Exception as error:  # pylint: disable=broad-except
+            if not _out_of_memory(error):
+                raise
+            return self.add({'part': part, 'case': case, 'dtype': dtype, 'batch': step.batch,
+                             'error': f'out of device memory: {str(error)[:200]}'})
+        row = self.throughput(part, case, mcfg, work.batch_size, step.tgt_len, timing.median_s,
+                              flops.train_step_flops(mcfg, work.batch_size, step.tgt_len), compiled,
+                              donated=donate, xla_flops_per_step=compiled.flops, timing=timing.as_dict())
+        if vs is not None and 'step_ms' in vs:
+            row.update(vs=vs['case'], ratio=row['step_ms'] / vs['step_ms'] * vs['batch'] / row['batch'])
+        device = jax.devices()[0].memory_stats() or {}
+        row['device_peak_gib_so_far'] = device['peak_bytes_in_use'] / GIB if 'peak_bytes_in_use' in device else None
+        return self.add(row)
+
+    def train(self) -> None:
+        for step in self.setup['train']:
+            for dtype in ('bfloat16', 'float32'):
+                self.train_row('train', step, dtype)
+
+    def evaluation(self) -> None:
+        step = self.setup['eval']
+        for dtype in ('bfloat16', 'float32'):
+            trained = workload.model_config(self.ctx.config, mem_len=step.tgt_len, compute_dtype=dtype,
+                                            dropout=0.0, dropatt=0.0, scan_layers=True, **step.model)
+            mcfg = memories.evaluation_config(trained, self.setup['eval_model'], segment_len=step.tgt_len)
+            self.ctx.log(f'accel: eval {step.name} {dtype} ({mcfg.memory}, mem {mcfg.mem_len}, batch {step.batch})')
+            params = model_lib.init_params(trained, jax.random.PRNGKey(0))
+            tokens = jax.random.randint(jax.random.PRNGKey(1), (step.batch, step.tgt_len + 1), 0, trained.vocab_size)
+            compiled, loop = eval_speed.compile_eval(mcfg, params, eval_speed.eval_batch(tokens[:, :-1], tokens[:, 1:]))
+            timing = harness.time_fn(loop, warmup=self.ctx.warmup, repeats=self.ctx.repeats)
+            model_flops = sum(flops.forward_flops(mcfg, step.batch, step.tgt_len).values())
+            self.add(self.throughput('eval', f'{step.name} {mcfg.memory} clamp {mcfg.clamp_len} same_length',
+                                     mcfg, step.batch, step.tgt_len, timing.median_s, model_flops, compiled,
+                                     timing=timing.as_dict()))
+
+    def methods(self) -> None:
+        """LaMemo and the infinity-former against XL, timed round-robin at one shape and batch."""
+        step = self.setup['methods']
+        kinds = {'xl': {}, 'lamemo': {'memory': 'lamemo'},
+                 'infinity': {**INFINITY, 'segment_len': step.tgt_len,
+                              **({'ltm_basis': 8, 'ltm_widths': (0.05, 0.1)} if self.ctx.tiny else {})}}
+        loops, compiled, works = {}, {}, {}
+        for name, fields in kinds.items():
+            mcfg = workload.model_config(self.ctx.config, mem_len=step.tgt_len, compute_dtype='bfloat16',
+                                         dropout=0.0, dropatt=0.0, scan_layers=True, **step.model, **fields)
+            self.ctx.log(f'accel: methods {step.name} {name} batch {step.batch}')
+            works[name] = workload.build(mcfg, step.batch, step.tgt_len, self.ctx.config)
+            compiled[name] = workload.compile_step(works[name])
+            loops[name] = workload.StepLoop(compiled[name].executable, works[name])
+        timings = harness.time_interleaved(loops, warmup=self.ctx.warmup, repeats=self.ctx.repeats)
+        flop_counts = {n: flops.train_step_flops(works[n].mcfg, step.batch, step.tgt_len) for n in kinds}
+        for name in kinds:
+            self.add(self.throughput(
+                'methods', f'{step.name} {name}', works[name].mcfg, step.batch, step.tgt_len, timings[name].median_s,
+                flop_counts[name], compiled[name], vs=f'{step.name} xl',
+                ratio=timings[name].median_s / timings['xl'].median_s,
+                flops_ratio=flop_counts[name] / flop_counts['xl'], timing=timings[name].as_dict()))
+        # The head dim the tensor cores tile (a multiple of 16): what wt103-base's 41 costs.
+        xl = self.rows[-3]
+        self.train_row('methods', step, 'bfloat16', vs=xl, d_head=self.setup['aligned_d_head'])
+
+    def choices(self) -> None:
+        """The step's build choices at the largest wt103 shape, each against the train part's row."""
+        step = self.setup['largest']
+        base = next((r for r in self.rows if r['part'] in ('train', 'probe') and r['case'] == step.name
+                     and r['dtype'] == 'bfloat16' and 'step_ms' in r), None)
+        base = base or self.train_row('probe', step, 'bfloat16')
+        self.train_row('choices', step, 'bfloat16', vs=base, scan_layers=False)
+        self.train_row('choices', step, 'bfloat16', vs=base, donate=False)
+        self.train_row('choices', step, 'bfloat16', vs=base, remat='dots_saveable')
+
+    def probe(self) -> None:
+        self.train_row('probe', self.setup['largest'], 'bfloat16')
+
+    def peer(self) -> None:
+        """memjax against HF on the same device in bf16 (autocast on the PyTorch side)."""
+        torch, transformers = peer.import_torch()
+        device = 'cuda' if jax.default_backend() == 'gpu' and torch.cuda.is_available() else 'cpu'
+        shape, vocab = self.setup['peer'], self.setup['peer_vocab']
+        self.ctx.log(f'accel: peer {vocab.name} on torch {device}: building HF model, importing, checking log-probs')
+        hf_model, mcfg, params = peer.build_pair(shape, vocab, device=device)
+        with jax.default_matmul_precision('float32'):  # The check at float32, not TF32, on both sides.
+            check = peer.check_same_model(hf_model, mcfg, params, shape)
+        tokens = peer.random_tokens(vocab.vocab_size, shape.batch_size, shape.tgt_len + 1, seed=2)
+        bf16 = mcfg.replace(compute_dtype='bfloat16')
+        ours = peer.memjax_loops(bf16, params, tokens, shape, reprojecting=False)
+        impls = {'hf_eager': hf_model}
+        if not self.ctx.tiny:  # torch.compile takes minutes; the CPU test suite cannot wait.
+            impls['hf_compiled'] = torch.compile(hf_model)
+        theirs = {impl: peer.hf_loops(hf_model, forward, tokens, shape, autocast='bfloat16')
+                  for impl, forward in impls.items()}
+        for mode in ('train', 'eval'):
+            calls, compile_s = {'memjax': ours[mode][0]}, {'memjax': ours[mode][1]}
+            for impl in impls:
+                self.ctx.log(f'accel: peer {impl} {mode}: first call')
+                try:
+                    compile_s[impl] = peer.first_call_seconds(theirs[impl][mode])
+                    calls[impl] = theirs[impl][mode]
+                except Exception as error:  # pylint: disable=broad-except  (torch.compile failures vary)
+                    if impl == 'hf_eager':
+                        raise
+                    self.notes.append(f'torch.compile failed in {mode}: {type(error).__name__}: {str(error)[:300]}')
+            timings = harness.time_interleaved(calls, warmup=max(self.ctx.warmup - 1, 0), repeats=self.ctx.repeats,
+                                               settle=1)
+            model_flops = (flops.train_step_flops(mcfg, shape.batch_size, shape.tgt_len) if mode == 'train'
+                           else sum(flops.forward_flops(mcfg, shape.batch_size, shape.tgt_len).values()))
+            for impl, timing in timings.items():
+                row = self.throughput('peer', f'{vocab.name} {mode} {impl}', bf16, shape.batch_size, shape.tgt_len,
+                                      timing.median_s, model_flops, None, timing=timing.as_dict(), **check)
+                row.update(compile_s=compile_s[impl], vs=f'{mode} {impl}',
+                           ratio=timing.median_s / timings['memjax'].median_s)  # memjax's speed-up over it.
+                self.add(row)
+        self.notes.append(f'peer: torch {torch.__version__} on {device}, transformers {transformers.__version__}; '
+                          'HF under torch.autocast(bfloat16), memjax compute_dtype=bfloat16; '
+                          f'log-probs agreed to {check["max_abs_logprob_diff"]:.2g} in float32 before timing; '
+                          'ratio = the row\'s step time over memjax\'s (memjax\'s speed-up).')
+        del impls, theirs, hf_model
+        if device == 'cuda':
+            torch.cuda.empty_cache()  # Back to the large steps' allocator.
+
+
+def _parts(ctx: harness.Context) -> tuple[str, ...]:
+    unknown = sorted(set(ctx.parts) - set(PARTS))
+    if unknown:
+        raise harness.BenchError(f'--parts has {unknown}; the accel suite\'s parts are {list(PARTS)}.')
+    return tuple(p for p in PARTS if p in ctx.parts) if ctx.parts else DEFAULT_PARTS
+
+
+@harness.register('accel')
+def run(ctx: harness.Context) -> harness.SuiteResult:
+    parts = _parts(ctx)
+    suite = Suite(ctx)
+    started = time.perf_counter()
+    cache = jax.config.jax_enable_compilation_cache
+    # Compile seconds are figures here: a compilation served from a persistent cache is not one.
+    jax.config.update('jax_enable_compilation_cache', False)
+    try:
+        if 'peak' in parts or set(parts) & {'train', 'eval', 'methods', 'choices', 'probe'}:
+            suite.measure_peak()  # Every MFU's denominator: measured first, in the same process.
+        for part in parts:
+            if part != 'peak':
+                getattr(suite, 'evaluation' if part == 'eval' else part)()
+    finally:
+        jax.config.update('jax_enable_compilation_cache', cache)
+    figures = {'chip': suite.peak['chip'] if suite.peak else None, 'parts': list(parts),
+               'wall_s': time.perf_counter() - started,
+               'persistent_compilation_cache': 'off', 'device_memory_limit_gib':
+                   _memory_limit() / GIB if _memory_limit() else None}
+    if suite.peak:
+        for dtype in peak.DTYPES:
+            figures[f'peak_tflops_per_s_{dtype}'] = suite.peak['peak_gflops_per_s'][dtype] / 1e3
+            sheet = suite.peak['datasheet_gflops_per_s'][dtype]
+            figures[f'datasheet_tflops_per_s_{dtype}'] = sheet / 1e3 if sheet else None
+    for row in suite.rows:
+        if row['part'] in ('train', 'eval') and 'mfu_datasheet_percent' in row:
+            figures[f"{row['part']} {row['case']} {row['dtype']} mfu_datasheet_percent"] = row['mfu_datasheet_percent']
+        if row['part'] in ('methods', 'peer', 'choices') and row.get('ratio') is not None and row['ratio'] != 1.0:
+            figures[f"{row['case']} ratio"] = row['ratio']
+    return harness.SuiteResult(
+        rows=suite.rows, columns=COLUMNS, figures=figures,
+        config={'parts': list(parts), 'setup': {k: (dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v)
+                                                 for k, v in suite.setup.items() if not isinstance(v, tuple)},
+                'train_steps': [dataclasses.asdict(s) for s in suite.setup['train']],
+                'environment': {k: os.environ.get(k) for k in ENVIRONMENT},
+                'step': 'memjax.bench.workload train step (forward, backward, clip + Adam), state donated unless '
+                        'said, dropout 0, scan_layers unless said',
+                'flops': 'memjax.bench.flops (model FLOPs; MFU counts no recomputation)'},
+        notes=suite.notes + [
+            'mfu_datasheet_percent: against the chip\'s dense rate for the dtype (memjax.bench.chips; float32 = '
+            'TF32 on GPUs, what a default-precision float32 product runs); mfu_percent: against the best product '
+            'of the peak part in this process.',
+            'step_memory_gib: XLA\'s buffer assignment for one call (arguments + temporaries + outputs not '
+            'aliased to a donated argument).',
+            'methods ratio: step time over XL\'s, flops_ratio the FLOPs\'; choices ratio: per-token time over '
+            'the train part\'s row; peer ratio: memjax\'s speed-up over the row.'])

@@ -1,0 +1,156 @@
+"""The `accel` suite at --size=tiny on CPU (the code a GPU lease runs), the datasheet table and the
+MFU arithmetic: every figure is recomputed here from what the row says it measured."""
+
+import importlib.util
+import os
+
+import jax
+import pytest
+
+from memjax import config_lib
+from memjax.bench import chips
+from memjax.bench import flops
+from memjax.bench import harness
+from memjax.bench import workload
+from memjax.bench.suites import accel
+from memjax.bench.suites import peak
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ('torch', 'transformers'))
+pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning', 'ignore::FutureWarning',
+                                        'ignore::UserWarning')
+
+
+@pytest.fixture(scope='module')
+def report():
+    parts = () if HAVE_TORCH else tuple(p for p in accel.DEFAULT_PARTS if p != 'peer')
+    cache = jax.config.jax_enable_compilation_cache
+    result = harness.run_suite('accel', harness.Context(size='tiny', warmup=0, repeats=1, parts=parts),
+                               command=['test'])
+    assert jax.config.jax_enable_compilation_cache == cache  # Turned off for the suite only.
+    return result
+
+
+def rows(report, part):
+    return [r for r in report['rows'] if r['part'] == part]
+
+
+def test_every_part_runs_and_reports_its_rows(report):
+    want = set(accel.DEFAULT_PARTS) - (set() if HAVE_TORCH else {'peer'})
+    assert {r['part'] for r in report['rows']} == want
+    assert not [r for r in report['rows'] if 'error' in r]
+    assert report['figures']['persistent_compilation_cache'] == 'off'
+
+
+def test_throughput_rows_are_their_own_arithmetic(report):
+    """tokens/s, TFLOP/s and MFU follow from each row's step time, FLOPs and the peak part's best
+    product of the same dtype; no datasheet MFU on a CPU."""
+    best = {dtype: max(r['tflops_per_s'] for r in rows(report, 'peak') if r['dtype'] == dtype)
+            for dtype in peak.DTYPES}
+    assert best['float32'] * 1e3 == pytest.approx(report['figures']['peak_tflops_per_s_float32'] * 1e3)
+    timed = [r for r in report['rows'] if r['part'] != 'peak']
+    assert timed
+    for r in timed:
+        step_s = r['step_ms'] / 1e3
+        assert r['tokens_per_s'] == pytest.approx(r['batch'] * r['tgt_len'] / step_s)
+        assert r['tflops_per_s'] == pytest.approx(r['model_flops_per_step'] / step_s / 1e12)
+        assert r['mfu_percent'] == pytest.approx(100 * r['tflops_per_s'] / best[r['dtype']])
+        assert r['mfu_datasheet_percent'] is None
+    for r in rows(report, 'train') + rows(report, 'eval') + rows(report, 'methods') + rows(report, 'choices'):
+        assert r['step_memory_gib'] > 0 and r['compile_s'] > 0
+
+
+def test_train_rows_count_the_model_flops_of_both_dtypes(report):
+    train = rows(report, 'train')
+    assert {r['dtype'] for r in train} == {'bfloat16', 'float32'}
+    for r in train:
+        mcfg = workload.model_config(None, **r['model'])
+        assert mcfg.scan_layers and mcfg.mem_len == r['tgt_len']
+        assert r['model_flops_per_step'] == flops.train_step_flops(mcfg, r['batch'], r['tgt_len'])
+
+
+def test_eval_rows_run_the_papers_protocol_on_the_evaluation_model(report):
+    setup = accel.SETUPS['tiny']
+    for r in rows(report, 'eval'):
+        mcfg = workload.model_config(None, **r['model'])
+        assert (mcfg.memory, mcfg.mem_len, mcfg.clamp_len, mcfg.same_length) == (
+            'xl_cached', setup['eval_model']['mem_len'], setup['eval_model']['clamp_len'], True)
+        assert r['model_flops_per_step'] == sum(flops.forward_flops(mcfg, r['batch'], r['tgt_len']).values())
+
+
+def test_methods_ratios_are_against_xl_at_the_same_shape(report):
+    methods = {r['case'].split()[-1]: r for r in rows(report, 'methods')}
+    assert set(methods) == {'xl', 'lamemo', 'infinity', f"d_head={accel.SETUPS['tiny']['aligned_d_head']}"}
+    xl = methods['xl']
+    for name in ('lamemo', 'infinity'):
+        r = methods[name]
+        assert workload.model_config(None, **r['model']).memory == name
+        assert r['ratio'] == pytest.approx(r['step_ms'] / xl['step_ms'])
+        assert r['flops_ratio'] == pytest.approx(r['model_flops_per_step'] / xl['model_flops_per_step'])
+        assert r['flops_ratio'] > 1  # Both add work to XL's.
+
+
+def test_choices_are_per_token_ratios_against_the_train_row(report):
+    base = next(r for r in rows(report, 'train') if r['dtype'] == 'bfloat16')
+    choices = rows(report, 'choices')
+    assert [(r['scan_layers'], r['donated'], r['remat']) for r in choices] == [
+        (False, True, 'none'), (True, False, 'none'), (True, True, 'dots_saveable')]
+    for r in choices:
+        assert r['vs'] == base['case']
+        assert r['ratio'] == pytest.approx(r['step_ms'] / r['batch'] / (base['step_ms'] / base['batch']))
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="the peer part needs torch and transformers: pip install -e '.[parity]'")
+def test_peer_rows_check_the_same_model_then_time_it(report):
+    peer = rows(report, 'peer')
+    assert {tuple(r['case'].split()[-2:]) for r in peer} == {(m, i) for m in ('train', 'eval')
+                                                             for i in ('memjax', 'hf_eager')}
+    for r in peer:
+        assert r['max_abs_logprob_diff'] < 1e-3 and r['hf_params'] == r['memjax_params']
+        ours = next(o for o in peer if o['case'].split()[-2:] == [r['case'].split()[-2], 'memjax'])
+        assert r['ratio'] == pytest.approx(r['step_ms'] / ours['step_ms'])
+        assert r['dtype'] == 'bfloat16'
+
+
+def test_a_step_that_does_not_fit_halves_its_batch(monkeypatch):
+    monkeypatch.setattr(accel, '_memory_limit', lambda: 1)  # No step fits in one byte.
+    suite = accel.Suite(harness.Context(size='tiny', warmup=0, repeats=1))
+    mcfg = workload.model_config(None, mem_len=4, **accel.TINY_MODEL)
+    work, compiled = suite.compile_fitting(mcfg, batch=4, tgt_len=4)
+    assert work.batch_size == 1 and accel._step_memory(compiled) > 1
+
+
+def test_parts_are_checked_in_one_line():
+    with pytest.raises(harness.BenchError, match=r"--parts has \['speed'\]"):
+        harness.run_suite('accel', harness.Context(size='tiny', parts=('speed',)))
+    with pytest.raises(harness.BenchError, match='the peak suite has no parts'):
+        harness.run_suite('peak', harness.Context(size='tiny', parts=('train',)))
+
+
+def test_datasheet_names_the_chip_a_device_kind_is():
+    assert chips.datasheet('NVIDIA H100 80GB HBM3').tflops('bfloat16') == 989.0
+    assert chips.datasheet('NVIDIA H100 PCIe').tflops('float32') == 378.0
+    assert chips.datasheet('NVIDIA H200').tflops('float32') == 494.0
+    assert chips.datasheet('TPU v5 lite').tflops('float32') == 197.0
+    assert chips.datasheet('cpu') is None
+    measured = {'peak_gflops_per_s': {'bfloat16': 800e3}, 'datasheet_gflops_per_s': {'bfloat16': 989e3}}
+    assert peak.mfu_percents(400e3, 'bfloat16', measured) == {
+        'mfu_percent': 50.0, 'mfu_datasheet_percent': pytest.approx(100 * 400 / 989)}
+
+
+@pytest.mark.parametrize('name,file', [('ENWIK8_BASE', 'transformer_xl_enwik8_base.py'),
+                                       ('WT103_BASE', 'transformer_xl_wt103_base.py'),
+                                       ('WT103_LARGE', 'transformer_xl_wt103_large.py'),
+                                       ('ENWIK8_LARGE', 'transformer_xl_enwik8_large.py')])
+def test_the_suites_shapes_are_the_configs(name, file):
+    model = config_lib.load_config_file(os.path.join(REPO, 'configs', file)).model
+    shape = getattr(accel, name)
+    for field, value in shape.items():
+        if field != 'vocab_size':  # The configs take it from the tokenizer.
+            got = tuple(model[field]) if isinstance(value, tuple) else model[field]
+            assert got == value, field
+    steps = [s for s in accel.SETUPS['full']['train'] if s.model is shape]
+    train = config_lib.load_config_file(os.path.join(REPO, 'configs', file)).train
+    for step in steps:
+        assert step.tgt_len == train.tgt_len == model.mem_len
+        assert train.batch_size % step.batch == 0  # A per-chip share of the paper's batch.
