@@ -17,6 +17,7 @@ import pytest
 
 import training_fixtures
 from memjax import model as model_lib
+from memjax.kernels import softmax
 from memjax.model import ModelConfig, memories
 
 SEG, SEGMENTS, VOCAB = 8, 3, 40
@@ -109,7 +110,9 @@ def test_bf16_evaluation_kinds_follow_float32(evaluated):
     seq = tokens(seed=4)
     results = {}
     for dtype in ('float32', 'bfloat16'):
-        cfg = memories.evaluation_config(trained.replace(compute_dtype=dtype), evaluated, segment_len=SEG)
+        # compute_dtype is an evaluation override: float32-trained parameters, evaluated in bf16.
+        cfg = memories.evaluation_config(trained, {**evaluated, 'compute_dtype': dtype}, segment_len=SEG)
+        assert cfg.compute_dtype == dtype
         apply = jax.jit(model_lib.build_model(cfg).apply)
         memory, logprobs = model_lib.init_memory(cfg, seq.shape[0]), []
         for s in range(SEGMENTS):
@@ -173,3 +176,28 @@ def test_bf16_training_tracks_the_float32_loss_curve(tmp_path):
     assert full[-1] < full[0] - 1.0  # The curve has something to track: it fell by over a nat.
     np.testing.assert_allclose(half, full, atol=0.05)
     assert abs(half[-5:].mean() - full[-5:].mean()) < 0.02
+
+
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_attention_softmax_keeps_only_its_rounded_weights_for_the_backward_pass(dtype):
+    """The softmax's gradient (through the weights and the log-denominator) is autodiff's of the
+    float32 formulas, and what it keeps for the backward pass is the weights in the compute dtype
+    alone: no float32 copy of a [B, H, T, K] array beside them."""
+    scores = 3.0 * jax.random.normal(jax.random.key(0), (2, 3, 5, 7))
+    scores = scores.at[..., -2:].set(jnp.finfo(jnp.float32).min)  # Masked keys, as the attention writes them.
+    weights = jax.random.normal(jax.random.key(1), scores.shape)
+    norm_weights = jax.random.normal(jax.random.key(2), scores.shape[:-1])
+
+    def loss(fn, s):
+        probs, log_norm = fn(s)
+        return jnp.sum(probs.astype(jnp.float32) * weights) + jnp.sum(log_norm * norm_weights)
+
+    ours = functools.partial(softmax.softmax_with_log_norm, dtype=jnp.dtype(dtype))
+    reference = lambda s: (jax.nn.softmax(s, axis=-1), jax.nn.logsumexp(s, axis=-1))
+    got, want = jax.grad(functools.partial(loss, ours))(scores), jax.grad(functools.partial(loss, reference))(scores)
+    np.testing.assert_allclose(got, want, **({'atol': 1e-6} if dtype == 'float32' else {'atol': 0.02}))
+    assert float(jnp.abs(got[..., -2:]).max()) == 0.0  # Nothing flows to masked keys.
+
+    _, backward = jax.vjp(ours, scores)
+    kept = [x for x in jax.tree.leaves(backward) if hasattr(x, 'shape') and x.shape == scores.shape]
+    assert [x.dtype for x in kept] == [jnp.dtype(dtype)]

@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from memjax.kernels import softmax as softmax_lib
+
 SOURCE = pathlib.Path(__file__).with_name('batched_matmul.cc')
 TARGET = 'memjax_batched_matmul'
 SOFTMAX_TARGET = 'memjax_relative_softmax'
@@ -217,7 +219,8 @@ def _on_cpu(reference: Callable, forward: Callable, gradients: Optional[Callable
 
 
 def relative_softmax(reference: Callable, content_query: jax.Array, key: jax.Array, position_query: jax.Array,
-                     pos_key: jax.Array, valid: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+                     pos_key: jax.Array, valid: jax.Array, scale: float,
+                     dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
     """(probs [B, H, T, K], log_norm [B, H, T]): the softmax over keys of Transformer-XL's masked
     scores `reference(content_query, key, position_query, pos_key, valid)` and its log-denominator
     (the scores' logsumexp), for a contiguous span of K keys, the segment's T queries last (queries
@@ -225,14 +228,14 @@ def relative_softmax(reference: Callable, content_query: jax.Array, key: jax.Arr
     it applies, forms each head's content and positional products, then takes each query's row in
     cache from scores (positional scores at their rel-shift offsets, scaled, masked) to softmax; its
     gradient, from the probabilities, forms each head's scores gradient in cache and its four
-    products, written in place. Elsewhere XLA runs the reference and the same formulas.
+    products, written in place. Elsewhere XLA runs the reference and the same formulas
+    (`softmax.softmax_with_log_norm`), the probabilities in `dtype` (the kernel's: float32).
     """
-    def softmax(*operands):
-        scores = reference(*operands)
-        return jax.nn.softmax(scores, axis=-1), jax.nn.logsumexp(scores, axis=-1)
+    def softmax(*operands, dtype=jnp.float32):
+        return softmax_lib.softmax_with_log_norm(reference(*operands), dtype)
 
     if not applies(content_query, key, position_query, pos_key):
-        return softmax(content_query, key, position_query, pos_key, valid)
+        return softmax(content_query, key, position_query, pos_key, valid, dtype=dtype)
 
     def forward(cq, k, pq, r, ok):
         shape = (cq.shape[0], cq.shape[2], cq.shape[1], k.shape[1])
@@ -264,7 +267,8 @@ def relative_softmax(reference: Callable, content_query: jax.Array, key: jax.Arr
                                             default=reference_gradients), None)
 
     run.defvjp(run_forward, run_backward)
-    return run(content_query, key, position_query, pos_key, valid)
+    probs, log_norm = run(content_query, key, position_query, pos_key, valid)
+    return probs.astype(dtype), log_norm
 
 
 def attend(probs: jax.Array, value: jax.Array, causal: bool = False) -> jax.Array:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from memjax.kernels import cpu as cpu_kernels
+from memjax.kernels import softmax as softmax_lib
 from memjax.model.config import ModelConfig
 from memjax.model import stochastic
 from memjax.model.positions import POSITIONS, position_scores, rel_shift
@@ -411,8 +412,8 @@ def span_attention(scale: float, content_query, memory_key, segment_key, positio
     key = jnp.concatenate([memory_key, segment_key], axis=1)
     value = jnp.concatenate([memory_value, segment_value], axis=1)
     probs, log_norm = cpu_kernels.relative_softmax(functools.partial(span_scores_masked, scale), content_query, key,
-                                                   position_query, pos_key, key_valid, scale)
-    return cpu_kernels.attend(probs.astype(value.dtype), value, causal=True), log_norm
+                                                   position_query, pos_key, key_valid, scale, value.dtype)
+    return cpu_kernels.attend(probs, value, causal=True), log_norm
 
 
 def _before_segment(blocks: Sequence[jax.Array], segment: jax.Array) -> jax.Array:
@@ -557,7 +558,7 @@ class RelativeAttention(nn.Module):
         elif key_valid is not None:  # One contiguous span: the rel-shift is a fixed offset per query.
             probs, log_norm = cpu_kernels.relative_softmax(
                 functools.partial(span_scores_masked, cfg.d_head ** -0.5), content_query, key, position_query,
-                pos_key, key_valid, cfg.d_head ** -0.5)
+                pos_key, key_valid, cfg.d_head ** -0.5, cfg.dtype)
         else:
             scores = _content_scores(content_query, key)
             if position is not None:
@@ -565,14 +566,14 @@ class RelativeAttention(nn.Module):
             scores = jnp.where(mask, scores * (cfg.d_head ** -0.5), jnp.finfo(jnp.float32).min)
             # Scores, softmax and log-denominator in float32 under any compute dtype: exp() turns
             # bf16's 0.4 % error in a score of 20 into 8 % in a weight; only the weights that
-            # multiply the values are rounded to it.
-            probs, log_norm = jax.nn.softmax(scores, axis=-1), jax.nn.logsumexp(scores, axis=-1)
+            # multiply the values are rounded to it (and kept for the backward pass).
+            probs, log_norm = softmax_lib.softmax_with_log_norm(scores, cfg.dtype)
         # For analysis (memjax.analysis; a no-op unless applied with mutable=['intermediates']): what
         # the scores were made of, keys in attended order, the segment last.
         self.sow('intermediates', 'attention', {'probs': probs, 'mask': mask, 'query': query, 'key': key,
                                                 'pos_key': pos_key, 'u_bias': u_bias, 'v_bias': v_bias})
         if probs is not None:
-            probs = attention_dropout(probs, deterministic=deterministic).astype(cfg.dtype)
+            probs = attention_dropout(probs, deterministic=deterministic)
             attended = cpu_kernels.attend(probs, value, causal=key_valid is not None)
         out = out_proj(attended)
         result = Attended()

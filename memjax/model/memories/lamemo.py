@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from memjax.kernels import cpu as cpu_kernels
+from memjax.kernels import softmax as softmax_lib
 from memjax.model.attention import Attended, KeyBlock, span_attention, span_scores_masked
 from memjax.model.config import KindFields
 from memjax.model.memories import LayerMemory, MemoryKind, MemoryState, register
@@ -159,17 +160,16 @@ class LaMemoLayerMemory(LayerMemory):
                     functools.partial(span_attention, scale), cq, none, k, pq, r, ok, none, values[:, ::-1], scale)
             else:
                 probs, log_norm = cpu_kernels.relative_softmax(
-                    functools.partial(span_scores_masked, scale), *reversed_operands, scale)
-                probs = self.dropatt(probs, deterministic=view.deterministic).astype(cfg.dtype)
+                    functools.partial(span_scores_masked, scale), *reversed_operands, scale, cfg.dtype)
+                probs = self.dropatt(probs, deterministic=view.deterministic)
                 attended = cpu_kernels.attend(probs, values[:, ::-1], causal=True)
             return attended[:, ::-1], log_norm[..., ::-1]
         scores = jnp.einsum('bmhd,bwhd->bhmw', content_query, keys, preferred_element_type=jnp.float32)
         scores += look_ahead_position_scores(position_query, positions, view.maps.position, seg_len)
         visible = (look_ahead_distances(mem_len, seg_len) >= 1)[None, None] & key_valid[:, None, None, :]
         scores = jnp.where(visible, scores * scale, _NEG)
-        log_norm = jax.nn.logsumexp(scores, axis=-1)  # Every row sees key M: never empty.
-        probs = jnp.exp(scores - log_norm[..., None])
-        probs = self.dropatt(probs, deterministic=view.deterministic).astype(cfg.dtype)
+        probs, log_norm = softmax_lib.softmax_with_log_norm(scores, cfg.dtype)  # Every row sees key M: never empty.
+        probs = self.dropatt(probs, deterministic=view.deterministic)
         return jnp.einsum('bhmw,bwhd->bmhd', probs, values), log_norm
 
     def attend(self, state, shared, view):
