@@ -121,3 +121,21 @@ def test_evaluate_command_scores_test_split_from_checkpoint(corpus, tmp_path):
         ('train_summary.json', trained['valid_loss']), ('first.json', first['loss']),
         ('eval_test.json', summary['loss']), ('eval_test.json', other['loss'])]
     assert history[2]['settings']['mem_len'] == 8 and other['loss'] != summary['loss']
+
+
+def test_evaluation_reads_the_parameters_in_either_layer_layout(corpus, tmp_path):
+    """A run trained with its layers scanned (configs/*_large.py) evaluates under a config without
+    the scan and the other way round: the layout is compilation's choice, the model the same."""
+    scores = {}
+    for trained_scanned in (True, False):
+        workdir = str(tmp_path / f'scanned_{trained_scanned}')
+        config = training_fixtures.tiny_config(corpus, train__num_steps=2, train__eval_every=0,
+                                               train__final_eval_batches=1, model__scan_layers=trained_scanned)
+        trainer.train_and_evaluate(config, workdir)
+        for evaluated_scanned in (True, False):
+            scores[trained_scanned, evaluated_scanned] = evaluate.evaluate_checkpoint(
+                training_fixtures.tiny_config(corpus, train__num_steps=2, model__scan_layers=evaluated_scanned),
+                workdir, out_path=str(tmp_path / f'{trained_scanned}_{evaluated_scanned}.json'))['loss']
+    for trained_scanned in (True, False):
+        assert scores[trained_scanned, not trained_scanned] == pytest.approx(scores[trained_scanned, trained_scanned],
+                                                                             rel=1e-6)

@@ -229,10 +229,10 @@ def newest_params(exp: Experiment, workdir: str) -> tuple[int, Any]:
     directory = checkpoint_dir(workdir)
     found = None
     if checkpointing.has_checkpoints(directory):
-        wanted = {'state': {'params': abstract_state(exp)[0].params}}
+        wanted = abstract_state(exp)[0].params
         ckpt = checkpointing.Checkpointer(directory, keep=1, read_only=True)
         try:
-            found = ckpt.latest_intact(lambda step: (step, ckpt.restore_part(step, wanted)['state']['params']))
+            found = ckpt.latest_intact(lambda step: (step, _params_in_layout(ckpt, step, wanted, exp.mcfg.scan_layers)))
         finally:
             ckpt.close()
     if found is None:
@@ -243,6 +243,20 @@ def newest_params(exp: Experiment, workdir: str) -> tuple[int, Any]:
         raise errors.CheckpointError(f'no readable checkpoint in {directory}: {why}{aside}. Train first with '
                                      f'python -m memjax.train --workdir={workdir} ...')
     return found
+
+
+def _params_in_layout(ckpt: checkpointing.Checkpointer, step: int, wanted: Any, scan_layers: bool) -> Any:
+    """The step's parameters as `wanted` lays them out, saved with the layers stacked or not: the
+    layout is a choice of compilation (configs/*_large.py scan their layers), so a run evaluates
+    with either, e.g. an imported original model (one subtree per layer) with a large config."""
+    saved_scanned = any(name.startswith('state.params.layers.') for name in ckpt.saved_shapes(step))
+    if saved_scanned == scan_layers:
+        return ckpt.restore_part(step, {'state': {'params': wanted}})['state']['params']
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), wanted)
+    saved = jax.eval_shape(lambda p: model_lib.convert_layer_layout(p, saved_scanned), shapes)
+    params = ckpt.restore_part(step, {'state': {'params': saved}})['state']['params']
+    shardings = jax.tree.map(lambda x: x.sharding, wanted)
+    return jax.device_put(model_lib.convert_layer_layout(params, scan_layers), shardings)
 
 
 def saved_config(workdir: str) -> ml_collections.ConfigDict:
