@@ -90,6 +90,18 @@ def test_methods_ratios_are_against_xl_at_the_same_shape(report):
         assert r['flops_ratio'] > 1  # Both add work to XL's.
 
 
+def test_attention_variants_compute_the_same_attention_before_their_timing(report):
+    attention = {r['case']: r for r in rows(report, 'attention')}
+    assert set(attention) == {'memjax relative', 'fused + position bias', 'fused plain (no position term)'}
+    assert attention['memjax relative']['max_abs_diff_vs_memjax'] == 0.0
+    # Transformer-XL's attention with its positional term as the fused kernel's bias: the same
+    # outputs to bf16 rounding (values of size ~1); without the term, another attention.
+    assert attention['fused + position bias']['max_abs_diff_vs_memjax'] < 0.05
+    assert attention['fused plain (no position term)']['max_abs_diff_vs_memjax'] > 0.1
+    for r in attention.values():
+        assert r['ratio'] == pytest.approx(r['step_ms'] / attention['memjax relative']['step_ms'])
+
+
 def test_choices_are_per_token_ratios_against_the_train_row(report):
     base = next(r for r in rows(report, 'train') if r['dtype'] == 'bfloat16')
     choices = rows(report, 'choices')

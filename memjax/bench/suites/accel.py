@@ -13,6 +13,10 @@ One command for a lease of an accelerator (`launch/accel_lease.sh` runs it in on
   same_length), the model `memjax.evaluate` runs.
 - methods: LaMemo / XL and infinity-former / XL training steps at wt103-base (bf16), timed
   round-robin, beside their FLOPs ratios; and XL with d_head 48 against 41 (tensor-core tiles).
+- attention: one layer's attention at wt103-large's shape in bf16, forward and backward: memjax's
+  against cuDNN's fused attention (`jax.nn.dot_product_attention`) given Transformer-XL's
+  positional term as a materialised bias, and without the term (plain causal attention: what a
+  fused kernel of the term must approach).
 - choices: at wt103-large bf16 (`largest`), the step unrolled (`scan_layers=False`), without donation, and
   with `remat='dots_saveable'`, each against the train part's row.
 - probe: the wt103-large bf16 row alone, for A/B runs of XLA flags in separate processes.
@@ -40,9 +44,12 @@ from memjax.bench import workload
 from memjax.bench.suites import eval_speed
 from memjax.bench.suites import peak
 from memjax.bench.suites import peer
+from memjax.kernels import softmax as softmax_lib
 from memjax.model import memories
+from memjax.model.attention import span_scores_masked
+from memjax.model.positions import position_scores, rel_shift
 
-PARTS = ('peak', 'peer', 'train', 'eval', 'methods', 'choices', 'probe')
+PARTS = ('peak', 'peer', 'train', 'eval', 'methods', 'attention', 'choices', 'probe')
 DEFAULT_PARTS = PARTS[:-1]
 # PyTorch allocates on the same chip in the peer part: JAX takes memory as it needs it instead of
 # 75 % of it up front. Read once, when JAX starts its backend (after this module is imported).
@@ -245,6 +252,61 @@ class Suite:
         self.train_row('choices', step, 'bfloat16', vs=base, donate=False)
         self.train_row('choices', step, 'bfloat16', vs=base, remat='dots_saveable')
 
+    def attention(self) -> None:
+        """The attention's scores to weighted values, forward and backward (q, k, v and distance rows
+        [K, H, D] take gradients), at the largest step's shape: batch, T = M queries, K = 2T keys."""
+        step = self.setup['largest']
+        heads, dim = step.model['n_head'], step.model['d_head']
+        batch, qlen, klen = step.batch, step.tgt_len, 2 * step.tgt_len
+        scale = dim ** -0.5
+        keys = jax.random.split(jax.random.PRNGKey(0), 5)
+        normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+        operands = (normal(keys[0], (batch, qlen, heads, dim)), normal(keys[1], (batch, klen, heads, dim)),
+                    normal(keys[2], (batch, klen, heads, dim)), normal(keys[3], (klen, heads, dim)))
+        cotangent = normal(keys[4], (batch, qlen, heads, dim))
+        valid = jnp.ones((batch, klen), bool)
+        visible = jnp.arange(klen)[None, :] <= klen - qlen + jnp.arange(qlen)[:, None]  # [T, K]
+        fused = 'cudnn' if jax.default_backend() == 'gpu' else None  # XLA's elsewhere (the code path only).
+
+        def memjax_attention(q, k, v, r):
+            probs, _ = softmax_lib.softmax_with_log_norm(span_scores_masked(scale, q, k, q, r, valid), jnp.bfloat16)
+            return jnp.einsum('bhtk,bkhd->bthd', probs, v)
+
+        def fused_with_position_bias(q, k, v, r):
+            bias = (rel_shift(position_scores(q, r)) * scale).astype(jnp.bfloat16)  # The kernel scales q.k only.
+            return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=visible[None, None], scale=scale,
+                                                implementation=fused)
+
+        def fused_plain(q, k, v, r):
+            del r
+            return jax.nn.dot_product_attention(q, k, v, mask=visible[None, None], scale=scale, implementation=fused)
+
+        # Per head: content scores, positional scores (before the shift: K distance rows), weighted
+        # values, each 2 T K D; backward twice the forward; the plain form lacks the positional one.
+        forward = 2.0 * batch * heads * qlen * klen * dim
+        variants = {'memjax relative': (memjax_attention, 3), 'fused + position bias': (fused_with_position_bias, 3),
+                    'fused plain (no position term)': (fused_plain, 2)}
+        base, reference = None, jax.jit(memjax_attention)(*operands).astype(jnp.float32)
+        for name, (fn, products) in variants.items():
+            self.ctx.log(f'accel: attention {name}')
+            grad = lambda *x, fn=fn: jax.vjp(fn, *x)[1](cotangent)
+            try:
+                # The same attention as memjax's (up to bf16 rounding) before it is timed as such.
+                difference = float(jnp.abs(jax.jit(fn)(*operands).astype(jnp.float32) - reference).max())
+                compiled = harness.compile_fn(grad, *operands)
+                timing = harness.time_fn(compiled.executable, *operands, warmup=self.ctx.warmup, repeats=self.ctx.repeats)
+            except Exception as error:  # pylint: disable=broad-except  (cuDNN refuses some shapes and dtypes)
+                self.add({'part': 'attention', 'case': name, 'dtype': 'bfloat16', 'batch': batch,
+                          'error': f'{type(error).__name__}: {str(error)[:300]}'})
+                continue
+            mcfg = workload.model_config(self.ctx.config, mem_len=qlen, compute_dtype='bfloat16', **step.model)
+            row = self.throughput('attention', name, mcfg, batch, qlen, timing.median_s, 3 * products * forward,
+                                  compiled, implementation=fused or 'xla', max_abs_diff_vs_memjax=difference,
+                                  timing=timing.as_dict())
+            base = base or row
+            row.update(vs=base['case'], ratio=row['step_ms'] / base['step_ms'])
+            self.add(row)
+
     def probe(self) -> None:
         self.train_row('probe', self.setup['largest'], 'bfloat16')
 
@@ -311,7 +373,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     # Compile seconds are figures here: a compilation served from a persistent cache is not one.
     jax.config.update('jax_enable_compilation_cache', False)
     try:
-        if 'peak' in parts or set(parts) & {'train', 'eval', 'methods', 'choices', 'probe'}:
+        if 'peak' in parts or set(parts) & {'train', 'eval', 'methods', 'attention', 'choices', 'probe'}:
             suite.measure_peak()  # Every MFU's denominator: measured first, in the same process.
         for part in parts:
             if part != 'peak':
