@@ -18,10 +18,11 @@ prepare (on a machine with the package index): downloads into --wheels what the
   check demands, and ml_collections, for --python (the GPU machine's Python).
 run (default; on the GPU machine): installs those wheels under --site (ahead of
   the image's own transformers on PYTHONPATH), records the machine, runs
-  python -m memjax.bench accel, then --probes (NAME=XLA flags, ';'-separated)
-  each in a fresh process while more than --probe-seconds of --seconds are left.
-  Everything lands in --out: accel.json (the report), accel.log (each row as it
-  is measured), probe_NAME.json, machine.txt.
+  python -m memjax.bench accel (the PyTorch peer part in a second process), then
+  --probes (NAME=XLA flags, ';'-separated) each in a fresh process while more
+  than --probe-seconds of --seconds are left. Everything lands in --out:
+  accel.json and accel_peer.json (the reports), accel.log and accel_peer.log
+  (each row as it is measured), probe_NAME.json, machine.txt.
 
 Example (a lent machine that copies the checkout, .wheels included, and returns \$OUT):
   launch/accel_bench.sh prepare        # here, once
@@ -86,7 +87,10 @@ run_suite() {
       git rev-parse HEAD 2>/dev/null || echo 'no git metadata'
     } >"$MEMJAX_OUT/machine.txt" 2>&1
   fi
-  bench accel '' 2> >(tee "$logs/accel.log" >&2)
+  # The chip's own figures first, the PyTorch peer in a process of its own after them: the issue's
+  # targets in order of weight if the time runs out, and a fresh JAX allocator beside PyTorch's.
+  bench accel '' --parts=peak,train,eval,methods,attention,choices 2> >(tee "$logs/accel.log" >&2)
+  bench accel_peer '' --parts=peer 2> >(tee "$logs/accel_peer.log" >&2)
   IFS=';' read -r -a probes <<<"=;$MEMJAX_PROBES"
   for probe in "${probes[@]}"; do
     name=${probe%%=*}

@@ -629,13 +629,15 @@ def test_accel_bench_installs_the_carried_wheels_then_runs_the_suite_and_probes_
     install = calls[0][3:]
     assert install[:3] == ['-m', 'pip', 'install'] and '--target=/s' in install and install[-1].endswith('.whl')
     benches = [(c[1], c[5:]) for c in calls if c[3:6] == ['-m', 'memjax.bench', 'accel']]
-    assert benches == [('', ['accel', f'--out={out}/accel.json']),
+    assert benches == [('', ['accel', '--parts=peak,train,eval,methods,attention,choices', f'--out={out}/accel.json']),
+                       ('', ['accel', '--parts=peer', f'--out={out}/accel_peer.json']),
                        ('', ['accel', '--parts=probe', f'--out={out}/probe_baseline.json']),
                        ('--xla_gpu_enable_latency_hiding_scheduler=true',
                         ['accel', '--parts=probe', f'--out={out}/probe_lhs.json']),
                        ('--a=1 --b=2', ['accel', '--parts=probe', f'--out={out}/probe_two.json'])]
     assert all(c[2].split(':')[0] == '/s' for c in calls[1:])  # The carried transformers come first.
-    assert (out / 'accel.json').exists() and (out / 'machine.txt').exists() and (out / 'accel.log').exists()
+    assert {p.name for p in out.iterdir()} >= {'accel.json', 'accel_peer.json', 'machine.txt', 'accel.log',
+                                              'accel_peer.log', 'probe_baseline.json'}
 
 
 def test_accel_bench_starts_no_probe_without_the_time_for_one(fake):
@@ -643,7 +645,8 @@ def test_accel_bench_starts_no_probe_without_the_time_for_one(fake):
     (fake.root / 'wheels').mkdir()
     (fake.root / 'wheels' / 'w.whl').touch()
     proc = fake.run('accel_bench.sh', f'--wheels={fake.root}/wheels', f'--out={fake.root}/out', '--seconds=60', 'run')
-    assert [c[5:] for c in fake.calls() if c[3:5] == ['-m', 'memjax.bench']] == [['accel', f'--out={fake.root}/out/accel.json']]
+    assert [c[-1] for c in fake.calls() if c[3:5] == ['-m', 'memjax.bench']] == [
+        f'--out={fake.root}/out/accel.json', f'--out={fake.root}/out/accel_peer.json']
     assert 'skipped probe baseline' in proc.stderr
 
 
