@@ -79,7 +79,7 @@ class Step:
     tgt_len: int  # = mem_len in training.
 
 
-TINY_MODEL = dict(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, vocab_size=64)
+TINY_MODEL = dict(n_layer=1, d_model=32, n_head=2, d_head=16, d_inner=64, vocab_size=64)
 TINY_ADAPTIVE = dict(TINY_MODEL, vocab_size=300, cutoffs=(100, 200), div_val=2, tie_projs=(False, True, True))
 SETUPS = {
     'full': dict(
@@ -92,9 +92,9 @@ SETUPS = {
                         batch_size=22),
         peer_vocab=peer.Vocab('enwik8 bytes', 204, (), 1), aligned_d_head=48),
     'tiny': dict(
-        train=(Step('2x32 adaptive', TINY_ADAPTIVE, 2, 8),), largest=Step('2x32 adaptive', TINY_ADAPTIVE, 2, 8),
-        eval=Step('2x32', TINY_MODEL, 2, 4), eval_model=dict(mem_len=12, clamp_len=6, same_length=True),
-        methods=Step('2x32', TINY_MODEL, 2, 8),
+        train=(Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8),), largest=Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8),
+        eval=Step('1x32', TINY_MODEL, 2, 4), eval_model=dict(mem_len=12, clamp_len=6, same_length=True),
+        methods=Step('1x32', TINY_MODEL, 2, 8),
         peer=peer.SHAPES['tiny'], peer_vocab=peer.VOCABS['tiny'][0], aligned_d_head=24),
 }
 COLUMNS = ('part', 'case', 'dtype', 'batch', 'tgt_len', 'mem_len', 'compile_s', 'step_ms', 'tokens_per_s',
