@@ -5,7 +5,8 @@ tgt = mem = 768, batch 64, Adam 2.5e-4 with 4k warmup steps, 400k steps, clip 0.
 init std 0.005 as in the reference large configs. Evaluation: tgt 128, mem 3800,
 clamp 1000, same_length (attention length 3800 in the paper).
 The layers are scanned (`scan_layers`): XLA compiles one layer instead of 24, a third of the
-compile time (BENCHMARKS.md, accelerators); parameters stack under params['layers'].
+compile time (BENCHMARKS.md, accelerators); parameters stack under params['layers']. A run started unscanned resumes with
+--config.model.scan_layers=False; evaluation reads either layout.
 """
 
 from memjax import config_lib

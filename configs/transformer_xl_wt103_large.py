@@ -5,7 +5,8 @@ input/softmax with div_val 4, tgt = mem = 384, batch 128, Adam 2.5e-4 with 16k w
 steps, clip 0.25, init std 0.005 as in the reference large configs. Evaluation: tgt 128,
 mem 1600, clamp 1000, same_length (attention length 1600 in the paper).
 The layers are scanned (`scan_layers`): XLA compiles one layer instead of 18, half the compile
-time (BENCHMARKS.md, accelerators); parameters stack under params['layers'].
+time (BENCHMARKS.md, accelerators); parameters stack under params['layers']. A run started unscanned resumes with
+--config.model.scan_layers=False; evaluation reads either layout.
 """
 
 from memjax import config_lib

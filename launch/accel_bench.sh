@@ -18,11 +18,13 @@ prepare (on a machine with the package index): downloads into --wheels what the
   check demands, and ml_collections, for --python (the GPU machine's Python).
 run (default; on the GPU machine): installs those wheels under --site (ahead of
   the image's own transformers on PYTHONPATH), records the machine, runs
-  python -m memjax.bench accel (the PyTorch peer part in a second process), then
-  --probes (NAME=XLA flags, ';'-separated) each in a fresh process while more
-  than --probe-seconds of --seconds are left. Everything lands in --out:
-  accel.json and accel_peer.json (the reports), accel.log and accel_peer.log
-  (each row as it is measured), probe_NAME.json, machine.txt.
+  python -m memjax.bench accel in three processes by weight (peak and training
+  steps; the PyTorch peer; evaluation, methods, attention, choices), each
+  leaving time to the next, then --probes (NAME=XLA flags, ';'-separated) each
+  in a fresh process while more than --probe-seconds of --seconds are left.
+  Everything lands in --out: accel.json, accel_peer.json, accel_more.json (each
+  rewritten as its rows are measured, so a run stopped at its limit keeps
+  them), their .log files, probe_NAME.json, machine.txt.
 
 Example (a lent machine that copies the checkout, .wheels included, and returns \$OUT):
   launch/accel_bench.sh prepare        # here, once
@@ -54,11 +56,14 @@ seconds_left() {
   printf '%s' $((MEMJAX_SECONDS - SECONDS))
 }
 
-# bench NAME XLA_FLAGS ARGS...: one suite run under the time left, its report in --out.
+# bench NAME XLA_FLAGS RESERVE ARGS...: one suite run under the time left less RESERVE seconds
+# (kept for the runs after it, unless that leaves this one none), its report in --out, rewritten
+# as each row is measured.
 bench() {
   local name=$1 flags=$2 limit
-  shift 2
-  limit=$(($(seconds_left) - 10))
+  limit=$(($(seconds_left) - 10 - $3))
+  ((limit >= 30)) || limit=$(($(seconds_left) - 10))
+  shift 3
   if ((limit < 30)); then
     log "skipped $name: $(seconds_left) s left"
     return 0
@@ -78,19 +83,20 @@ run_suite() {
     logs=$(mktemp -d)  # A dry run writes nothing under --out.
   fi
   run python3 -m pip install --quiet --no-index --no-deps "--target=$MEMJAX_SITE" "${wheels[@]}"
-  export PYTHONPATH="$MEMJAX_SITE:$PWD" PYTHONUNBUFFERED=1
+  export PYTHONPATH="$MEMJAX_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
   if ((!MEMJAX_DRY_RUN)); then
     {
       nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
       lscpu | head -20 || true
-      python3 -c 'import jax, flax, torch, transformers; print(jax.__version__, jax.devices(), flax.__version__, torch.__version__, torch.version.cuda, transformers.__version__)'
+      python3 -c 'import jax, flax, torch, transformers; print(jax.__version__, jax.devices(), flax.__version__, torch.__version__, torch.version.cuda, transformers.__version__)' || true
       git rev-parse HEAD 2>/dev/null || echo 'no git metadata'
     } >"$MEMJAX_OUT/machine.txt" 2>&1
   fi
-  # The chip's own figures first, the PyTorch peer in a process of its own after them: the issue's
-  # targets in order of weight if the time runs out, and a fresh JAX allocator beside PyTorch's.
-  bench accel '' --parts=peak,train,eval,methods,attention,choices 2> >(tee "$logs/accel.log" >&2)
-  bench accel_peer '' --parts=peer 2> >(tee "$logs/accel_peer.log" >&2)
+  # By weight, each leaving time to the ones after it: the training steps against the chip, the
+  # PyTorch peer (in a process of its own: a fresh JAX allocator beside PyTorch's), the rest.
+  bench accel '' 300 --parts=peak,train 2> >(tee "$logs/accel.log" >&2)
+  bench accel_peer '' 120 --parts=peer 2> >(tee "$logs/accel_peer.log" >&2)
+  bench accel_more '' 0 --parts=eval,methods,attention,choices 2> >(tee "$logs/accel_more.log" >&2)
   IFS=';' read -r -a probes <<<"=;$MEMJAX_PROBES"
   for probe in "${probes[@]}"; do
     name=${probe%%=*}
@@ -99,7 +105,7 @@ run_suite() {
       log "skipped probe ${name:-baseline}: $(seconds_left) s left"
       continue
     fi
-    bench "probe_${name:-baseline}" "$flags" --parts=probe 2>>"$logs/probes.log"
+    bench "probe_${name:-baseline}" "$flags" 0 --parts=probe 2>>"$logs/probes.log"
   done
 }
 

@@ -144,6 +144,8 @@ def test_datasheet_names_the_chip_a_device_kind_is():
     assert chips.datasheet('NVIDIA H100 PCIe').tflops('float32') == 378.0
     assert chips.datasheet('NVIDIA H200').tflops('float32') == 494.0
     assert chips.datasheet('TPU v5 lite').tflops('float32') == 197.0
+    assert chips.datasheet('NVIDIA H100 NVL').tflops('bfloat16') == 835.0
+    assert chips.datasheet('NVIDIA GH200 480GB').name == 'NVIDIA GH200'
     assert chips.datasheet('cpu') is None
     measured = {'peak_gflops_per_s': {'bfloat16': 800e3}, 'datasheet_gflops_per_s': {'bfloat16': 989e3}}
     assert peak.mfu_percents(400e3, 'bfloat16', measured) == {
@@ -166,3 +168,16 @@ def test_the_suites_shapes_are_the_configs(name, file):
     for step in steps:
         assert step.tgt_len == train.tgt_len == model.mem_len
         assert train.batch_size % step.batch == 0  # A per-chip share of the paper's batch.
+
+
+def test_rows_are_handed_on_as_they_are_measured(tmp_path):
+    """A run stopped at a deadline keeps what it measured: every row reaches `on_rows` (which
+    `--out` turns into a partial report on disk) as soon as it exists."""
+    seen = []
+    ctx = harness.Context(size='tiny', warmup=0, repeats=1, parts=('peak',), on_rows=lambda rows: seen.append(list(rows)))
+    report = harness.run_suite('accel', ctx, command=['test'])
+    assert [len(rows) for rows in seen] == list(range(1, len(report['rows']) + 1))
+    partial = harness.partial_report('accel', ctx, seen[0], ['python', '-m', 'memjax.bench', 'accel'])
+    harness.write_json(str(tmp_path / 'partial.json'), partial)
+    assert partial['partial'] and partial['rows'][0]['case'] == report['rows'][0]['case']
+    assert partial['machine']['backend'] == 'cpu'

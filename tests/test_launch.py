@@ -618,8 +618,22 @@ for arg in sys.argv[1:]:
 '''
 
 
+# Records its argv, then runs the command after `-k SECONDS LIMIT` as timeout would.
+FAKE_TIMEOUT = '''
+import os, subprocess, sys
+with open(os.environ['FAKE_LOG'], 'a') as f:
+    f.write('\\x1f'.join(['timeout'] + sys.argv[1:]) + '\\x1e')
+sys.exit(subprocess.run(sys.argv[4:]).returncode)
+'''
+
+
+def timeout_limits(fake) -> list[int]:
+    return [int(c[3]) for c in fake.calls() if c[0] == 'timeout']
+
+
 def test_accel_bench_installs_the_carried_wheels_then_runs_the_suite_and_probes_in_order(fake):
     _write_executable(fake.root / 'bin' / 'python3', FAKE_PYTHON3)
+    _write_executable(fake.root / 'bin' / 'timeout', FAKE_TIMEOUT)
     wheels, out = fake.root / 'wheels', fake.root / 'out'
     wheels.mkdir()
     (wheels / 'transformers-4.37.2-py3-none-any.whl').touch()
@@ -629,24 +643,29 @@ def test_accel_bench_installs_the_carried_wheels_then_runs_the_suite_and_probes_
     install = calls[0][3:]
     assert install[:3] == ['-m', 'pip', 'install'] and '--target=/s' in install and install[-1].endswith('.whl')
     benches = [(c[1], c[5:]) for c in calls if c[3:6] == ['-m', 'memjax.bench', 'accel']]
-    assert benches == [('', ['accel', '--parts=peak,train,eval,methods,attention,choices', f'--out={out}/accel.json']),
+    assert benches == [('', ['accel', '--parts=peak,train', f'--out={out}/accel.json']),
                        ('', ['accel', '--parts=peer', f'--out={out}/accel_peer.json']),
+                       ('', ['accel', '--parts=eval,methods,attention,choices', f'--out={out}/accel_more.json']),
                        ('', ['accel', '--parts=probe', f'--out={out}/probe_baseline.json']),
                        ('--xla_gpu_enable_latency_hiding_scheduler=true',
                         ['accel', '--parts=probe', f'--out={out}/probe_lhs.json']),
                        ('--a=1 --b=2', ['accel', '--parts=probe', f'--out={out}/probe_two.json'])]
     assert all(c[2].split(':')[0] == '/s' for c in calls[1:])  # The carried transformers come first.
-    assert {p.name for p in out.iterdir()} >= {'accel.json', 'accel_peer.json', 'machine.txt', 'accel.log',
-                                              'accel_peer.log', 'probe_baseline.json'}
+    assert {p.name for p in out.iterdir()} >= {'accel.json', 'accel_peer.json', 'accel_more.json', 'machine.txt',
+                                              'accel.log', 'accel_peer.log', 'probe_baseline.json'}
+    # Each run's limit leaves the later ones their time: 570 s less 10 and 300 / 120 / 0 reserved.
+    assert timeout_limits(fake)[:3] == pytest.approx([260, 440, 560], abs=2)
 
 
 def test_accel_bench_starts_no_probe_without_the_time_for_one(fake):
     _write_executable(fake.root / 'bin' / 'python3', FAKE_PYTHON3)
+    _write_executable(fake.root / 'bin' / 'timeout', FAKE_TIMEOUT)
     (fake.root / 'wheels').mkdir()
     (fake.root / 'wheels' / 'w.whl').touch()
     proc = fake.run('accel_bench.sh', f'--wheels={fake.root}/wheels', f'--out={fake.root}/out', '--seconds=60', 'run')
     assert [c[-1] for c in fake.calls() if c[3:5] == ['-m', 'memjax.bench']] == [
-        f'--out={fake.root}/out/accel.json', f'--out={fake.root}/out/accel_peer.json']
+        f'--out={fake.root}/out/{name}.json' for name in ('accel', 'accel_peer', 'accel_more')]
+    assert timeout_limits(fake) == pytest.approx([50, 50, 50], abs=2)  # No reserve leaves a run none.
     assert 'skipped probe baseline' in proc.stderr
 
 

@@ -4,6 +4,7 @@ Prints the suite's table (Markdown) on stdout, progress on stderr, and writes th
 report (machine, versions, config, every figure) as JSON to --out. `--list` names the suites.
 """
 
+import dataclasses
 import sys
 
 from absl import flags
@@ -26,7 +27,7 @@ _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed runs; the median is repo
 flags.adopt_module_key_flags(cli)  # --host_memory, --verbose in --help.
 _LIST = flags.DEFINE_boolean('list', False, 'Print the available suites and exit.')
 _PARTS = flags.DEFINE_list('parts', [], 'Only these parts of a suite that has parts (accel: peak, peer, train, '
-                           'eval, methods, choices, probe); default: the suite\'s own.')
+                           'eval, methods, attention, choices, probe); default: the suite\'s own.')
 
 
 def main(argv):
@@ -41,11 +42,15 @@ def main(argv):
     harness.prepare_environment(argv[1])
     cli.prepare_host_memory()
     tiny = _SIZE.value == 'tiny'
+    command = ['python', '-m', 'memjax.bench'] + sys.argv[1:]
     ctx = harness.Context(
         size=_SIZE.value, config=cli.load_run(_CONFIG),
         warmup=_WARMUP.value if _WARMUP.value is not None else (1 if tiny else 2),
         repeats=_REPEATS.value if _REPEATS.value is not None else (2 if tiny else 5), parts=tuple(_PARTS.value))
-    report = harness.run_suite(argv[1], ctx, command=['python', '-m', 'memjax.bench'] + sys.argv[1:])
+    if _OUT.value:
+        ctx = dataclasses.replace(ctx, on_rows=lambda rows: harness.write_json(
+            _OUT.value, harness.partial_report(argv[1], ctx, rows, command)))
+    report = harness.run_suite(argv[1], ctx, command=command)
     print(harness.report_text(report))
     if _OUT.value:
         harness.write_json(_OUT.value, report)

@@ -25,10 +25,12 @@ class Chip:
 
 
 # (substring of jax's device_kind, chip), most specific first: 'NVIDIA H100 80GB HBM3' is the SXM
-# part, 'NVIDIA H100 PCIe' the slower card.
+# part, 'NVIDIA H100 PCIe' and 'NVIDIA H100 NVL' slower cards, 'NVIDIA GH200' the superchip's GPU.
 _CHIPS = (
+    ('GH200', Chip('NVIDIA GH200', 989.0, 494.0, 4.9)),
     ('H200', Chip('NVIDIA H200', 989.0, 494.0, 4.8)),
     ('H100 PCIe', Chip('NVIDIA H100 PCIe', 756.0, 378.0, 2.0)),
+    ('H100 NVL', Chip('NVIDIA H100 NVL', 835.0, 418.0, 3.9)),
     ('H100', Chip('NVIDIA H100 SXM', 989.0, 494.0, 3.35)),
     ('A100', Chip('NVIDIA A100', 312.0, 156.0, 2.0)),
     ('TPU v6', Chip('TPU v6e (Trillium)', 918.0, 918.0, 1.64)),

@@ -95,6 +95,9 @@ class Context:
     warmup: int = 2
     repeats: int = 5
     parts: tuple[str, ...] = ()  # --parts: which parts of a suite that has them (its PARTS); (): its default.
+    # Called with the rows measured so far by a suite that reports rows as it goes (--out keeps
+    # them on disk, for a run stopped at a deadline); None: nobody listens.
+    on_rows: Optional[Callable[[list], None]] = None
 
     def __post_init__(self):
         if self.size not in SIZES:
@@ -392,6 +395,12 @@ def run_suite(name: str, ctx: Context, command: Optional[Sequence[str]] = None) 
         'rows': result.rows,
         'notes': result.notes,
     })
+
+
+def partial_report(name: str, ctx: Context, rows: list[dict[str, Any]], command: Sequence[str]) -> dict[str, Any]:
+    """The JSON of a suite still running: its rows so far, with the machine and command."""
+    return _jsonable({'suite': name, 'size': ctx.size, 'command': ' '.join(command), 'partial': True,
+                      'machine': machine_info(), 'rows': rows})
 
 
 def report_text(report: dict[str, Any]) -> str:

@@ -7,7 +7,7 @@ information the products use; the [B, H, T, M + T] weights are the largest activ
 Transformer-XL step (BENCHMARKS.md, accelerators: the bf16 step needed more memory than the float32
 one before this). The backward here forms the scores' gradient from the rounded weights, in
 float32: p (g - <p, g> + g'), whose error is that of the forward's rounding of p. In float32 it is
-autodiff's gradient, with the same residual.
+the gradient autodiff gives, from the float32 weights.
 """
 
 from __future__ import annotations
