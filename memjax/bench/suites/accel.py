@@ -37,7 +37,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from memjax import model as model_lib
 from memjax.bench import flops
