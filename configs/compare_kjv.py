@@ -4,11 +4,16 @@
       --config.data.text_path=kjv.txt        # gunzip -c ../shared/data/kjv.txt.gz > kjv.txt
   python -m memjax.compare --config=configs/compare_kjv.py:smoke --workdir=runs/compare_smoke
   python -m memjax.compare --config=configs/compare_kjv.py:wt103 --workdir=gs://... (GPUs/TPUs)
+  python -m memjax.compare --config=configs/compare_kjv.py:extrapolate --workdir=runs/extrapolate_kjv \
+      --config.data.text_path=kjv.txt
 
 Default: the quickstart's model (4 x 128, segments and memory of 64) for 4,000 segments of 16 x 64
 bytes per method and seed, evaluated with memory 64, 128 and 256: 78 minutes on a 2-core
 CPU for six trained methods x 2 seeds. `:smoke`: a tiny model on the embedded corpus, a few
 minutes. `:wt103`: WikiText-103 words with Transformer-XL base's shape, for accelerators.
+`:extrapolate`: the LaMemo paper's figure 5 protocol at this budget: XL and LaMemo trained with
+segments and memory of 128 (the paper's 150), evaluated with segments of 64 and memory 64 x m,
+m = 1..10, with and without clamping the distances at the longest one trained.
 """
 
 import ml_collections
@@ -19,12 +24,15 @@ METHODS = ('none', 'xl', 'lamemo', 'infinity', 'trams', 'skip_retain', 'cross_he
 
 
 def get_config(arg: str = ''):
-    options = config_lib.config_options(__file__, arg, ('smoke', 'wt103'))
+    options = config_lib.config_options(__file__, arg, ('smoke', 'wt103', 'extrapolate'))
     config = config_lib.base_config()
     config.compare = ml_collections.ConfigDict({
         'methods': METHODS,
         'seeds': 2,  # Two seeds of one XL differed by 0.02 bpc on held-out text: the spread is reported.
         'eval_mem_lens': (64, 128, 256),
+        # Each evaluation's config.eval.model.clamp_len, one row per value: -2 clamps the distances a
+        # longer memory adds at the longest one trained (mem_len + tgt_len - 1), -1 leaves them.
+        'clamp_lens': (-2,),
         'match_params': True,  # d_inner per method so that every model has XL's parameter count.
     })
     config.data.update(name='text', tokenizer='byte', heldout_size=1000)
@@ -50,4 +58,12 @@ def get_config(arg: str = ''):
         config.train.update(batch_size=60, tgt_len=150, segments_per_step=1, num_steps=200000, learning_rate=2.5e-4,
                             warmup_steps=0, eval_every=4000, checkpoint_every=4000)
         config.compare.eval_mem_lens = (150, 300, 640)
+    if 'extrapolate' in options:
+        # The same number of training bytes per run as the default; distances 0-255 are trained, so
+        # memory 64 x m at segments of 64 first goes beyond them at m = 4, as 150 / 64 does.
+        config.compare.update(methods=('xl', 'lamemo'), eval_mem_lens=tuple(64 * m for m in range(1, 11)),
+                              clamp_lens=(-1, -2))
+        config.model.mem_len = 128
+        config.train.update(tgt_len=128, num_steps=2000, eval_every=500, checkpoint_every=500)
+        config.eval.tgt_len = 64
     return config

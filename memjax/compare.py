@@ -6,20 +6,24 @@ memory, compared in a table and plots.
       --config.data.text_path=kjv.txt
 
 The config is one ordinary run config (data, model, train, eval: the shared budget) plus a
-`compare` section: `methods`, `seeds`, `eval_mem_lens` and `match_params`. Each method changes
-only its own model fields (`METHODS`); with `match_params` each trained method's `d_inner` is set
-so that its parameter count is the closest to Transformer-XL's. Every (method, seed) trains in
-`<workdir>/<method>/seed<k>/` through `memjax.train`'s own path, then is scored on
+`compare` section: `methods`, `seeds`, `eval_mem_lens`, `clamp_lens` and `match_params`. Each
+method changes only its own model fields (`METHODS`); with `match_params` each trained method's
+`d_inner` is set so that its parameter count is the closest to Transformer-XL's. Every (method,
+seed) trains in `<workdir>/<method>/seed<k>/` through `memjax.train`'s own path, then is scored on
 `config.eval.split` through `memjax.evaluate`'s at every memory length (TRAMS: on the XL runs,
-attending that many keys chosen from a pool twice as long). Runs and evaluations already done are
-read back, so an interrupted comparison resumes; a method that fails is reported and the rest go
-on. Results: `<workdir>/comparison.json`, `comparison.md` (mean and spread over seeds) and
-`comparison.png` (learning curves; loss against evaluation memory; needs matplotlib).
+attending that many keys chosen from a pool twice as long) and every clamp_len of `clamp_lens`
+(-2, the default: a memory longer than trained scores its longer distances as the longest one
+trained, where a relative position beyond the trained range would be extrapolated). Runs and
+evaluations already done are read back, so an interrupted comparison resumes; a method that fails
+is reported and the rest go on. Results: `<workdir>/comparison.json`, `comparison.md` (mean and
+spread over seeds) and `comparison.png` (learning curves; loss against evaluation memory, one line
+per method and clamp, bars over the seeds' range; needs matplotlib).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 import time
@@ -37,6 +41,7 @@ from memjax import config_lib
 from memjax import errors
 from memjax import evaluate
 from memjax import model as model_lib
+from memjax.model import memories
 from memjax.bench.suites import programs
 from memjax.runtime import storage
 from memjax.training import loop as trainer
@@ -85,7 +90,9 @@ def _check(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         (not unknown, f'compare.methods has unknown {unknown}; choose from {tuple(METHODS)}.'),
         (bool(section.methods), f'compare.methods is empty; name some of {tuple(METHODS)}.'),
         (bool(section.eval_mem_lens), 'compare.eval_mem_lens is empty; give memory lengths (-1: the model\'s).'),
-        (section.seeds >= 1, f'compare.seeds={section.seeds} must be >= 1.'))
+        (section.seeds >= 1, f'compare.seeds={section.seeds} must be >= 1.'),
+        (bool(section.get('clamp_lens')), 'compare.clamp_lens is empty; give clamp_len values (-2: the '
+                                          'longest distance trained, -1: none).'))
     evaluating = [m for m in known if METHODS[m].runs_on]
     missing = sorted({METHODS[m].runs_on for m in evaluating} - set(section.methods))
     problems += [f'compare.methods needs {missing}, whose runs {evaluating} evaluate.'] if missing else []
@@ -93,14 +100,28 @@ def _check(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         raise errors.ConfigError(' '.join(problems))
     for method in known:
         for mem_len in _mem_lens(config):
-            run = run_config(config, METHODS[method].runs_on or method, 0)
-            run.eval.model.update(METHODS[method].evaluation(mem_len))
-            try:
-                trainer.resolved(run, jax.device_count())
-            except errors.ConfigError as error:
-                raise errors.ConfigError(f'compare: {method} at eval memory {mem_len}: {" ".join(str(error).split())}'
-                                         ) from None
+            for clamp_len in section.clamp_lens:
+                try:
+                    clamp_in_effect(run_config(config, METHODS[method].runs_on or method, 0),
+                                    _overrides(METHODS[method], mem_len, clamp_len))
+                except errors.ConfigError as error:
+                    raise errors.ConfigError(f'compare: {method} at eval memory {mem_len}, clamp_len {clamp_len}: '
+                                             f'{" ".join(str(error).split())}') from None
     return section
+
+
+def _overrides(method: Method, mem_len: int, clamp_len: int) -> dict:
+    return {**method.evaluation(mem_len), 'clamp_len': clamp_len}
+
+
+def clamp_in_effect(run: ml_collections.ConfigDict, overrides: dict) -> int:
+    """The clamp_len that evaluating `run` with `overrides` (config.eval.model) resolves to, or -1
+    where it clamps no distance the evaluation scores (the same numbers as no clamp)."""
+    run = run.copy_and_resolve_references()
+    run.eval.model.update(overrides)
+    evaluated = trainer.resolved(run, jax.device_count()).eval_model
+    bites = memories.scored_distance(evaluated) != memories.scored_distance(evaluated.replace(clamp_len=-1))
+    return evaluated.clamp_len if bites else -1
 
 
 def _mem_lens(config: ml_collections.ConfigDict) -> list[int]:
@@ -195,16 +216,22 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 failures.setdefault(f'{method}/seed{seed}', f'no {spec.runs_on or method} run to evaluate')
                 continue
             run_dir = os.path.join(workdir, spec.runs_on or method, f'seed{seed}')
-            for mem_len in mem_lens:
-                overrides = spec.evaluation(mem_len)
-                try:  # A method whose evaluation does not depend on the memory is scored once.
-                    found = evaluate_one(source['config'], run_dir, f'{method}_mem{mem_len}' if overrides else method,
-                                         overrides)
+            for mem_len, clamp_len in itertools.product(mem_lens, section.clamp_lens):
+                overrides = _overrides(spec, mem_len, clamp_len)
+                where = f'{method}/seed{seed}/mem{mem_len}/clamp{clamp_len}'
+                try:
+                    clamp = clamp_in_effect(source['config'], overrides)
+                    # Scored once per setting that changes a number: a method whose evaluation does not
+                    # depend on the memory once, a clamp that clamps nothing as no clamp.
+                    name = (f'{method}_mem{mem_len}' if spec.evaluation(mem_len) else method) + (
+                        f'_clamp{clamp}' if clamp > 0 else '')
+                    found = evaluate_one(source['config'], run_dir, name, {**overrides, 'clamp_len': clamp})
                 except Exception as error:  # pylint: disable=broad-except
-                    failures[f'{method}/seed{seed}/mem{mem_len}'] = f'{type(error).__name__}: {error}'[:300]
+                    failures[where] = f'{type(error).__name__}: {error}'[:300]
                     continue
                 train = source['train']
-                rows.append({'method': method, 'seed': seed, 'eval_mem_len': mem_len, 'loss': found['loss'],
+                rows.append({'method': method, 'seed': seed, 'eval_mem_len': mem_len, 'clamp': clamp_len,
+                             'clamp_in_effect': clamp, 'loss': found['loss'],
                              'metric_name': _metric(found), 'metric': found[_metric(found)],
                              'eval_tokens_per_s': found['eval_tokens_per_s'],
                              'train_tokens_per_s': train['train_tokens_per_s'], 'wall_seconds': train['wall_seconds'],
@@ -229,22 +256,39 @@ def _curve(run_dir: str) -> dict[str, list]:
     return {'train': pick('train/loss'), 'valid': pick('valid/loss')}
 
 
-def table(report: dict, seeds: int) -> str:
-    """Markdown: one row per method and evaluation memory, mean ± spread (half the range) over seeds."""
+def clamp_label(row: dict) -> str:
+    """The table's clamp cell: what was asked (compare.clamp_lens) and the clamp_len it set."""
+    asked = {-1: 'none', -2: 'trained'}.get(row['clamp'], str(row['clamp']))
+    if row['clamp'] == -1:
+        return asked
+    return f'{asked}: {row["clamp_in_effect"]}' if row['clamp_in_effect'] > 0 else f'{asked}: not reached'
+
+
+def _groups(report: dict) -> dict[tuple, list]:
+    """Rows by (method, evaluation memory, clamp asked), in the order they were scored."""
     groups: dict[tuple, list] = {}
     for row in report['rows']:
-        groups.setdefault((row['method'], row['eval_mem_len']), []).append(row)
+        groups.setdefault((row['method'], row['eval_mem_len'], row['clamp']), []).append(row)
+    return groups
+
+
+def table(report: dict, seeds: int) -> str:
+    """Markdown: one row per method, evaluation memory and clamp, mean ± spread (half the range) over
+    seeds."""
     metric = report['rows'][0]['metric_name'] if report['rows'] else 'metric'
-    lines = [f'| method | eval memory | loss (mean ± half-range, {seeds} seeds) | {metric} | train tokens/s | '
-             'eval tokens/s (with compile) | parameters | train step memory (MB) | train wall s |',
-             '| --- | --- | --- | --- | --- | --- | --- | --- | --- |']
-    for (method, mem_len), rows in groups.items():
+    lines = [f'| method | eval memory | clamp_len | loss (mean ± half-range, {seeds} seeds) | {metric} | '
+             'train tokens/s | eval tokens/s (with compile) | parameters | train step memory (MB) | train wall s |',
+             '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+    for (method, mem_len, _), rows in _groups(report).items():
         loss = np.array([r['loss'] for r in rows])
         mean = lambda key: float(np.mean([r[key] for r in rows]))
-        lines.append(f'| {method} | {mem_len} | {loss.mean():.4f} ± {(loss.max() - loss.min()) / 2:.4f} '
-                     f'({len(rows)}) | {mean("metric"):.4f} | {mean("train_tokens_per_s"):,.0f} | '
-                     f'{mean("eval_tokens_per_s"):,.0f} | {int(mean("params")):,} | '
+        lines.append(f'| {method} | {mem_len} | {clamp_label(rows[0])} | {loss.mean():.4f} ± '
+                     f'{(loss.max() - loss.min()) / 2:.4f} ({len(rows)}) | {mean("metric"):.4f} | '
+                     f'{mean("train_tokens_per_s"):,.0f} | {mean("eval_tokens_per_s"):,.0f} | {int(mean("params")):,} | '
                      f'{mean("step_memory_bytes") / 2**20:.1f} | {mean("wall_seconds"):.0f} |')
+    lines.append('\nclamp_len: relative distances beyond it are scored as it. `trained`: the longest distance '
+                 'training scored (mem_len + tgt_len - 1), where the evaluation reaches beyond it; `not reached`: '
+                 'the evaluation scores no longer distance, so nothing is clamped.')
     for name, why in report['failures'].items():
         lines.append(f'\nFailed: {name}: {why}')
     return '\n'.join(lines) + '\n'
@@ -265,12 +309,17 @@ def plot(report: dict, path: str) -> None:
             curves.plot(steps, values, label=name)
     curves.set(xlabel='training step', ylabel='validation loss (nats)', title='Learning curves')
     curves.legend(fontsize=7)
-    by_method: dict[str, dict[int, list]] = {}
+    series: dict[str, dict[int, list]] = {}
+    clamps = {row['clamp'] for row in report['rows']}
     for row in report['rows']:
-        by_method.setdefault(row['method'], {}).setdefault(row['eval_mem_len'], []).append(row['loss'])
-    for method, points in by_method.items():
+        label = row['method'] + (f', clamp {clamp_label(row).partition(":")[0]}' if len(clamps) > 1 else '')
+        series.setdefault(label, {}).setdefault(row['eval_mem_len'], []).append(row['loss'])
+    for label, points in series.items():
         lens = sorted(points)
-        memory.plot(lens, [np.mean(points[m]) for m in lens], marker='o', label=method)
+        losses = [np.array(points[m]) for m in lens]
+        # The bars span the seeds' range.
+        memory.errorbar(lens, [x.mean() for x in losses], yerr=[(x.max() - x.min()) / 2 for x in losses],
+                        marker='o', capsize=3, label=label, linestyle='--' if 'clamp none' in label else '-')
     memory.set(xlabel='evaluation memory length', ylabel='loss (nats)', title='Loss against evaluation memory')
     memory.legend(fontsize=7)
     fig.tight_layout()

@@ -1,5 +1,6 @@
 """memjax.compare: every method at one budget, resumable, failures reported, parameters matched."""
 
+import json
 import os
 import types
 
@@ -15,7 +16,8 @@ import training_fixtures
 def tiny_comparison(corpus: str, methods=('none', 'xl', 'trams')):
     config = training_fixtures.tiny_config(corpus, train__num_steps=4, train__eval_every=0,
                                            train__checkpoint_every=0, model__mem_len=8)
-    config.compare = {'methods': methods, 'seeds': 1, 'eval_mem_lens': (8, 16), 'match_params': True}
+    config.compare = {'methods': methods, 'seeds': 1, 'eval_mem_lens': (8, 16), 'clamp_lens': (-1, -2),
+                      'match_params': True}
     return config
 
 
@@ -28,24 +30,46 @@ def compared(corpus, tmp_path_factory):
 def test_every_method_is_scored_at_every_memory_and_trams_runs_on_the_xl_run(compared):
     workdir, report = compared
     assert not report['failures']
-    rows = {(r['method'], r['eval_mem_len']): r for r in report['rows']}
-    assert set(rows) == {(m, n) for m in ('none', 'xl', 'trams') for n in (8, 16)}
-    assert rows[('none', 8)]['loss'] == rows[('none', 16)]['loss']  # Nothing to remember.
-    assert rows[('xl', 16)]['loss'] != rows[('xl', 8)]['loss']
+    rows = {(r['method'], r['eval_mem_len'], r['clamp']): r for r in report['rows']}
+    assert set(rows) == {(m, n, c) for m in ('none', 'xl', 'trams') for n in (8, 16) for c in (-1, -2)}
+    assert rows[('none', 8, -1)]['loss'] == rows[('none', 16, -1)]['loss']  # Nothing to remember.
+    assert rows[('xl', 16, -1)]['loss'] != rows[('xl', 8, -1)]['loss']
     # TRAMS trains nothing: it evaluates the XL run, whose parameters and training figures it shares.
     assert not os.path.exists(os.path.join(workdir, 'trams'))
     assert os.path.exists(os.path.join(workdir, 'xl', 'seed0', 'compare_eval_trams_mem16.json'))
     for key in ('train_tokens_per_s', 'params', 'step_memory_bytes'):
-        assert rows[('trams', 8)][key] == rows[('xl', 8)][key]
-    assert rows[('xl', 8)]['step_memory_bytes'] > 0 and rows[('xl', 8)]['params'] > 0
+        assert rows[('trams', 8, -1)][key] == rows[('xl', 8, -1)][key]
+    assert rows[('xl', 8, -1)]['step_memory_bytes'] > 0 and rows[('xl', 8, -1)]['params'] > 0
+
+
+def test_longer_memory_rows_carry_the_clamp_at_the_trained_maximum(compared):
+    """configs/tiny.py trains segments and memory of 8: distances 0-15."""
+    workdir, report = compared
+    rows = {(r['method'], r['eval_mem_len'], r['clamp']): r for r in report['rows']}
+    for method in ('xl', 'trams'):
+        longer = rows[(method, 16, -2)]
+        assert longer['clamp_in_effect'] == 8 + 8 - 1
+        with open(os.path.join(workdir, 'xl', 'seed0', f'compare_eval_{method}_mem16_clamp15.json')) as f:
+            assert json.load(f)['settings']['clamp_len'] == 15  # What the evaluation ran with.
+        assert longer['loss'] != rows[(method, 16, -1)]['loss']
+    # XL at the trained memory clamps nothing: one evaluation serves both rows.
+    assert rows[('xl', 8, -2)]['clamp_in_effect'] == -1
+    assert rows[('xl', 8, -2)]['loss'] == rows[('xl', 8, -1)]['loss']
+    assert not os.path.exists(os.path.join(workdir, 'xl', 'seed0', 'compare_eval_xl_mem8_clamp15.json'))
+    # TRAMS attending 8 selects from a pool of 16, whose true distances reach 16 + 8 - 1.
+    assert rows[('trams', 8, -2)]['clamp_in_effect'] == 15
+    with open(os.path.join(workdir, 'comparison.md')) as f:
+        text = f.read()
+    assert f'| xl | 16 | trained: 15 | {rows[("xl", 16, -2)]["loss"]:.4f} ± 0.0000 (1) |' in text
+    assert f'| xl | 8 | trained: not reached | {rows[("xl", 8, -1)]["loss"]:.4f} ± 0.0000 (1) |' in text
 
 
 def test_the_table_gives_each_methods_mean_and_half_range(compared):
     workdir, report = compared
     with open(os.path.join(workdir, 'comparison.md')) as f:
         text = f.read()
-    row = next(r for r in report['rows'] if (r['method'], r['eval_mem_len']) == ('xl', 16))
-    assert f'| xl | 16 | {row["loss"]:.4f} ± 0.0000 (1) | {row["metric"]:.4f} |' in text
+    row = next(r for r in report['rows'] if (r['method'], r['eval_mem_len'], r['clamp']) == ('xl', 16, -1))
+    assert f'| xl | 16 | none | {row["loss"]:.4f} ± 0.0000 (1) | {row["metric"]:.4f} |' in text
     assert (np.array([r['loss'] for r in report['rows']]) > 0).all()
 
 
@@ -81,11 +105,13 @@ def test_a_failing_method_is_reported_the_others_go_on_and_the_command_fails(cor
 
 
 @pytest.mark.parametrize('compare_fields, message', [
-    ({'eval_mem_lens': (-5,)}, 'xl at eval memory -5: invalid config'),
+    ({'eval_mem_lens': (-5,)}, 'xl at eval memory -5, clamp_len -1: invalid config'),
     ({'eval_mem_lens': ()}, 'compare.eval_mem_lens is empty'),
     ({'methods': ()}, 'compare.methods is empty'),
     ({'methods': ('xl', 'lstm')}, "compare.methods has unknown ['lstm']"),
     ({'methods': ('trams',)}, "compare.methods needs ['xl']"),
+    ({'clamp_lens': ()}, 'compare.clamp_lens is empty'),
+    ({'clamp_lens': (-3,)}, 'xl at eval memory 8, clamp_len -3: invalid config'),
 ])
 def test_a_bad_comparison_is_refused_before_anything_trains(corpus, tmp_path, compare_fields, message):
     config = tiny_comparison(corpus, methods=('xl',))
@@ -99,7 +125,7 @@ def test_a_bad_comparison_is_refused_before_anything_trains(corpus, tmp_path, co
 def test_a_methods_own_bad_field_is_refused_before_anything_trains(corpus, tmp_path, monkeypatch):
     broken = compare.Method(model=lambda c: {'memory': 'lamemo', 'lamemo_eps': -1.0})
     monkeypatch.setitem(compare.METHODS, 'broken', broken)
-    with pytest.raises(errors.ConfigError, match='compare: broken at eval memory 8: .*lamemo_eps'):
+    with pytest.raises(errors.ConfigError, match='compare: broken at eval memory 8, clamp_len -1: .*lamemo_eps'):
         compare.run_comparison(tiny_comparison(corpus, methods=('none', 'broken')), str(tmp_path))
     assert not os.listdir(tmp_path)
 

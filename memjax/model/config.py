@@ -17,6 +17,8 @@ import jax.numpy as jnp
 
 _COMPUTE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _MEMORY_STARTS = ('empty', 'zeros')
+# config.eval.model.clamp_len=-2: clamp at the longest distance the trained model ever scored.
+CLAMP_TRAINED = -2
 # Fields of every memory kind that shape no parameter: evaluation may override them
 # (config.eval.model), together with the kind's own `run_time_fields`.
 # compute_dtype among them: a float32-trained run evaluates in bfloat16 (docs/mixed_precision.md).
@@ -115,7 +117,10 @@ class ModelConfig:
     dropout: float = 0.1
     dropatt: float = 0.0
     mem_len: int = 0
-    clamp_len: int = -1  # <= 0: relative distances are not clamped.
+    # Relative distances longer than clamp_len are scored as clamp_len; -1 (or 0): not clamped.
+    # CLAMP_TRAINED (-2): at the longest distance training scored (memories.trained_distance),
+    # resolved when the evaluation model is built; in training it clamps nothing.
+    clamp_len: int = -1
     same_length: bool = False
     pre_lnorm: bool = False
     untie_r: bool = False  # True: every layer has its own u, v biases.
@@ -254,6 +259,8 @@ class ModelConfig:
         for name in ('dropout', 'dropatt'):
             need(0.0 <= getattr(self, name) < 1.0, f'{name}={getattr(self, name)} must be in [0, 1).')
         need(self.mem_len >= 0, f'mem_len={self.mem_len} must be >= 0 (0 disables memory).')
+        need(self.clamp_len >= CLAMP_TRAINED, f'clamp_len={self.clamp_len} must be > 0 (the longest distance '
+             f'scored), -1 (no clamping) or {CLAMP_TRAINED} (the longest distance training scored).')
         # Positions and distances are int32 indices.
         need(self.mem_len + max(self.segment_len, 0) < 2**31, f'mem_len={self.mem_len} must be below '
              f'2**31 - segment_len: positions are int32.')

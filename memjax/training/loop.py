@@ -23,6 +23,7 @@ from memjax.training import workdir as workdir_lib
 from memjax.training import evaluation
 from memjax.training import metrics as metrics_lib
 from memjax import model as model_lib
+from memjax.model import memories
 from memjax.training import optim
 from memjax.training import preemption
 from memjax.runtime import sharding
@@ -120,6 +121,9 @@ def setup(config: ml_collections.ConfigDict | config_lib.RunConfig, workdir: str
     """
     devices = jax.devices() if devices is None else devices
     run = resolved(config, len(devices))
+    unseen = memories.unseen_distances(run.model, run.eval_model)
+    if unseen:
+        logging.warning(unseen)
     workdir_lib.check(workdir, create=training)
     check_saved_config(run, workdir, training)
     with distributed.primary_first('tokenizer'):

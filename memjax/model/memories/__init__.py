@@ -34,7 +34,9 @@ from jax.sharding import PartitionSpec as P
 
 from memjax.model.attention import Attended, AttentionView, KeyBlock, LayerMaps
 from memjax.model import stochastic
-from memjax.model.config import RUN_TIME_FIELDS, TRAINING_FIELDS, KindFields, ModelConfig, add_check, declare_fields
+from memjax.model.config import (CLAMP_TRAINED, RUN_TIME_FIELDS, TRAINING_FIELDS, KindFields, ModelConfig, add_check,
+                                 declare_fields)
+from memjax.model.positions import POSITIONS
 
 BATCH_AXIS = 'activation_batch'
 
@@ -183,6 +185,12 @@ class MemoryKind:
         """Keys a query sees with `same_length` (itself included)."""
         return self.config.mem_len
 
+    def longest_distance(self, seg_len: int) -> int:
+        """The longest query-key distance the attention scores once the memory is full, before
+        clamp_len. With `same_length` a query sees `window` keys back from itself."""
+        longest = self.position_rows(seg_len) - 1
+        return min(longest, self.window - 1) if self.config.same_length else longest
+
     def skip_layers(self, key: Optional[jax.Array], phase: int) -> Optional[jax.Array]:
         """[n_layer] bool: layers skipped this training step (None: none). Called only when the
         kind's streams hold 'skip' (shared between chunks: one decision per step); `key` is its
@@ -268,8 +276,44 @@ def evaluation_config(trained: ModelConfig, overrides: dict[str, Any],
                                                  f'--config.eval.model.memory={hint[0]}.' if hint else '.'))
     # Evaluation never skips layers nor permutes heads.
     switches_off = {name: ModelConfig.defaults()[name] for name in TRAINING_FIELDS}
-    return trained.replace(**{**overrides, 'memory': memory}, **switches_off,
-                           **({} if segment_len is None else {'segment_len': segment_len}))
+    evaluated = trained.replace(**{**overrides, 'memory': memory}, **switches_off,
+                                **({} if segment_len is None else {'segment_len': segment_len}))
+    if evaluated.clamp_len == CLAMP_TRAINED:
+        evaluated = evaluated.replace(clamp_len=trained_distance(trained))
+    return evaluated
+
+
+def scored_distance(config: ModelConfig) -> Optional[int]:
+    """The longest distance whose positional encoding `config` scores on segments of
+    `config.segment_len` once its memory is full (clamp_len applied); None for absolute positions.
+
+    Skip-Retain's aged memories reach further in the training steps that skip a layer; those
+    distances are not counted."""
+    if POSITIONS[config.positions] is None:
+        return None
+    longest = get(config).longest_distance(config.segment_len)
+    return min(longest, config.clamp_len) if config.clamp_len > 0 else longest
+
+
+def trained_distance(trained: ModelConfig) -> int:
+    """The longest distance training scored: mem_len + tgt_len - 1 for Transformer-XL's memory
+    (less under a training clamp_len or same_length). What clamp_len=-2 resolves to."""
+    return scored_distance(trained) or 0
+
+
+def unseen_distances(trained: ModelConfig, evaluated: ModelConfig) -> Optional[str]:
+    """One line when evaluation scores distances training never produced, else None.
+
+    A relative position beyond the trained range is an input the model has not learned to weigh:
+    LaMemo trained with segments and memory of 64 sends most of its lower layers' attention there
+    at memory 256 (BENCHMARKS.md, \"Evaluating with a longer memory\")."""
+    longest, trained_max = scored_distance(evaluated), scored_distance(trained)
+    if longest is None or longest <= trained_max:
+        return None
+    return (f'evaluation scores relative distances up to {longest} (memory {evaluated.mem_len}, segments of '
+            f'{evaluated.segment_len}, clamp_len={evaluated.clamp_len}) but training scored at most {trained_max}: '
+            f'the longer ones are extrapolated; --config.eval.model.clamp_len={CLAMP_TRAINED} clamps them at '
+            f'{trained_max}, the trained maximum.')
 
 
 @register

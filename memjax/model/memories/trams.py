@@ -171,3 +171,9 @@ class TramsMemory(CachedXLMemory):
     @property
     def window(self):
         return self.config.trams_select
+
+    def longest_distance(self, seg_len):
+        # True distances: same_length bounds how many keys a query sees, not how far back they lie.
+        if self.config.trams_positions == 'true':
+            return self.position_rows(seg_len) - 1
+        return super().longest_distance(seg_len)
