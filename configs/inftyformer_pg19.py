@@ -17,8 +17,10 @@ Paper setting (appendix C.2): input 512, LTM of N = 512 Gaussian RBFs (widths 0.
 5e-5 for GPT-2 and 2.5e-4 for the LTM parameters, one epoch; reported perplexity 32.61 (32.48
 with sticky memories) against 33.44 for GPT-2 alone. Where the paper is silent this config mirrors
 the released GPT-2 runs (finetune_gpt2/infinite_memory_transformer[_sticky_mem]): the KL prior's
-mean mu_0 = -1 and sticky samples at their bin's left edge (memjax's defaults: no mean term, a
-uniform position in the bin); the refit's padding is the code's by default everywhere.
+mean mu_0 = -1, sticky samples at their bin's left edge (memjax's defaults: no mean term, a
+uniform position in the bin), and the HF Trainer's default schedule, a linear decay to 0 over the
+epoch; the refit's padding is the code's by default everywhere. memjax also starts the memory
+afresh at every book. docs/paper_configs.md lists every field against the paper and the code.
 """
 
 from memjax import config_lib
@@ -37,7 +39,7 @@ def get_config(arg: str = ''):
         ltm_sticky='sticky' in options, ltm_sticky_within_bin='left_edge')
     config.train.update(
         batch_size=1, tgt_len=512, num_steps=400_000, learning_rate=5e-5, memory_learning_rate=2.5e-4,
-        warmup_steps=0, min_lr_ratio=1.0, clip_norm=1.0, log_every=500, eval_every=20_000,
+        warmup_steps=0, decay='linear', min_lr_ratio=0.0, clip_norm=1.0, log_every=500, eval_every=20_000,
         eval_batches=-1, checkpoint_every=5_000)
     if 'smoke' in options:
         config.data.update(name='embedded', tokenizer='byte', train_documents=0)

@@ -2,7 +2,7 @@
 
   python -m memjax.evaluate --config=configs/trams_wt103.py --workdir=runs/transformer_xl_wt103_base --config.eval.split=test
   python -m memjax.evaluate --config=configs/trams_wt103.py:xl --workdir=runs/transformer_xl_wt103_base --config.eval.split=test
-  python -m memjax.evaluate --config=configs/trams_wt103.py:released --workdir=runs/transformer_xl_wt103_base
+  python -m memjax.evaluate --config=configs/trams_wt103.py:released --workdir=runs/transformer_xl_wt103_base --config.eval.split=test
   python -m memjax.train --config=configs/trams_wt103.py --workdir=runs/xl_wt103_for_trams
 
 TRAMS is training-free: the first command evaluates a Transformer-XL workdir (any run of
@@ -14,21 +14,26 @@ n = 64, batch 10, a pool of M = 600 rows per layer, m = 200 attended per head (t
 the 50 best-ranked older ones, the released split), clamp_len 1000 (the released default), the
 paper's metric cos(K', 1) ||K'|| and true distances. Arguments:
 `xl`: the table's baseline row, Transformer-XL attending the newest 200;
-`released`: the authors' code (pool 400, ||K'|| |sum K'|, selected keys placed contiguously).
+`released`: the authors' code (pool 400, ||K'|| |sum K'|, selected keys placed contiguously, every
+layer's memory starting as mem_len zero rows that are attended, as its init_mems);
+`xl,released`: the authors' baseline script (the newest 200, from zero rows).
+docs/paper_configs.md lists every field against the paper and the released code.
 """
 
 from memjax import config_lib
 
 PAPER = dict(memory='trams', mem_len=600, trams_select=200, trams_remain=150, trams_metric='paper',
              trams_positions='true', clamp_len=1000, same_length=False)
-OPTIONS = {'xl': dict(memory='xl', mem_len=200),
-           'released': dict(mem_len=400, trams_metric='released', trams_positions='contiguous')}
+# Applied in this order: `xl,released` is the released code's Transformer-XL baseline.
+OPTIONS = {'released': dict(mem_len=400, trams_metric='released', trams_positions='contiguous', memory_start='zeros'),
+           'xl': dict(memory='xl', mem_len=200)}
 
 
 def trams_evaluation(config, this_file: str, arg: str):
     """The paper's evaluation over a Transformer-XL config, or an argument's variant of it."""
     fields = dict(PAPER)
-    for option in config_lib.config_options(this_file, arg, tuple(OPTIONS)):
+    options = config_lib.config_options(this_file, arg, tuple(OPTIONS))
+    for option in [o for o in OPTIONS if o in options]:
         fields.update(OPTIONS[option])
     if fields['memory'] == config.model.memory:  # The baseline: no selection, no TRAMS fields.
         fields = {k: v for k, v in fields.items() if k != 'memory' and not k.startswith('trams_')}

@@ -2,7 +2,8 @@
 
 12 layers, d_model 512, 8 heads x 64, d_inner 2048, dropout 0.1, tgt = mem = 512, batch 22,
 Adam 2.5e-4, cosine to 0 over 400k steps, clip 0.25, byte vocabulary, plain softmax.
-Evaluation as in the reference script: tgt 80, mem 2100, clamp 820, same_length.
+Evaluation as in the reference script: tgt 80, mem 2100, clamp 820, same_length, batch 10 (its
+eval.py's; on a mesh whose data x fsdp does not divide 10, set --config.eval.batch_size).
 """
 
 from memjax import config_lib
@@ -18,6 +19,6 @@ def get_config():
         batch_size=22, tgt_len=512, num_steps=400_000, learning_rate=2.5e-4, warmup_steps=0,
         min_lr_ratio=0.0, clip_norm=0.25, log_every=200, eval_every=4000, eval_batches=-1,
         checkpoint_every=4000)
-    config.eval.tgt_len = 80
+    config.eval.update(tgt_len=80, batch_size=10)
     config.eval.model.update(mem_len=2100, clamp_len=820, same_length=True)
     return config

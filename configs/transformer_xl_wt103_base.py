@@ -4,7 +4,8 @@ Architecture and optimisation from the reference training script: 16 layers, d_m
 10 heads x 41, d_inner 2100, dropout 0.1, adaptive input/softmax with cutoffs
 20k/40k/200k and div_val 1, tgt = mem = 150, batch 60, Adam 2.5e-4, cosine to 0 over
 200k steps, clip 0.25. Evaluation with a longer attention: tgt 64, mem 640, clamp 400,
-same_length.
+same_length, batch 10 (the reference eval.py's; on a mesh whose data x fsdp does not divide 10, set
+--config.eval.batch_size to a multiple of it).
 """
 
 from memjax import config_lib
@@ -21,6 +22,6 @@ def get_config():
         batch_size=60, tgt_len=150, num_steps=200_000, learning_rate=2.5e-4, warmup_steps=0,
         min_lr_ratio=0.0, clip_norm=0.25, log_every=200, eval_every=4000, eval_batches=-1,
         checkpoint_every=4000)
-    config.eval.tgt_len = 64
+    config.eval.update(tgt_len=64, batch_size=10)
     config.eval.model.update(mem_len=640, clamp_len=400, same_length=True)
     return config

@@ -28,6 +28,7 @@ from memjax.runtime.mesh import MeshConfig
 
 INIT_FROM_STATES = ('params', 'params_and_optimizer')
 SECTIONS = ('model', 'data', 'train', 'eval', 'mesh')
+DECAYS = ('cosine', 'linear')
 
 
 def _from_mapping(cls: type, section: str, fields: Mapping[str, Any]) -> Any:
@@ -54,6 +55,9 @@ class TrainConfig:
     memory_learning_rate: float = -1.0
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
+    # After the warmup, from learning_rate to min_lr_ratio x learning_rate at num_steps: 'cosine'
+    # (Transformer-XL's) or 'linear' (the HF Trainer's default, the infinity-former's GPT-2 runs).
+    decay: str = 'cosine'
     clip_norm: float = 0.25  # <= 0: no clipping.
     b1: float = 0.9
     b2: float = 0.999
@@ -107,6 +111,7 @@ class TrainConfig:
             (0 <= self.warmup_steps <= self.num_steps,
              f'config.train.warmup_steps={self.warmup_steps} must lie in [0, num_steps={self.num_steps}].'),
             (0.0 <= self.min_lr_ratio <= 1.0, f'config.train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1].'),
+            (self.decay in DECAYS, f'config.train.decay={self.decay!r} must be one of {DECAYS}.'),
             (0.0 <= self.b1 < 1.0, f'config.train.b1={self.b1} must lie in [0, 1).'),
             (0.0 <= self.b2 < 1.0, f'config.train.b2={self.b2} must lie in [0, 1).'),
             (self.eps > 0, f'config.train.eps={self.eps} must be > 0.'),
@@ -269,6 +274,7 @@ def shrink_to_smoke(config: ml_collections.ConfigDict, **model: Any) -> ml_colle
                         tie_projs=(), mem_len=32, **model)
     config.train.update(batch_size=8, tgt_len=32, num_steps=600, learning_rate=2e-3, warmup_steps=20,
                         min_lr_ratio=0.1, log_every=100, eval_every=0, checkpoint_every=0)
+    config.eval.batch_size = -1
     return config
 
 

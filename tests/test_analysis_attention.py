@@ -40,6 +40,22 @@ def test_mean_by_distance_is_the_naive_average_over_queries(width, name, reduce)
     np.testing.assert_allclose(got, _naive_by_distance(values, mask, 4, width, reduce), rtol=1e-12)
 
 
+@pytest.mark.parametrize('distance', [0, 3, 7, 12])
+def test_mass_beyond_a_distance_is_the_naive_sum_per_query(distance):
+    rng = np.random.RandomState(0)
+    values = rng.rand(2, 2, 3, 4, 10)
+    mask = rng.rand(2, 2, 1, 4, 10) > 0.3
+    total, count = attention.mass_beyond(values, mask, seg_len=4, distance=distance)
+    want_total, want_count = np.zeros((2, 3)), np.zeros((2, 3), int)
+    for l, b, h, t in np.ndindex(2, 2, 3, 4):
+        keys = [k for k in range(10) if 10 - 4 + t - k > distance and mask[l, b, 0, t, k]]
+        if keys:
+            want_total[l, h] += values[l, b, h, t, keys].sum()
+            want_count[l, h] += 1
+    np.testing.assert_allclose(total, want_total, rtol=1e-12)
+    np.testing.assert_array_equal(count, want_count)
+
+
 @pytest.fixture(scope='module')
 def xl_attention():
     """A random Transformer-XL's sown attention on its third segment (the memory full of real rows)."""
@@ -81,3 +97,12 @@ def test_attention_by_distance_of_the_model_sums_to_one_per_query(xl_attention):
     cfg, sown = xl_attention
     per_query = attention.by_distance(sown['probs'], sown['query'].shape[2])
     np.testing.assert_allclose(np.nansum(per_query, axis=-1), 1.0, atol=1e-5)
+
+
+def test_the_models_whole_attention_lies_beyond_distance_minus_one_and_less_beyond_two(xl_attention):
+    _, sown = xl_attention
+    seg_len = sown['probs'].shape[3]
+    total, count = attention.mass_beyond(sown['probs'], sown['mask'], seg_len, -1)
+    np.testing.assert_allclose(total / count, 1.0, rtol=1e-5)  # Each query's weights sum to one.
+    farther, _ = attention.mass_beyond(sown['probs'], sown['mask'], seg_len, 2)
+    assert (farther < total).all()

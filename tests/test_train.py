@@ -35,6 +35,16 @@ def test_schedule_matches_hand_formula():
     assert float(schedule(20)) == pytest.approx(1e-4, rel=1e-6)  # Ends at min_lr_ratio * lr.
 
 
+def test_linear_decay_is_the_hf_trainers_default_schedule():
+    """transformers' get_linear_schedule_with_warmup: lr * (T - s) / (T - W) after W warmup updates
+    (floor 0), which the infinity-former's GPT-2 runs use."""
+    config = training_fixtures.tiny_config('unused', train__num_steps=20, train__warmup_steps=5,
+                                           train__learning_rate=1e-3, train__decay='linear')
+    schedule = optim.learning_rate_schedule(config.train)
+    for step in range(5, 21):
+        assert float(schedule(step)) == pytest.approx(1e-3 * (20 - step) / 15, rel=1e-6, abs=1e-12), step
+
+
 def test_first_adam_update_moves_each_weight_by_the_learning_rate():
     """Adam's first step is lr * g / (|g| + eps): the schedule and the chain are wired in."""
     config = training_fixtures.tiny_config('unused', train__warmup_steps=4,

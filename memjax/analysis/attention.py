@@ -45,6 +45,29 @@ def mean_by_distance(values: np.ndarray, mask: np.ndarray, seg_len: int, bin_wid
         return np.nanmean(binned, axis=(1, 3))
 
 
+def mass_beyond(values: np.ndarray, mask: np.ndarray, seg_len: int, distance: int) -> tuple[np.ndarray, np.ndarray]:
+    """([n_layer, H] summed, [n_layer, H] count): each query's total of `values` [n_layer, B, H, T, K]
+    on the keys it sees (`mask`) more than `distance` back, summed over the queries that see one,
+    and how many do."""
+    seen = by_distance(np.broadcast_to(mask, values.shape).astype(float), seg_len)[..., distance + 1:] == 1
+    far = np.where(seen, by_distance(values.astype(np.float64), seg_len)[..., distance + 1:], 0.0).sum(-1)
+    reaches = seen.any(-1)  # [n_layer, B, H, T]
+    return np.where(reaches, far, 0.0).sum(axis=(1, 3)), reaches.sum(axis=(1, 3))
+
+
+def share_beyond(run: LoadedRun, distance: int, num_segments: int, split: str = 'validation') -> np.ndarray:
+    """[n_layer, H]: the attention weight a query puts on keys more than `distance` back, averaged
+    over the queries that see such a key (NaN where none does). With `distance` the longest one
+    training scored (`memories.trained_distance`), how much a run evaluated with a longer memory
+    leans on relative positions it never learned to weigh."""
+    total, count = 0.0, 0
+    for segment, _, sown in sown_over_text(run, 'attention', num_segments, split):
+        mass, queries = mass_beyond(sown['probs'], sown['mask'], segment.inputs.shape[1], distance)
+        total, count = total + mass, count + queries
+    with np.errstate(invalid='ignore'):
+        return np.where(count > 0, total / np.maximum(count, 1), np.nan)
+
+
 def score_terms(attention: dict, scale: float) -> dict[str, np.ndarray]:
     """The four terms of Transformer-XL's relative score (section 3.3), each [n_layer, B, H, T, K]:
     (a) q.k content, (b) q.W_r R_(i-j) content-dependent position, (c) u.k global content bias,

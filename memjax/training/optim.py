@@ -10,7 +10,7 @@ from memjax import config_lib
 
 
 def learning_rate_schedule(train_cfg: config_lib.TrainConfig, peak: float | None = None) -> optax.Schedule:
-    """Linear warmup to `learning_rate`, then cosine decay to `min_lr_ratio * learning_rate`.
+    """Linear warmup to `learning_rate`, then `decay` (cosine or linear) to `min_lr_ratio * learning_rate`.
 
     `step` counts updates already applied, so the first update uses lr / warmup_steps rather
     than a wasted zero; the decay spans the remaining `num_steps - warmup_steps` updates.
@@ -24,8 +24,8 @@ def learning_rate_schedule(train_cfg: config_lib.TrainConfig, peak: float | None
         step = jnp.asarray(step, jnp.float32)
         warm = peak * (step + 1.0) / max(1, warmup)
         progress = jnp.clip((step - warmup) / decay_steps, 0.0, 1.0)
-        cosine = peak * (floor + (1.0 - floor) * 0.5 * (1.0 + jnp.cos(math.pi * progress)))
-        return jnp.where(step < warmup, warm, cosine)
+        remaining = 0.5 * (1.0 + jnp.cos(math.pi * progress)) if train_cfg.decay == 'cosine' else 1.0 - progress
+        return jnp.where(step < warmup, warm, peak * (floor + (1.0 - floor) * remaining))
 
     return schedule
 
