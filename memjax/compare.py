@@ -22,8 +22,15 @@ per method and clamp, bars over the seeds' range; needs matplotlib).
 
 from __future__ import annotations
 
+from memjax import early_sigterm
+
+if __name__ == '__main__':  # The command, not a test that imports this module.
+    early_sigterm.install()  # Before the imports below, which take seconds.
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
 import itertools
+import json
 import os
 import sys
 import time
@@ -46,6 +53,7 @@ from memjax.bench.suites import programs
 from memjax.runtime import storage
 from memjax.training import loop as trainer
 from memjax.training import metrics as metrics_lib
+from memjax.training import workdir as workdir_lib
 
 flags.adopt_module_key_flags(evaluate)  # --config, --workdir.
 flags.adopt_module_key_flags(cli)
@@ -158,25 +166,54 @@ def matched_d_inner(config: ml_collections.ConfigDict, target: int) -> int:
     return min(candidates, key=lambda d: abs(count(d) - target))
 
 
+class Stopped(Exception):
+    """SIGTERM or Ctrl-C stopped a method's training after its checkpoint: the comparison stops."""
+
+
+# What a finished run's and evaluation's files hold; anything less is not read as done.
+TRAIN_FIELDS = ('train_tokens_per_s', 'wall_seconds', 'params', 'step_memory_bytes')
+EVAL_FIELDS = ('loss', 'num_tokens', 'eval_tokens_per_s')
+
+
+def read_done(path: str, fields: tuple[str, ...], what: str) -> dict | None:
+    """The finished `what` recorded in `path`, None when there is none; a file that does not hold
+    one (damaged, cut short, not compare's) is a one-line error naming it and the fix."""
+    text = storage.read_text(path)
+    if text is None:
+        return None
+    try:
+        done = json.loads(text)
+    except ValueError:
+        done = None
+    missing = [f for f in fields if f not in done] if isinstance(done, dict) else list(fields)
+    if missing:
+        raise errors.WorkdirError(
+            f'{path} is damaged or not a finished {what} (no {", ".join(missing)}): delete it and run the same '
+            f'command again, which {"resumes the run from its newest checkpoint" if what == "run" else "scores it again"}.')
+    return done
+
+
 def train_one(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Trains (or resumes) one run; its summary, with the train step's memory, is kept beside it."""
     path = os.path.join(workdir, 'compare_train.json')
-    done = trainer.read_json(path)
+    done = read_done(path, TRAIN_FIELDS, 'run')
     if done is not None:
         return done
     summary = trainer.train_and_evaluate(config, workdir)
+    if summary.get('preempted'):  # Saved, not finished: nothing is recorded as done.
+        raise Stopped(f'{workdir} saved step {summary["step"]}')
     memory = programs.lowered_steps(trainer.setup(config, workdir))['train'].compile().memory_analysis()
     summary['params'] = parameter_count(trainer.saved_config(workdir))
     summary['step_memory_bytes'] = int(memory.argument_size_in_bytes + memory.output_size_in_bytes
                                        - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
-    trainer.write_json(path, summary)  # Last: a run without it is trained (or resumed) again.
+    trainer.write_result(path, summary, history=False)  # Last: a run without it is trained (or resumed) again.
     return summary
 
 
 def evaluate_one(config: ml_collections.ConfigDict, workdir: str, name: str, overrides: dict) -> dict:
     """Scores the run's newest checkpoint with `overrides` on config.eval.model (resumable)."""
     path = os.path.join(workdir, f'compare_eval_{name}.json')
-    done = trainer.read_json(path)
+    done = read_done(path, EVAL_FIELDS, 'evaluation')
     if done is not None:
         return done
     config = config.copy_and_resolve_references()
@@ -185,12 +222,23 @@ def evaluate_one(config: ml_collections.ConfigDict, workdir: str, name: str, ove
     summary = evaluate.evaluate_checkpoint(config, workdir, out_path=os.path.join(workdir, f'eval_{name}.json'))
     # Compilation and data preparation included: what a user waits for.
     summary['eval_tokens_per_s'] = summary['num_tokens'] / (time.time() - start)
-    trainer.write_json(path, summary)  # Written once complete: a resumed comparison trusts it.
+    trainer.write_result(path, summary, history=False)  # Written once complete: a resumed comparison trusts it.
     return summary
 
 
 def run_comparison(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains, evaluates and reports (resuming what is done), holding `<workdir>/.memjax.lock`: a second
+    comparison on the same workdir is refused before it writes anything. Raises Stopped when a
+    signal stopped a method's training."""
     section = _check(config)
+    if jax.process_index() != 0:
+        return _compare(config, section, workdir)
+    workdir_lib.check(workdir, create=True, run=False)
+    with workdir_lib.RunLock(workdir, user='comparison') as lock, early_sigterm.cleanup_on_stop(lock.release):
+        return _compare(config, section, workdir)
+
+
+def _compare(config: ml_collections.ConfigDict, section: ml_collections.ConfigDict, workdir: str) -> dict:
     mem_lens = _mem_lens(config)
     trained = [m for m in section.methods if not METHODS[m].runs_on]
     xl_params = parameter_count(run_config(config, 'xl', 0)) if section.match_params else None
@@ -204,9 +252,10 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str) -> dict:
                 logging.info('compare: training %s seed %d', method, seed)
                 results[(method, seed)] = {'train': train_one(run, os.path.join(workdir, method, f'seed{seed}')),
                                            'config': run}
+            except Stopped:
+                raise
             except Exception as error:  # pylint: disable=broad-except  (reported; the others go on)
-                failures[f'{method}/seed{seed}'] = f'{type(error).__name__}: {" ".join(str(error).split())[:300]}'
-                logging.error('compare: %s seed %d failed:\n%s', method, seed, traceback.format_exc())
+                failures[f'{method}/seed{seed}'] = _failure(error, f'{method} seed {seed}')
     rows = []
     for method in section.methods:
         spec = METHODS[method]
@@ -227,7 +276,7 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str) -> dict:
                         f'_clamp{clamp}' if clamp > 0 else '')
                     found = evaluate_one(source['config'], run_dir, name, {**overrides, 'clamp_len': clamp})
                 except Exception as error:  # pylint: disable=broad-except
-                    failures[where] = f'{type(error).__name__}: {error}'[:300]
+                    failures[where] = _failure(error, where)
                     continue
                 train = source['train']
                 rows.append({'method': method, 'seed': seed, 'eval_mem_len': mem_len, 'clamp': clamp_len,
@@ -238,10 +287,21 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str) -> dict:
                              'params': train['params'], 'step_memory_bytes': train['step_memory_bytes']})
     report = {'config': config.to_dict(), 'rows': rows, 'failures': failures,
               'curves': {f'{m}/seed{s}': _curve(os.path.join(workdir, m, f'seed{s}')) for m, s in results}}
-    trainer.write_json(os.path.join(workdir, 'comparison.json'), report)
-    storage.write_text(os.path.join(workdir, 'comparison.md'), table(report, section.seeds))
+    trainer.write_result(os.path.join(workdir, 'comparison.json'), report, history=False)
+    storage.write_result(os.path.join(workdir, 'comparison.md'), table(report, section.seeds))
     plot(report, os.path.join(workdir, 'comparison.png'))
     return report
+
+
+def _failure(error: Exception, where: str) -> str:
+    """The table's line for a failed run or evaluation; logged in one line for a user error (the
+    message says what to do), with the traceback for anything else (a bug)."""
+    text = f'{type(error).__name__}: {" ".join(str(error).split())}'[:300]
+    if isinstance(error, errors.UserError):
+        logging.error('compare: %s failed: %s', where, text)
+    else:
+        logging.error('compare: %s failed:\n%s', where, traceback.format_exc())
+    return text
 
 
 def _metric(summary: dict) -> str:
@@ -282,10 +342,12 @@ def table(report: dict, seeds: int) -> str:
     for (method, mem_len, _), rows in _groups(report).items():
         loss = np.array([r['loss'] for r in rows])
         mean = lambda key: float(np.mean([r[key] for r in rows]))
+        # A run resumed after its last logged interval has no throughput of its own.
+        speeds = [r['train_tokens_per_s'] for r in rows if r['train_tokens_per_s'] is not None]
         lines.append(f'| {method} | {mem_len} | {clamp_label(rows[0])} | {loss.mean():.4f} ± '
                      f'{(loss.max() - loss.min()) / 2:.4f} ({len(rows)}) | {mean("metric"):.4f} | '
-                     f'{mean("train_tokens_per_s"):,.0f} | {mean("eval_tokens_per_s"):,.0f} | {int(mean("params")):,} | '
-                     f'{mean("step_memory_bytes") / 2**20:.1f} | {mean("wall_seconds"):.0f} |')
+                     f'{f"{np.mean(speeds):,.0f}" if speeds else "n/a"} | {mean("eval_tokens_per_s"):,.0f} | '
+                     f'{int(mean("params")):,} | {mean("step_memory_bytes") / 2**20:.1f} | {mean("wall_seconds"):.0f} |')
     lines.append('\nclamp_len: relative distances beyond it are scored as it. `trained`: the longest distance '
                  'training scored (mem_len + tgt_len - 1), where the evaluation reaches beyond it; `not reached`: '
                  'the evaluation scores no longer distance, so nothing is clamped.')
@@ -333,7 +395,12 @@ def main(argv):
     config = cli.load_config(evaluate.CONFIG)
     # Checked inside the run: resolving asks JAX for its devices, which must wait for the
     # distributed run to be joined.
-    report = cli.run(lambda: run_comparison(config, evaluate.WORKDIR.value))
+    try:
+        report = cli.run(lambda: run_comparison(config, evaluate.WORKDIR.value))
+    except Stopped as stopped:  # The run it trained is saved; nothing half-done is recorded as finished.
+        print(f'Stopped by {early_sigterm.name()}: {stopped}; run the same command again to continue the '
+              'comparison from there.', file=sys.stderr)
+        sys.exit(early_sigterm.status())
     print(storage.read_text(os.path.join(evaluate.WORKDIR.value, 'comparison.md')))
     if report['failures']:  # A script or scheduler must not read a comparison with holes as done.
         print(f'{len(report["failures"])} failed: see comparison.md')

@@ -2,6 +2,9 @@
 
 import json
 import os
+import shutil
+import signal
+import sys
 import types
 
 import numpy as np
@@ -10,6 +13,7 @@ import pytest
 from memjax import compare
 from memjax import config_lib
 from memjax import errors
+import cli_fixtures
 import training_fixtures
 
 
@@ -140,3 +144,45 @@ def test_matched_models_have_transformer_xls_parameter_count(method):
     run = compare.run_config(config, method, 0)
     run.model.d_inner = compare.matched_d_inner(run, target)
     assert abs(compare.parameter_count(run) - target) / target < 0.01
+
+
+def test_a_damaged_or_partial_run_record_is_one_named_failure(compared, tmp_path, corpus):
+    """A run's compare_train.json cut short, or a preempted run's summary as an older compare kept it,
+    is not read as finished: one line names the file and the fix; the other methods go on."""
+    workdir = str(tmp_path / 'copy')
+    shutil.copytree(compared[0], workdir)
+    record = os.path.join(workdir, 'xl', 'seed0', 'compare_train.json')
+    for damage in ('{"train_tokens_per_s": 1', '{"preempted": true, "step": 101}'):
+        with open(record, 'w') as f:
+            f.write(damage)
+        report = compare.run_comparison(tiny_comparison(corpus), workdir)
+        why = report['failures']['xl/seed0']
+        assert f'{record} is damaged or not a finished run' in why and 'delete it and run the same command' in why
+        assert {r['method'] for r in report['rows']} == {'none'}  # TRAMS evaluates the XL run: reported too.
+        assert 'trams/seed0' in report['failures']
+
+
+def test_sigterm_stops_the_comparison_after_the_checkpoint_and_a_second_comparison_is_refused(tmp_path):
+    """The probes: SIGTERM during a method's training; a second compare on the same workdir."""
+    workdir, data = str(tmp_path / 'cmp'), str(tmp_path / 'data')
+    command = [sys.executable, '-m', 'memjax.compare', '--config=configs/compare_kjv.py:smoke', f'--workdir={workdir}',
+               f'--config.data.data_dir={data}', "--config.compare.methods=('none', 'xl')",
+               '--config.compare.seeds=1', '--config.compare.eval_mem_lens=(16,)']
+    env = cli_fixtures.cpu_env(1)
+    first = cli_fixtures.Run(command, env, str(tmp_path / 'first.log'))
+    first.wait_for_text('step 20/60')
+    second = cli_fixtures.checked(cli_fixtures.Run(command, env, str(tmp_path / 'second.log')), errors.EXIT_RUNTIME)
+    assert 'in use by another comparison' in second and 'Traceback' not in second
+    assert len([line for line in second.splitlines() if 'Workdir error' in line]) == 1
+    first.process.send_signal(signal.SIGTERM)
+    log = cli_fixtures.checked(first, 0)
+    assert 'Stopped by SIGTERM' in log and 'Traceback' not in log
+    run = os.path.join(workdir, 'none', 'seed0')
+    assert os.listdir(os.path.join(run, 'checkpoints'))  # Saved at the step boundary.
+    # Not recorded as finished, and nothing after it was started or written.
+    assert not os.path.exists(os.path.join(run, 'compare_train.json'))
+    assert not os.path.exists(os.path.join(workdir, 'xl')) and not os.path.exists(os.path.join(workdir, 'comparison.json'))
+    again = cli_fixtures.checked(cli_fixtures.Run(command, env, str(tmp_path / 'again.log')), 0)
+    assert 'Resumed from' in again
+    with open(os.path.join(workdir, 'comparison.json')) as f:
+        assert not json.load(f)['failures']

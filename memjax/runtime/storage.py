@@ -11,6 +11,7 @@ object is written whole (one upload replaces it atomically, so no temporary file
 import importlib.util
 import io
 import os
+import tempfile
 from typing import Optional
 
 from etils import epath
@@ -62,8 +63,49 @@ def write_bytes(target: os.PathLike | str, data: bytes) -> None:
         target.write_bytes(data)  # One upload: an object is replaced atomically.
         return
     tmp = target.with_name(f'{target.name}.tmp.{os.getpid()}')
-    tmp.write_bytes(data)
-    os.replace(tmp, target)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+    except BaseException:
+        # A full disk or a signal mid-write: the previous content stays whole, no part beside it.
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_result(target: os.PathLike | str, text: str) -> None:
+    """write_text for a computed result, which must not be lost when the write fails (a full disk,
+    a read-only folder, an unreachable bucket): `text` then goes to stdout and to a file kept
+    beside `target` or, if that cannot be written either, in the system's temporary folder, and a
+    one-line WorkdirError names the target, the cause and the copy."""
+    try:
+        write_text(target, text)
+        return
+    except Exception as error:  # pylint: disable=broad-except  (OSError locally, the client's on gs://)
+        cause = getattr(error, 'strerror', None) or ' '.join(str(error).split())[:200] or type(error).__name__
+    kept = None
+    for keep in (lambda: _keep_beside(target, text), lambda: _keep_in_temp(target, text)):
+        try:
+            kept = keep()
+            break
+        except Exception:  # pylint: disable=broad-except  (the next place, then stdout alone)
+            continue
+    print(text, flush=True)
+    raise errors.WorkdirError(
+        f'could not write {target} ({cause}): the result is printed above{f" and kept in {kept}" if kept else ""}; '
+        'free some space or fix the permissions, and copy it there.')
+
+
+def _keep_beside(target: os.PathLike | str, text: str) -> str:
+    kept = path(target).with_name(f'{path(target).name}.unsaved')
+    kept.write_text(text)
+    return str(kept)
+
+
+def _keep_in_temp(target: os.PathLike | str, text: str) -> str:
+    fd, kept = tempfile.mkstemp(prefix=f'{path(target).name}.', suffix='.unsaved')
+    with os.fdopen(fd, 'w', encoding='utf-8') as f:
+        f.write(text)
+    return kept
 
 
 def write_text(target: os.PathLike | str, text: str) -> None:

@@ -363,19 +363,22 @@ def write_json(path: str, payload: Any) -> None:
 HISTORY_FILE = 'results_history.jsonl'
 
 
-def write_result(path: str, payload: dict) -> None:
+def write_result(path: str, payload: dict, history: bool = True) -> None:
     """Writes `path`, the latest result of its kind (a run's summary, an evaluation), and appends it
-    as one line to results_history.jsonl beside it: a rerun with other settings replaces the file,
-    never the record of the results before it."""
-    write_json(path, payload)
-    if jax.process_index() == 0:
+    as one line to results_history.jsonl beside it (`history`): a rerun with other settings replaces
+    the file, never the record of the results before it. A failed write loses nothing: the result
+    goes to stdout and a kept copy (storage.write_result) before the one-line error."""
+    if jax.process_index() != 0:
+        return
+    storage.write_result(path, json.dumps(payload, indent=2, sort_keys=True))
+    if history:
         folder, name = path.rpartition('/')[0], path.rpartition('/')[2]
-        history = storage.join(folder, HISTORY_FILE) if folder else HISTORY_FILE
+        record = storage.join(folder, HISTORY_FILE) if folder else HISTORY_FILE
         line = json.dumps({'file': name, 'written': time.strftime('%Y-%m-%d %H:%M:%S'), **payload}, sort_keys=True)
         try:
-            storage.append_text(history, line + '\n')
+            storage.append_text(record, line + '\n')
         except (OSError, ValueError) as error:  # The result itself is written; its record is not worth a run.
-            logging.warning('Could not add the result to %s (%s: %s).', history, type(error).__name__, error)
+            logging.warning('Could not add the result to %s (%s: %s).', record, type(error).__name__, error)
 
 
 def read_json(path: str) -> Optional[Any]:

@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -38,13 +39,14 @@ def is_marker(name: str) -> bool:
     return name in (LOCK_FILE, 'checkpoints') or (name.startswith('memjax') and name.endswith('.log'))
 
 
-def check(workdir: str, create: bool) -> None:
+def check(workdir: str, create: bool, run: bool = True) -> None:
     """Raises WorkdirError unless `workdir` is (or, with `create`, can become) a writable folder
     or a gs:// location in an existing bucket, and is not a run's checkpoints folder.
 
     Without `create` (evaluation) a missing workdir is an error and nothing is created. With it, a
-    folder that exists must be empty or a memjax workdir: a run writes config.json and
-    train_summary.json there, which would replace files of those names that are someone else's.
+    folder that exists must be empty or a memjax workdir when it is for a `run`: a run writes
+    config.json and train_summary.json there, which would replace files of those names that are
+    someone else's (a comparison keeps its runs in subfolders and its own files by name).
     """
     storage.require_support(workdir, '--workdir')
     if storage.is_remote(workdir):
@@ -53,7 +55,7 @@ def check(workdir: str, create: bool) -> None:
     else:
         _check_not_checkpoints(workdir)  # First: nothing is created inside a run's checkpoints.
         _check_local(workdir, create)
-    if create:
+    if create and run:
         _check_ours(workdir)
 
 
@@ -137,8 +139,14 @@ def _check_remote(workdir: str, create: bool) -> None:
                                   'training run (python -m memjax.train --workdir=...).')
 
 
-def check_writable_file(path: str) -> None:
-    """Raises WorkdirError unless `path` can be (over)written as a file."""
+# What one result file with its history line takes, with room to spare: an evaluation's summary is
+# about 1 KB.
+RESULT_BYTES = 64 * 1024
+
+
+def check_writable_file(path: str, size: int = RESULT_BYTES) -> None:
+    """Raises WorkdirError unless `path` can be (over)written as a file of about `size` bytes: checked
+    before a result is computed, so that a full disk is found before the work, not after."""
     if storage.is_remote(path):
         return  # An object is never a folder; a bucket's permissions show at the write.
     if os.path.isdir(path):
@@ -153,6 +161,10 @@ def check_writable_file(path: str) -> None:
     target = path if os.path.exists(path) else existing
     if not os.access(target, os.W_OK):
         raise errors.WorkdirError(f'cannot write {path}: fix the permissions of {target}.')
+    free = shutil.disk_usage(existing).free
+    if free < size:
+        raise errors.WorkdirError(f'cannot write {path}: {existing} has {free:,} bytes free and the result needs '
+                                  f'about {size:,}; free some space or write it elsewhere.')
 
 
 def _pid_alive(pid: int) -> bool:
@@ -183,8 +195,16 @@ class _LockFile:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return None
-        with os.fdopen(fd, 'w') as f:
-            f.write(text)
+        except OSError as error:
+            raise errors.WorkdirError(f'cannot write the lock {self.path} ({error.strerror}): make its folder '
+                                      'writable, or use another --workdir.') from None
+        try:
+            with os.fdopen(fd, 'w') as f:
+                f.write(text)
+        except OSError as error:  # A full disk: no half-written lock is left to refuse the next run.
+            os.remove(self.path)
+            raise errors.WorkdirError(f'cannot write the lock {self.path} ({error.strerror}): free some space, '
+                                      'or use another --workdir.') from None
         return text
 
     def read(self) -> Optional[_Seen]:
@@ -290,8 +310,9 @@ class _LockObject:
 class RunLock:
     """Holds `<workdir>/.memjax.lock` from `acquire()` to `release()` (a context manager)."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, user: str = 'training run'):
         self.path = storage.join(workdir, LOCK_FILE)
+        self.user = user  # What holds such a lock, in a refusal: 'training run', 'comparison'.
         self._store = _LockObject(self.path) if storage.is_remote(workdir) else _LockFile(self.path)
         self._owner = {'host': socket.gethostname(), 'pid': os.getpid(),
                        'started': time.strftime('%Y-%m-%d %H:%M:%S')}
@@ -324,12 +345,12 @@ class RunLock:
         workdir = self.path[:-len(LOCK_FILE) - 1]
         if holder:
             return errors.WorkdirError(
-                f'{workdir} is in use by another training run (process {holder["pid"]} on '
+                f'{workdir} is in use by another {self.user} (process {holder["pid"]} on '
                 f'{holder["host"]}, since {holder.get("started", "?")}): wait for it, stop it, or '
                 f'use another --workdir. If that run is gone, delete {self.path}.')
         return errors.WorkdirError(
-            f'{workdir} is locked by {self.path}, which does not name its holder (a run starting '
-            f'this moment writes it, or the file is not memjax\'s): if no run uses this workdir, '
+            f'{workdir} is locked by {self.path}, which does not name its holder (a {self.user} starting '
+            f'this moment writes it, or the file is not memjax\'s): if no {self.user} uses this workdir, '
             f'delete the file; otherwise it is taken over once its heartbeat is '
             f'{STALE_AFTER_S:.0f}s old.')
 
