@@ -42,6 +42,10 @@ flags.adopt_module_key_flags(cli)
 flags.adopt_module_key_flags(distributed)
 
 
+# The results (a plot of about 100 KB, the tables, every point's summary), with room to spare.
+SWEEP_RESULT_BYTES = 1 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class Panel:
     """One plot: `axis` takes each of `values`; `settings(evaluator, value)` gives the evaluation
@@ -130,9 +134,14 @@ def run_sweep(name: str, config: ml_collections.ConfigDict, workdir: str, grid: 
     """Evaluates every point of sweep `name` over `grid`; writes results.{json,md,png}; returns the
     panels and the points."""
     panels = SWEEPS[name][1](config, grid)
+    workdir_lib.check(workdir, create=False)  # A run's workdir: nothing is created where there is none.
     out = storage.join(workdir, f'sweep_{name}')
-    storage.path(out).mkdir(parents=True, exist_ok=True)
-    workdir_lib.check_writable_file(storage.join(out, 'results.json'))
+    # results.json, .md and .png, and a point's file each: checked before anything is evaluated.
+    workdir_lib.check_writable_file(storage.join(out, 'results.json'), size=SWEEP_RESULT_BYTES)
+    try:
+        storage.path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise errors.WorkdirError(f'cannot create {out} ({error.strerror}): make {workdir} writable.') from None
     done: dict[str, dict] = {}
     points = []
     for panel in panels:
@@ -149,8 +158,8 @@ def run_sweep(name: str, config: ml_collections.ConfigDict, workdir: str, grid: 
                                'metric': metric, metric: summary[metric], 'loss': summary['loss'],
                                'settings': summary['settings']})
     if distributed.is_primary():
-        storage.write_text(storage.join(out, 'results.json'), json.dumps(points, indent=1))
-        storage.write_text(storage.join(out, 'results.md'), table(panels, points))
+        storage.write_result(storage.join(out, 'results.json'), json.dumps(points, indent=1))
+        storage.write_result(storage.join(out, 'results.md'), table(panels, points))
         plot(panels, points, storage.join(out, 'results.png'))
     return panels, points
 

@@ -301,3 +301,43 @@ def test_a_step_out_of_device_memory_is_one_line_with_the_ways_out(env):
                     '(Out of memory allocating 307200000000 bytes)', 'grad_accum_steps', 'remat=full')
     code, stderr = run([sys.executable, '-c', script.replace('RESOURCE_EXHAUSTED', 'INTERNAL')], env)
     assert code == 1 and 'Traceback' in stderr  # Not a memory problem: a bug, with its traceback.
+
+
+def test_generation_refuses_non_finite_settings_and_counts_its_samples_in_the_memory_check(trained, env):
+    workdir, _ = trained
+    for flag in ('--temperature=nan', '--temperature=inf'):
+        code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt=a', flag], env)
+        assert_one_line(code, stderr, errors.EXIT_USAGE, 'must be a finite number >= 0')
+    code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt=a',
+                        '--num_samples=1000000000'], env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'Out of memory', 'samples', 'batch 1000000000')
+
+
+def test_sweep_on_a_workdir_that_does_not_exist_creates_nothing(env, tmp_path):
+    missing = tmp_path / 'missing'
+    code, stderr = run([sys.executable, '-m', 'memjax.sweep', 'trams', '--config=configs/tiny.py',
+                        f'--workdir={missing}'], env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'does not exist')
+    assert not missing.exists()
+
+
+def test_a_read_only_workdir_is_read_by_generate_and_refused_in_one_line_by_sweep(trained, env, tmp_path):
+    """An archived run on a read-only disk (a tmpfs remounted read-only; skipped where this machine
+    cannot mount one)."""
+    workdir, _ = trained
+    disk = tmp_path / 'disk'
+    disk.mkdir()
+    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=64m', 'tmpfs', str(disk)], capture_output=True).returncode:
+        pytest.skip('cannot mount a tmpfs here to make a read-only disk')
+    try:
+        subprocess.run(['cp', '-a', f'{workdir}/.', str(disk)], check=True)
+        subprocess.run(['mount', '-o', 'remount,ro', str(disk)], check=True)
+        result = subprocess.run([sys.executable, '-m', 'memjax.generate', f'--workdir={disk}', '--prompt=a',
+                                 '--max_new_tokens=4', '--temperature=0'], env=env, capture_output=True, text=True,
+                                timeout=TIMEOUT_S, cwd=training_fixtures.REPO)
+        assert result.returncode == 0 and len(result.stdout) > 0, result.stderr[-3000:]
+        code, stderr = run([sys.executable, '-m', 'memjax.sweep', 'trams', f'--config={training_fixtures.TINY}',
+                            f'--workdir={disk}'], env)
+        assert_one_line(code, stderr, errors.EXIT_RUNTIME, f'cannot write {disk}/sweep_trams/results.json')
+    finally:
+        subprocess.run(['umount', '-l', str(disk)], check=False)

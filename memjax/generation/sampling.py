@@ -17,6 +17,7 @@ the warped distribution).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -37,8 +38,8 @@ class Sampling:
 
     def problems(self) -> list[str]:
         found = []
-        if self.temperature < 0:
-            found.append(f'temperature={self.temperature} must be >= 0 (0: greedy).')
+        if not 0 <= self.temperature < math.inf:  # NaN too: it would sample NUL bytes.
+            found.append(f'temperature={self.temperature} must be a finite number >= 0 (0: greedy).')
         if self.top_k < 0:
             found.append(f'top_k={self.top_k} must be >= 0 (0: no top-k).')
         if not 0 < self.top_p <= 1:

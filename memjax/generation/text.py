@@ -4,6 +4,7 @@
 import sys
 from typing import Optional, TextIO
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -67,6 +68,9 @@ def generate(config: Optional[ml_collections.ConfigDict], workdir: str, text: st
         config = trainer.saved_config(workdir)
     exp = trainer.setup(config, workdir, training=False)
     ids = prompt_ids(exp.tokenizer, text)
+    # The samples are rows of one batch: their memory, token ids and each step's log-probs.
+    trainer.check_fits(exp, False, jax.local_devices(), batch=num_samples, extra={
+        'samples': num_samples * ((len(ids) + max_new_tokens) * 4 + 2 * exp.eval_mcfg.vocab_size * 4)})
     _, params = trainer.newest_params(exp, workdir)
     stream = TextStream(exp.tokenizer, out) if num_samples == 1 else None
     try:

@@ -161,11 +161,14 @@ def device_memory_bytes(device: jax.Device) -> int:
     return host // max(1, len([d for d in jax.local_devices() if d.platform == device.platform]))
 
 
-def state_bytes(exp: Experiment, training: bool) -> dict[str, int]:
+def state_bytes(exp: Experiment, training: bool, batch: Optional[int] = None) -> dict[str, int]:
     """Bytes one device holds of the state: training's parameters, optimizer state and memory, or
-    evaluation's parameters and memory (config.eval's batch and memory)."""
+    evaluation's parameters and memory (config.eval's memory; its batch, or `batch` rows held on
+    one device, as generation's samples are)."""
     state, memory = abstract_state(exp)
-    if not training:
+    if not training and batch is not None:
+        memory = jax.eval_shape(lambda: model_lib.init_memory(exp.eval_mcfg, batch))
+    elif not training:
         shapes = jax.eval_shape(lambda: model_lib.init_memory(exp.eval_mcfg, exp.run.eval.batch_size))
         memory = jax.tree_util.tree_map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                                         exp.partitioner.memory(exp.eval_mcfg, exp.run.eval.batch_size))
@@ -173,18 +176,19 @@ def state_bytes(exp: Experiment, training: bool) -> dict[str, int]:
     return {name: _bytes_per_device(tree) for name, tree in held.items()}
 
 
-def check_fits(exp: Experiment, training: bool, devices: list[jax.Device]) -> None:
+def check_fits(exp: Experiment, training: bool, devices: list[jax.Device], batch: Optional[int] = None,
+               extra: Optional[dict[str, int]] = None) -> None:
     """Raises OutOfMemoryError before anything is built when the state alone exceeds a device's
     memory: a mem_len or batch off by orders of magnitude, found in a second instead of at the
-    first allocation."""
-    need = state_bytes(exp, training)
+    first allocation. `batch` and `extra` (name -> bytes): generation's samples and buffers."""
+    need = {**state_bytes(exp, training, batch), **(extra or {})}
     # One of this process's own: another process's device cannot be asked (GPU, TPU).
     have = device_memory_bytes(next(d for d in devices if d.process_index == jax.process_index()))
     if sum(need.values()) > have:
         gib = lambda n: f'{n / 2**30:,.1f} GiB' if n >= 2**30 else f'{n / 2**20:,.1f} MiB'
         parts = ', '.join(f'{name} {gib(n)}' for name, n in need.items() if n)
         mcfg = exp.mcfg if training else exp.eval_mcfg
-        batch = exp.run.train.batch_size if training else exp.run.eval.batch_size
+        batch = batch or (exp.run.train.batch_size if training else exp.run.eval.batch_size)
         raise errors.OutOfMemoryError(
             f'the {"training" if training else "evaluation"} state needs {gib(sum(need.values()))} per device '
             f'({parts}; mem_len={mcfg.mem_len}, batch {batch}), more than a device\'s {gib(have)}: lower '

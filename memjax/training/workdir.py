@@ -71,7 +71,9 @@ def _check_local(workdir: str, create: bool) -> None:
         except OSError as error:
             raise errors.WorkdirError(f'cannot create --workdir={workdir} ({error.strerror}): '
                                       'choose a folder you can write to.') from error
-    if not os.access(workdir, os.W_OK | os.X_OK):
+    # Evaluating, generating and analysing read a workdir (a result written elsewhere is checked
+    # on its own): a read-only one, an archived run, is theirs to read.
+    if create and not os.access(workdir, os.W_OK | os.X_OK):
         raise errors.WorkdirError(f'--workdir={workdir} is not writable: fix its permissions or '
                                   'choose another folder.')
 
