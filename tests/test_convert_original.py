@@ -8,6 +8,7 @@ tokenizer must give the original vocabulary's ids.
 
 import io
 import os
+import subprocess
 import sys
 import types
 
@@ -29,6 +30,8 @@ from memjax.convert import transfo_xl_original as original  # noqa: E402
 from memjax.generation import Sampling, sample  # noqa: E402
 from memjax.model import lm  # noqa: E402
 from memjax.training import loop as trainer  # noqa: E402
+import cli_fixtures  # noqa: E402
+import training_fixtures  # noqa: E402
 
 SHAPE = peer.Shape(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, tgt_len=6, mem_len=6, batch_size=2)
 VOCAB = peer.Vocab('adaptive', 40, (10, 20), 2)  # Three clusters: the order of the two tail logits matters.
@@ -175,8 +178,11 @@ def test_a_file_naming_any_other_callable_is_refused_and_never_run(tmp_path):
     marker = tmp_path / 'ran'
     torch.save({'model': _Marker(str(marker))}, tmp_path / 'model.pt')
     torch.save({'weight': _Marker(str(marker))}, tmp_path / 'pytorch_model.bin')
-    with pytest.raises(errors.CheckpointError, match='reads safely') as original_refused:
+    with pytest.raises(errors.CheckpointError, match='reads safely') as original_refused, \
+            warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter('always')
         original.read_model(str(tmp_path / 'model.pt'))
+    assert not warned  # torch's own warnings do not precede the refusal.
     with pytest.raises(errors.CheckpointError, match='reads safely') as hf_refused:
         hf_io._read_weights_file(str(tmp_path / 'pytorch_model.bin'))
     for refused in (original_refused, hf_refused):
@@ -235,3 +241,41 @@ def test_evaluate_scores_a_split_with_the_imported_model_as_a_segment_loop(files
         total -= float(np.sum(np.asarray(out.target_logprobs, np.float64)))
     assert summary['num_tokens'] == len(tokens) - 1
     assert summary['loss'] == pytest.approx(total / (len(tokens) - 1), abs=1e-5)
+
+
+def test_a_truncated_file_a_bare_model_and_a_missing_path_are_one_line_naming_the_file(files, tmp_path, monkeypatch):
+    _, model_path, _ = files
+    with open(model_path, 'rb') as f:
+        data = f.read()
+    truncated = tmp_path / 'truncated.pt'
+    truncated.write_bytes(data[:len(data) // 2])
+    with pytest.raises(errors.CheckpointError, match=f'{truncated} .*(truncated or damaged|reads safely)'):
+        original.read_model(str(truncated))
+    bare = tmp_path / 'bare.pt'
+    torch.save(CLASSES['MemTransformerLM'](), bare)  # The class, none of a trained model's attributes.
+    with pytest.raises(errors.CheckpointError, match=f'{bare} holds a MemTransformerLM without the parts'):
+        original.read_model(str(bare))
+    monkeypatch.setitem(sys.modules, 'torch', None)  # torch not installed: the path is still checked first.
+    with pytest.raises(errors.CheckpointError, match='missing.pt does not exist'):
+        original.read_model(str(tmp_path / 'missing.pt'))
+
+
+def test_a_full_disk_during_the_import_is_one_line(files, tmp_path):
+    """The probe: the workdir on a disk too small for the checkpoint (a tmpfs; skipped where this
+    machine cannot mount one). Orbax's failing threads print nothing ahead of the one line."""
+    _, model_path, corpus_path = files
+    disk = tmp_path / 'disk'
+    disk.mkdir()
+    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=96k', 'tmpfs', str(disk)], capture_output=True).returncode:
+        pytest.skip('cannot mount a small tmpfs here to make a full disk')
+    try:
+        result = subprocess.run([sys.executable, '-m', 'memjax.import_transfo_xl', f'--model={model_path}',
+                                 f'--corpus={corpus_path}', f'--workdir={disk}/run'], env=cli_fixtures.cpu_env(1),
+                                capture_output=True, text=True, timeout=300, cwd=training_fixtures.REPO)
+        left = os.listdir(disk)
+    finally:
+        subprocess.run(['umount', '-l', str(disk)], check=False)
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not (line[:1] in 'IWE' and line[1:5].isdigit())]
+    assert result.returncode == errors.EXIT_RUNTIME and len(lines) == 1, result.stderr[-3000:]
+    assert 'Traceback' not in result.stderr and 'RESOURCE_EXHAUSTED' in lines[0]
+    assert 'the half-written workdir was removed' in lines[0] and left == []  # The import can simply run again.

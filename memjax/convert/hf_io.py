@@ -15,12 +15,14 @@ import pickle
 import sys
 from typing import Any, Callable, Mapping, Optional, Union
 
+from absl import logging as absl_logging
 import flax.serialization
 import jax
 import numpy as np
 from flax import traverse_util
 
 from memjax import errors
+from memjax.training import metrics as metrics_lib
 from memjax.model import ModelConfig, convert_layer_layout, init_params
 
 CONFIG_FILE = 'config.json'
@@ -257,6 +259,23 @@ def run_import(job: Callable[[], str]) -> None:
         print(f'{label}: {" ".join(str(error).split())}', file=sys.stderr)
         sys.exit(getattr(error, 'exit_code', errors.EXIT_RUNTIME))
     print(summary)
+
+
+def command_main(main: Callable[[], None]) -> None:
+    """Runs an import command's `main` as the command line. A failed checkpoint write (a full disk)
+    also fails orbax's threads: their tracebacks and torch's or absl's chatter go to the log
+    details, not ahead of the one line that says what to do, and the process ends without waiting
+    for those threads, which wait forever after a failed save."""
+    absl_logging.use_absl_handler()  # No absl app here: its handler, with memjax's filters, must be the root's.
+    metrics_lib.quiet_library_logs(verbose='--verbose' in sys.argv)
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code is not None and not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(stop.code if isinstance(stop.code, int) else int(stop.code is not None))  # pylint: disable=protected-access
 
 
 def parameter_count(params: Any) -> int:

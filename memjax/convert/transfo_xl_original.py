@@ -33,7 +33,9 @@ result with `python -m memjax.convert.hf_transfo_xl`.
 
 from __future__ import annotations
 
+import os
 import pickle
+import warnings
 from typing import Any
 
 import numpy as np
@@ -70,15 +72,20 @@ _STAND_INS = [(_stand_in(name), name) for name in ALLOWED]
 def safe_load(path: str, what: str) -> Any:
     """The objects of a `torch.save` file built by torch's weights-only loader from tensors,
     containers and the stand-ins of ALLOWED; anything else is a one-line CheckpointError."""
+    if not os.path.isfile(path):  # Before torch: a wrong path is not a missing dependency.
+        raise CheckpointError(f'{path} does not exist; give the {what} file.')
     try:
         import torch  # pylint: disable=g-import-not-at-top
     except ImportError as error:
         raise CheckpointError(f'reading {what} needs torch: pip install -e \'.[parity]\' ({error}).') from error
     try:
-        with torch.serialization.safe_globals(_STAND_INS):
+        # torch's warnings about the file (its format, its age) come before a refusal that says more.
+        with torch.serialization.safe_globals(_STAND_INS), warnings.catch_warnings():
+            warnings.simplefilter('ignore')
             return torch.load(path, map_location='cpu', weights_only=True)
-    except FileNotFoundError as error:
-        raise CheckpointError(f'{path} does not exist; give the {what} file.') from error
+    except OSError as error:  # A truncated or damaged file reads as an invalid seek or read.
+        raise CheckpointError(f'{path} could not be read as a torch.save file ({error.strerror or error}): it is '
+                              f'truncated or damaged; copy the {what} again.') from error
     except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError, ValueError) as error:
         raise CheckpointError(f'{path} is not a {what} this importer reads safely ({refusal(error)}); it only builds '
                               f'the original code\'s own classes, never arbitrary ones.') from error
@@ -163,7 +170,11 @@ def hf_state_dict(model: Any) -> dict[str, np.ndarray]:
 def read_model(path: str) -> tuple[ModelConfig, dict]:
     """(memjax config, memjax params) of the original code's `model.pt`."""
     model = safe_load(path, 'original Transformer-XL model.pt')
-    config = model_config(model)
+    try:
+        config = model_config(model)
+    except (KeyError, TypeError, AttributeError, IndexError) as error:
+        raise CheckpointError(f'{path} holds a MemTransformerLM without the parts of a trained model ({type(error).__name__}: '
+                              f'{error}): give the model.pt that pytorch/train.py saved.') from error
     return config, hf_transfo_xl.params_from_hf_state_dict(hf_state_dict(model), config, source=path)
 
 

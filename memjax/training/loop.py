@@ -298,6 +298,17 @@ def write_imported(model: model_lib.ModelConfig, params: Any, tokenizer: tokeniz
     config.data.tokenizer = tokenizer.kind
     config.train.tgt_len = model.segment_len
     workdir_lib.check(workdir, create=True)
+    try:
+        _write_imported(config, params, tokenizer, workdir)
+    except (errors.UserError, OSError) as error:  # A full disk: a half-written workdir resumes nothing.
+        storage.path(workdir).rmtree(missing_ok=True)
+        raise errors.CheckpointError(f'importing into {workdir} failed ({" ".join(str(error).split())[:300]}); the '
+                                     'half-written workdir was removed: free some space or fix the permissions '
+                                     'there, and run the import again.') from error
+
+
+def _write_imported(config: ml_collections.ConfigDict, params: Any, tokenizer: tokenizers.Tokenizer,
+                    workdir: str) -> None:
     tokenizer.save(workdir)  # Adopted by setup as the run's own.
     with workdir_lib.RunLock(workdir):
         exp = setup(config, workdir)
