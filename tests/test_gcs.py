@@ -264,3 +264,46 @@ def test_move_tree_moves_a_local_folder_whole(tmp_path):
     (tmp_path / 'a' / 'b' / 'f').write_text('x')
     storage.move_tree(str(tmp_path / 'a'), str(tmp_path / 'c'))
     assert not (tmp_path / 'a').exists() and (tmp_path / 'c' / 'b' / 'f').read_text() == 'x'
+
+
+def one_error_line(log: str) -> list[str]:
+    return [line for line in log.splitlines()
+            if line.strip() and not (line[:1] in 'IWE' and line[1:5].isdigit()) and 'dataset' not in line.lower()]
+
+
+def test_without_credentials_a_gs_run_is_one_line_naming_the_login(corpus, data_dir, tmp_path):
+    env = {k: v for k, v in cli_fixtures.cpu_env(1).items()
+           if k not in gcs_emulator.ENV_KEYS and k != 'GOOGLE_APPLICATION_CREDENTIALS'}
+    env.update(HOME=str(tmp_path), NO_GCE_CHECK='true', CLOUDSDK_CONFIG=str(tmp_path / 'gcloud'))
+    log = cli_fixtures.checked(start(command(f'{ROOT}/no_credentials', corpus, data_dir), env, tmp_path, 'run'),
+                               errors.EXIT_RUNTIME)
+    lines = one_error_line(log)
+    assert len(lines) == 1 and 'gcloud auth application-default login' in lines[0] and 'Traceback' not in log, log
+
+
+def test_an_endpoint_that_does_not_answer_is_one_line_after_the_bounded_retry(corpus, data_dir, env, tmp_path):
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]  # Nothing listens there once it is closed.
+    env = {**env, 'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{port}', 'MEMJAX_GCS_TIMEOUT_S': '3'}
+    began = time.time()
+    log = cli_fixtures.checked(start(command(f'{ROOT}/down', corpus, data_dir), env, tmp_path, 'run'),
+                               errors.EXIT_RUNTIME)
+    lines = one_error_line(log)
+    assert len(lines) == 1 and 'did not answer within 3s' in lines[0] and 'MEMJAX_GCS_TIMEOUT_S' in lines[0], log
+    assert 'Traceback' not in log and time.time() - began < 60  # The client's own retry alone is 120 s.
+
+
+def test_a_bucket_lost_mid_run_stops_the_run_within_the_bound(corpus, data_dir, tmp_path):
+    """The probe: the endpoint stops answering while the run trains (this test's own server)."""
+    with gcs_emulator.start():
+        env = {**cli_fixtures.cpu_env(1), 'MEMJAX_GCS_TIMEOUT_S': '3'}
+        run = start(command(f'{ROOT}/lost', corpus, data_dir, '--config.train.num_steps=100000',
+                            '--config.train.checkpoint_every=4'), env, tmp_path, 'run')
+        run.wait_for_text('step 8/')
+        stopped_at = time.time()
+    # The server is gone; the run must notice and end, not retry for minutes.
+    log = cli_fixtures.checked(run, errors.EXIT_RUNTIME)
+    assert time.time() - stopped_at < 60, log[-2000:]
+    lines = one_error_line(log)
+    assert len(lines) == 1 and 'Cloud Storage has not answered' in lines[0] and 'resumes from the newest' in lines[0], log

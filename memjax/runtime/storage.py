@@ -26,6 +26,19 @@ for _protocol in ('gs', 'gcs'):
     fsspec.config.conf.setdefault(_protocol, {})['use_listings_cache'] = False
 
 
+# How long a Cloud Storage request may keep retrying before memjax names the fault and stops; a run
+# whose bucket stops answering ends within about four times this (the lock's heartbeat notices).
+GCS_TIMEOUT_VARIABLE = 'MEMJAX_GCS_TIMEOUT_S'
+
+
+def gcs_timeout_s() -> float:
+    value = os.environ.get(GCS_TIMEOUT_VARIABLE, '60')
+    try:
+        return max(1.0, float(value))
+    except ValueError:
+        raise errors.UsageError(f'{GCS_TIMEOUT_VARIABLE}={value!r} must be a number of seconds.') from None
+
+
 def is_remote(path: os.PathLike | str) -> bool:
     """Whether `path` names an object store (`gs://`) rather than a local or mounted folder."""
     return str(path).startswith(_REMOTE)

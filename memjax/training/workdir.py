@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import threading
 import time
 from typing import Any, Iterator, NamedTuple, Optional
@@ -116,17 +117,44 @@ def _check_not_checkpoints(workdir: str) -> None:
 
 
 def _client():
+    from google.auth import exceptions as auth  # pylint: disable=g-import-not-at-top
     from google.cloud import storage as gcs  # pylint: disable=g-import-not-at-top
-    return gcs.Client()
+    try:
+        return gcs.Client()
+    except auth.DefaultCredentialsError:
+        raise errors.WorkdirError(
+            'a gs:// workdir needs Cloud Storage credentials and none were found: run `gcloud auth '
+            'application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a service account\'s key '
+            'file (on a TPU or GCE VM its service account is used without either).') from None
+
+
+def _bounded():
+    """Keywords bounding a request's retries by MEMJAX_GCS_TIMEOUT_S (the client's default is 120 s)."""
+    from google.cloud.storage import retry  # pylint: disable=g-import-not-at-top
+    seconds = storage.gcs_timeout_s()
+    return {'timeout': seconds, 'retry': retry.DEFAULT_RETRY.with_timeout(seconds)}
+
+
+def _unreachable(workdir: str, error: Exception) -> errors.WorkdirError:
+    endpoint = os.environ.get('STORAGE_EMULATOR_HOST', 'https://storage.googleapis.com')
+    return errors.WorkdirError(
+        f'--workdir={workdir}: Cloud Storage at {endpoint} did not answer within {storage.gcs_timeout_s():.0f}s '
+        f'({type(error).__name__}): check the network and the endpoint; {storage.GCS_TIMEOUT_VARIABLE} sets how '
+        'long memjax retries.')
 
 
 def _check_remote(workdir: str, create: bool) -> None:
     """A gs:// workdir: its bucket must exist and answer; an evaluation needs a run there.
     Folders are name prefixes on Cloud Storage: nothing needs creating."""
     from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    from google.auth import exceptions as auth  # pylint: disable=g-import-not-at-top
+    import requests  # pylint: disable=g-import-not-at-top
     bucket = workdir[len('gs://'):].split('/')[0]
     try:
-        found = _client().bucket(bucket).exists()
+        found = _client().bucket(bucket).exists(**_bounded())
+    except (exceptions.RetryError, requests.exceptions.ConnectionError, requests.exceptions.Timeout,
+            auth.TransportError) as error:
+        raise _unreachable(workdir, error) from None
     except exceptions.GoogleAPICallError as error:
         raise errors.WorkdirError(
             f'--workdir={workdir}: Cloud Storage refused ({type(error).__name__}: {error}); check the '
@@ -305,7 +333,7 @@ class _LockObject:
     def touch(self, version: Any, text: str) -> Any:
         """Rewrites the lock if it still is `version` (raises otherwise): its new generation."""
         blob = self._blob()
-        blob.upload_from_string(text, if_generation_match=version)
+        blob.upload_from_string(text, if_generation_match=version, **_bounded())
         return blob.generation
 
 
@@ -379,14 +407,32 @@ class RunLock:
                                   'the same moment.')
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        remote = isinstance(self._store, _LockObject)
+        # On Cloud Storage it also watches the bucket: every MEMJAX_GCS_TIMEOUT_S at most.
+        period = min(HEARTBEAT_S, storage.gcs_timeout_s()) if remote else HEARTBEAT_S
+        answered = time.time()
+        while not self._stop.wait(period):
             try:
                 self._version = self._store.touch(self._version, self._text)
+                answered = time.time()
             except Exception as error:  # pylint: disable=broad-except
                 # A filesystem or network hiccup: try again. On Cloud Storage a failed precondition
                 # means another run took the lock over (this run's heartbeat stopped for 10 minutes).
                 logging.warning('Could not refresh the lock %s (%s: %s).', self.path,
                                 type(error).__name__, error)
+                if remote and time.time() - answered > storage.gcs_timeout_s() and not self._stop.is_set():
+                    self._lost(time.time() - answered, error)
+
+    def _lost(self, seconds: float, error: Exception) -> None:
+        """The bucket stopped answering: whatever the run waits on (a checkpoint's upload, a read)
+        retries for minutes, so the run ends here. Its newest complete checkpoint stays the one a
+        rerun resumes from; the lock is left to go stale (nothing can remove it now)."""
+        print(f'Workdir error: Cloud Storage has not answered for {seconds:.0f}s ({type(error).__name__}; '
+              f'{storage.GCS_TIMEOUT_VARIABLE}={storage.gcs_timeout_s():.0f}): the run stops; run the same command '
+              'again once the bucket answers, which resumes from the newest complete checkpoint.',
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(errors.EXIT_RUNTIME)  # pylint: disable=protected-access
 
     def release(self) -> None:
         self._stop.set()
