@@ -364,26 +364,31 @@ def plot(report: dict, path: str) -> None:
     except ImportError:
         logging.warning('compare: matplotlib is not installed (pip install -e .[plot]); %s not drawn.', path)
         return
-    fig, (curves, memory) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # One panel per clamp: a collapse without it would flatten the differences with it.
+    clamps = sorted({row['clamp'] for row in report['rows']}, key=lambda c: (c > 0, -c))
+    fig, axes = plt.subplots(1, 1 + len(clamps), figsize=(6 * (1 + len(clamps)), 4.5), squeeze=False)
+    curves = axes[0][0]
     for name, curve in report['curves'].items():
         if curve['valid']:
             steps, values = zip(*curve['valid'])
             curves.plot(steps, values, label=name)
     curves.set(xlabel='training step', ylabel='validation loss (nats)', title='Learning curves')
     curves.legend(fontsize=7)
-    series: dict[str, dict[int, list]] = {}
-    clamps = {row['clamp'] for row in report['rows']}
-    for row in report['rows']:
-        label = row['method'] + (f', clamp {clamp_label(row).partition(":")[0]}' if len(clamps) > 1 else '')
-        series.setdefault(label, {}).setdefault(row['eval_mem_len'], []).append(row['loss'])
-    for label, points in series.items():
-        lens = sorted(points)
-        losses = [np.array(points[m]) for m in lens]
-        # The bars span the seeds' range.
-        memory.errorbar(lens, [x.mean() for x in losses], yerr=[(x.max() - x.min()) / 2 for x in losses],
-                        marker='o', capsize=3, label=label, linestyle='--' if 'clamp none' in label else '-')
-    memory.set(xlabel='evaluation memory length', ylabel='loss (nats)', title='Loss against evaluation memory')
-    memory.legend(fontsize=7)
+    for clamp, memory in zip(clamps, axes[0][1:]):
+        rows = [row for row in report['rows'] if row['clamp'] == clamp]
+        series: dict[str, dict[int, list]] = {}
+        for row in rows:
+            series.setdefault(row['method'], {}).setdefault(row['eval_mem_len'], []).append(row['metric'])
+        for method, points in series.items():
+            lens = sorted(points)
+            values = [np.array(points[m]) for m in lens]
+            # The bars span the seeds' range.
+            memory.errorbar(lens, [x.mean() for x in values], yerr=[(x.max() - x.min()) / 2 for x in values],
+                            marker='o', capsize=3, label=method)
+        asked = clamp_label({'clamp': clamp, 'clamp_in_effect': -1}).partition(':')[0]
+        memory.set(xlabel='evaluation memory length', ylabel=rows[0]['metric_name'],
+                   title=f'Against evaluation memory, clamp_len {asked}')
+        memory.legend(fontsize=7)
     fig.tight_layout()
     storage.save_figure(fig, path)
     plt.close(fig)

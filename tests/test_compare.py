@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import types
 
@@ -166,7 +167,7 @@ def test_sigterm_stops_the_comparison_after_the_checkpoint_and_a_second_comparis
     """The probes: SIGTERM during a method's training; a second compare on the same workdir."""
     workdir, data = str(tmp_path / 'cmp'), str(tmp_path / 'data')
     command = [sys.executable, '-m', 'memjax.compare', '--config=configs/compare_kjv.py:smoke', f'--workdir={workdir}',
-               f'--config.data.data_dir={data}', "--config.compare.methods=('none', 'xl')",
+               f'--config.data.data_dir={data}', "--config.compare.methods=('none',)",
                '--config.compare.seeds=1', '--config.compare.eval_mem_lens=(16,)']
     env = cli_fixtures.cpu_env(1)
     first = cli_fixtures.Run(command, env, str(tmp_path / 'first.log'))
@@ -179,10 +180,27 @@ def test_sigterm_stops_the_comparison_after_the_checkpoint_and_a_second_comparis
     assert 'Stopped by SIGTERM' in log and 'Traceback' not in log
     run = os.path.join(workdir, 'none', 'seed0')
     assert os.listdir(os.path.join(run, 'checkpoints'))  # Saved at the step boundary.
-    # Not recorded as finished, and nothing after it was started or written.
+    # Not recorded as finished, and nothing after it (its evaluation, the report) was started or written.
     assert not os.path.exists(os.path.join(run, 'compare_train.json'))
-    assert not os.path.exists(os.path.join(workdir, 'xl')) and not os.path.exists(os.path.join(workdir, 'comparison.json'))
+    assert not [n for n in os.listdir(run) if n.startswith('compare_eval')]
+    assert not os.path.exists(os.path.join(workdir, 'comparison.json'))
     again = cli_fixtures.checked(cli_fixtures.Run(command, env, str(tmp_path / 'again.log')), 0)
     assert 'Resumed from' in again
     with open(os.path.join(workdir, 'comparison.json')) as f:
         assert not json.load(f)['failures']
+
+
+def test_a_finished_comparison_on_a_read_only_disk_is_one_line(compared, tmp_path, corpus):
+    """The probe: the workdir of a finished comparison, then mounted read-only (a tmpfs; skipped
+    where this machine cannot mount one)."""
+    disk = tmp_path / 'disk'
+    disk.mkdir()
+    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=64m', 'tmpfs', str(disk)], capture_output=True).returncode:
+        pytest.skip('cannot mount a tmpfs here to make a read-only disk')
+    try:
+        subprocess.run(['cp', '-a', f'{compared[0]}/.', str(disk)], check=True)
+        subprocess.run(['mount', '-o', 'remount,ro', str(disk)], check=True)
+        with pytest.raises(errors.WorkdirError, match='is not writable: fix its permissions'):
+            compare.run_comparison(tiny_comparison(corpus), str(disk))
+    finally:
+        subprocess.run(['umount', '-l', str(disk)], check=False)
