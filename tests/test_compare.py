@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import types
 
@@ -15,6 +14,7 @@ from memjax import compare
 from memjax import config_lib
 from memjax import errors
 import cli_fixtures
+import disks
 import training_fixtures
 
 
@@ -193,14 +193,6 @@ def test_sigterm_stops_the_comparison_after_the_checkpoint_and_a_second_comparis
 def test_a_finished_comparison_on_a_read_only_disk_is_one_line(compared, tmp_path, corpus):
     """The probe: the workdir of a finished comparison, then mounted read-only (a tmpfs; skipped
     where this machine cannot mount one)."""
-    disk = tmp_path / 'disk'
-    disk.mkdir()
-    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=64m', 'tmpfs', str(disk)], capture_output=True).returncode:
-        pytest.skip('cannot mount a tmpfs here to make a read-only disk')
-    try:
-        subprocess.run(['cp', '-a', f'{compared[0]}/.', str(disk)], check=True)
-        subprocess.run(['mount', '-o', 'remount,ro', str(disk)], check=True)
+    with disks.small_disk(tmp_path / 'disk', 64 * 1024, read_only=True, holding=compared[0]) as disk:
         with pytest.raises(errors.WorkdirError, match='is not writable: fix its permissions'):
-            compare.run_comparison(tiny_comparison(corpus), str(disk))
-    finally:
-        subprocess.run(['umount', '-l', str(disk)], check=False)
+            compare.run_comparison(tiny_comparison(corpus), disk)

@@ -31,6 +31,7 @@ from memjax.generation import Sampling, sample  # noqa: E402
 from memjax.model import lm  # noqa: E402
 from memjax.training import loop as trainer  # noqa: E402
 import cli_fixtures  # noqa: E402
+import disks  # noqa: E402
 import training_fixtures  # noqa: E402
 
 SHAPE = peer.Shape(n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64, tgt_len=6, mem_len=6, batch_size=2)
@@ -264,17 +265,11 @@ def test_a_full_disk_during_the_import_is_one_line(files, tmp_path):
     """The probe: the workdir on a disk too small for the checkpoint (a tmpfs; skipped where this
     machine cannot mount one). Orbax's failing threads print nothing ahead of the one line."""
     _, model_path, corpus_path = files
-    disk = tmp_path / 'disk'
-    disk.mkdir()
-    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=96k', 'tmpfs', str(disk)], capture_output=True).returncode:
-        pytest.skip('cannot mount a small tmpfs here to make a full disk')
-    try:
+    with disks.small_disk(tmp_path / 'disk', 96) as disk:
         result = subprocess.run([sys.executable, '-m', 'memjax.import_transfo_xl', f'--model={model_path}',
                                  f'--corpus={corpus_path}', f'--workdir={disk}/run'], env=cli_fixtures.cpu_env(1),
                                 capture_output=True, text=True, timeout=300, cwd=training_fixtures.REPO)
         left = os.listdir(disk)
-    finally:
-        subprocess.run(['umount', '-l', str(disk)], check=False)
     lines = [line for line in result.stderr.splitlines() if line.strip() and not (line[:1] in 'IWE' and line[1:5].isdigit())]
     assert result.returncode == errors.EXIT_RUNTIME and len(lines) == 1, result.stderr[-3000:]
     assert 'Traceback' not in result.stderr and 'RESOURCE_EXHAUSTED' in lines[0]

@@ -2,10 +2,8 @@
 it prints the result and keeps a copy, a read-only folder is one line. The disks are real: a small
 tmpfs mounted for the test (skipped where this machine cannot mount one)."""
 
-import contextlib
 import json
 import os
-import subprocess
 
 import pytest
 
@@ -15,34 +13,7 @@ from memjax.runtime import storage
 from memjax.training import evaluation
 from memjax.training import loop as trainer
 import training_fixtures
-
-
-@contextlib.contextmanager
-def small_disk(path, size_kib: int, read_only: bool = False):
-    """A tmpfs of `size_kib` mounted at `path` (root only: skipped otherwise, with the reason)."""
-    os.makedirs(path, exist_ok=True)
-    options = f'size={size_kib}k' + (',ro' if read_only else '')
-    mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', options, 'tmpfs', str(path)], capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.skip(f'cannot mount a small tmpfs here to make a full or read-only disk: {mounted.stderr.strip()}')
-    try:
-        yield str(path)
-    finally:
-        subprocess.run(['umount', '-l', str(path)], check=False)
-
-
-def fill(folder: str) -> None:
-    """Takes every free byte of `folder`'s disk."""
-    fd = os.open(os.path.join(folder, 'filler'), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    try:
-        with contextlib.suppress(OSError):
-            while os.write(fd, b'\0' * 4096):
-                pass
-        with contextlib.suppress(OSError):
-            while os.write(fd, b'\0'):
-                pass
-    finally:
-        os.close(fd)
+from disks import fill, small_disk
 
 
 @pytest.fixture(scope='module')

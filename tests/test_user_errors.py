@@ -12,6 +12,7 @@ import pytest
 from memjax import errors
 from memjax.training import loop as trainer
 import cli_fixtures
+import disks
 import training_fixtures
 
 # Start-up failures come within seconds; this only bounds a run that would hang.
@@ -325,13 +326,7 @@ def test_a_read_only_workdir_is_read_by_generate_and_refused_in_one_line_by_swee
     """An archived run on a read-only disk (a tmpfs remounted read-only; skipped where this machine
     cannot mount one)."""
     workdir, _ = trained
-    disk = tmp_path / 'disk'
-    disk.mkdir()
-    if subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=64m', 'tmpfs', str(disk)], capture_output=True).returncode:
-        pytest.skip('cannot mount a tmpfs here to make a read-only disk')
-    try:
-        subprocess.run(['cp', '-a', f'{workdir}/.', str(disk)], check=True)
-        subprocess.run(['mount', '-o', 'remount,ro', str(disk)], check=True)
+    with disks.small_disk(tmp_path / 'disk', 64 * 1024, read_only=True, holding=workdir) as disk:
         result = subprocess.run([sys.executable, '-m', 'memjax.generate', f'--workdir={disk}', '--prompt=a',
                                  '--max_new_tokens=4', '--temperature=0'], env=env, capture_output=True, text=True,
                                 timeout=TIMEOUT_S, cwd=training_fixtures.REPO)
@@ -339,5 +334,3 @@ def test_a_read_only_workdir_is_read_by_generate_and_refused_in_one_line_by_swee
         code, stderr = run([sys.executable, '-m', 'memjax.sweep', 'trams', f'--config={training_fixtures.TINY}',
                             f'--workdir={disk}'], env)
         assert_one_line(code, stderr, errors.EXIT_RUNTIME, f'cannot write {disk}/sweep_trams/results.json')
-    finally:
-        subprocess.run(['umount', '-l', str(disk)], check=False)
