@@ -20,7 +20,7 @@ from memjax import config_lib
 from memjax.runtime import distributed
 from memjax import errors
 from memjax.runtime import host_memory
-from memjax.training import metrics as metrics_lib
+from memjax.runtime import logs
 
 _HOST_MEMORY = flags.DEFINE_enum(
     'host_memory', 'auto', host_memory.MODES,
@@ -46,7 +46,7 @@ def fail(error: BaseException, label: str, exit_code: int) -> NoReturn:
     if (_VERBOSE.value if flags.FLAGS.is_parsed() else '--verbose' in sys.argv):
         traceback.print_exception(error, file=sys.stderr)
     message = ' '.join(str(error).split())  # Library messages may span lines.
-    print(f'{label}: {message}{metrics_lib.where_details_are()}', file=sys.stderr)
+    print(f'{label}: {message}{logs.where_details_are()}', file=sys.stderr)
     _exit_now(exit_code)
 
 
@@ -179,7 +179,7 @@ def run(job: Callable[[], Any]) -> Any:
     """Sets up host memory and joins the distributed run before anything touches a device, quiets
     library logs and runs `job` so that a dead peer ends it."""
     prepare_host_memory()
-    metrics_lib.quiet_library_logs(verbose=_VERBOSE.value)
+    logs.quiet_library_logs(verbose=_VERBOSE.value)
     distributed.initialize_from_flags()
     distributed.set_log_verbosity()
     with distributed.peer_failures_end_the_run():

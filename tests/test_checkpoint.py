@@ -14,7 +14,7 @@ from memjax import errors
 from memjax import evaluate
 from memjax import model as model_lib
 from memjax.training import loop as trainer
-from memjax.training import metrics as metrics_lib
+from memjax.runtime import logs
 import training_fixtures
 
 # Checkpoints at steps 4 and 8; losses logged every 2 updates (one dispatch of S=2).
@@ -212,7 +212,7 @@ def test_changed_model_or_batch_size_on_resume_stops_before_touching_checkpoints
     assert 'model.d_model 32 -> 64' in message and 'train.batch_size 4 -> 8' in message
     assert f'--config.train.init_from={workdir}' in message
     # Nothing moved, rewritten or deleted; only the run's log records the attempt.
-    without_log = lambda files: [f for f in files if f[0] != metrics_lib.LOG_FILE]
+    without_log = lambda files: [f for f in files if f[0] != logs.LOG_FILE]
     assert without_log(listing(workdir)) == without_log(before)
     assert not os.path.exists(trainer.checkpoint_dir(workdir) + '_damaged')
     # The original config (with more steps, a safe change) resumes from step 8.

@@ -20,6 +20,7 @@ import pytest
 
 from memjax import errors
 from memjax.training import loop as trainer
+from memjax.runtime import logs
 from memjax.training import metrics as metrics_lib
 from memjax.training import workdir as workdir_lib
 import cli_fixtures
@@ -228,7 +229,7 @@ def test_failed_save_is_one_line_naming_the_step_that_failed_and_the_details_fil
 
 
 def test_library_errors_and_tracebacks_are_held_off_the_terminal_unless_verbose():
-    details = metrics_lib._LibraryDetails()
+    details = logs._LibraryDetails()
     record = lambda path, level, exc=None: logging.LogRecord(
         'absl', level, path, 1, 'message', None, exc)
     library = '/site-packages/orbax/checkpoint/future.py'

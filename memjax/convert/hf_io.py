@@ -22,7 +22,7 @@ import numpy as np
 from flax import traverse_util
 
 from memjax import errors
-from memjax.training import metrics as metrics_lib
+from memjax.runtime import logs
 from memjax.model import ModelConfig, convert_layer_layout, init_params
 
 CONFIG_FILE = 'config.json'
@@ -267,7 +267,7 @@ def command_main(main: Callable[[], None]) -> None:
     details, not ahead of the one line that says what to do, and the process ends without waiting
     for those threads, which wait forever after a failed save."""
     absl_logging.use_absl_handler()  # No absl app here: its handler, with memjax's filters, must be the root's.
-    metrics_lib.quiet_library_logs(verbose='--verbose' in sys.argv)
+    logs.quiet_library_logs(verbose='--verbose' in sys.argv)
     try:
         main()
     except SystemExit as stop:

@@ -27,6 +27,7 @@ from memjax.model import memories
 from memjax.training import optim
 from memjax.training import preemption
 from memjax.runtime import sharding
+from memjax.runtime import logs
 from memjax.runtime import storage
 from memjax.training import step as train_step_lib
 from memjax.data import factory as data_factory
@@ -627,7 +628,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.RunConfig,
     # A refused config leaves no trace: checked before the workdir is created.
     run = resolved(config, jax.device_count())
     workdir_lib.check(workdir, create=True)
-    with metrics_lib.log_to_workdir(workdir, jax.process_index()):
+    with logs.log_to_workdir(workdir, jax.process_index()):
         return _train_locked(run, workdir)
 
 
