@@ -57,7 +57,7 @@ Layout for a pod: the workdir is a gs:// URL in the TPU's region (the VM's
 service account needs roles/storage.objectUser on the bucket); the prepared
 data is read from each worker's disk (data.data_dir: copy it there, e.g.
 gcloud storage cp -r gs://my-bucket/tfds ~/tensorflow_datasets, or point it at
-a Cloud Storage FUSE mount). See README.md, "Running on a TPU pod".
+a Cloud Storage FUSE mount). See docs/scaling.md, "Running on a TPU pod".
 EOF
   print_settings
 }

@@ -136,8 +136,7 @@ def check_resume(saved: dict, requested: Any, workdir: str, source: str) -> None
             f'shape its saved state or data stream: {_describe(blocking)}. Either go back to the '
             'saved values, or use a new --workdir: to start it from this run\'s parameters add '
             f'--config.train.init_from={workdir} (with --config.train.init_from_state='
-            'params_and_optimizer to keep the optimizer state and step); see the README, "When '
-            'things go wrong".')
+            'params_and_optimizer to keep the optimizer state and step); see docs/failures.md.')
     for name, old, new in changes:
         logging.warning('Resuming with %s changed: %r -> %r (%s).', name, old, new,
                         RESUME_SAFE.get(name) or RESUME_SAFE.get(name.split('.')[0], 'allowed'))
