@@ -362,7 +362,7 @@ def plot(report: dict, path: str) -> None:
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
     except ImportError:
-        logging.warning('compare: matplotlib is not installed (pip install -e .[plot]); %s not drawn.', path)
+        logging.warning('compare: matplotlib is not installed (pip install -e '.[plot]'); %s not drawn.', path)
         return
     # One panel per clamp: a collapse without it would flatten the differences with it.
     clamps = sorted({row['clamp'] for row in report['rows']}, key=lambda c: (c > 0, -c))

@@ -6,6 +6,7 @@ evaluation overrides of config.eval (tgt_len, mem_len, clamp_len, same_length; a
 on the trained parameters, such as `--config.eval.model.memory=trams`, and its fields).
 """
 
+import json
 import os
 
 from absl import flags
@@ -73,7 +74,7 @@ def main(argv):
         raise errors.UsageError(f'unexpected arguments: {argv[1:]}')
     summary = cli.run(lambda: evaluate_checkpoint(cli.load_run(CONFIG), WORKDIR.value))
     if distributed.is_primary():
-        print(summary)
+        print(json.dumps(summary, indent=2, sort_keys=True))
 
 
 if __name__ == '__main__':

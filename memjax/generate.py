@@ -8,6 +8,9 @@ newest checkpoint, with `config.eval`'s overrides such as a longer memory); `--c
 with `--config.a.b=v` overrides replaces it. From Python: `memjax.generation.sample`.
 """
 
+import sys
+import time
+
 from absl import flags
 from ml_collections import config_flags
 
@@ -50,8 +53,18 @@ def main(argv):
     if _MAX_NEW_TOKENS.value < 1:
         raise errors.UsageError(f'--max_new_tokens={_MAX_NEW_TOKENS.value} must be >= 1.')
     text = _read_prompt()
-    cli.run(lambda: generate(cli.load_config(_CONFIG), _WORKDIR.value, text, _MAX_NEW_TOKENS.value, settings,
-                             _SEED.value, _NUM_SAMPLES.value))
+
+    def job():
+        # The prompt, then the continuation as it is produced (several samples one after another).
+        print(text, end='' if _NUM_SAMPLES.value == 1 else '\n', flush=True)
+        start = time.time()
+        generate(cli.load_config(_CONFIG), _WORKDIR.value, text, _MAX_NEW_TOKENS.value, settings, _SEED.value,
+                 _NUM_SAMPLES.value)
+        produced, seconds = _MAX_NEW_TOKENS.value * _NUM_SAMPLES.value, time.time() - start
+        print(f'{produced:,} tokens in {seconds:.1f} s, {produced / seconds:,.1f} tokens/s (loading and compilation '
+              'included)', file=sys.stderr)
+
+    cli.run(job)
 
 
 if __name__ == '__main__':

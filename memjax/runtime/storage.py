@@ -52,8 +52,8 @@ def require_support(path: os.PathLike | str, what: str) -> None:
         raise errors.UsageError(f'{what}={text}: memjax reads and writes local paths and gs:// '
                                 'URLs; give one of those.')
     if is_remote(text) and not all(importlib.util.find_spec(name) for name in ('gcsfs', 'google.cloud.storage')):
-        raise errors.UsageError(f'{what}={text} needs Cloud Storage support: pip install '
-                                '"memjax[gcs]" (gcsfs and google-cloud-storage).')
+        raise errors.UsageError(f'{what}={text} needs Cloud Storage support: pip install -e '
+                                '\'.[gcs]\' (gcsfs and google-cloud-storage).')
 
 
 def path(p: os.PathLike | str) -> epath.Path:
