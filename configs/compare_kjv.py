@@ -1,16 +1,22 @@
 """Every method at one equal budget on the King James Bible in bytes: a table and plots.
 
   python -m memjax.compare --config=configs/compare_kjv.py --workdir=runs/compare_kjv \
-      --config.data.text_path=kjv.txt        # gunzip -c ../shared/data/kjv.txt.gz > kjv.txt
+      --config.data.text_path=kjv.txt        # the King James Bible as plain text (public domain)
   python -m memjax.compare --config=configs/compare_kjv.py:smoke --workdir=runs/compare_smoke
   python -m memjax.compare --config=configs/compare_kjv.py:wt103 --workdir=gs://... (GPUs/TPUs)
   python -m memjax.compare --config=configs/compare_kjv.py:extrapolate --workdir=runs/extrapolate_kjv \
       --config.data.text_path=kjv.txt
 
+kjv.txt: the King James Bible in plain text, e.g. Project Gutenberg eBook #10
+(https://www.gutenberg.org/ebooks/10). BENCHMARKS.md's tables used a 4,298,239-byte UTF-8 edition
+with a "Book N" line heading each chapter and numbered verses; another edition's formatting moves
+the numbers a little. data.name='text' cuts one file 90/5/5 % into train, validation and test.
+
 Default: the quickstart's model (4 x 128, segments and memory of 64) for 4,000 segments of 16 x 64
-bytes per method and seed, evaluated with memory 64, 128 and 256: 78 minutes on a 2-core
-CPU for six trained methods x 2 seeds. `:smoke`: a tiny model on the embedded corpus, a few
-minutes. `:wt103`: WikiText-103 words with Transformer-XL base's shape, for accelerators.
+bytes per method and seed, evaluated with memory 64, 128 and 256: 78 minutes for six trained
+methods x 2 seeds on 2 cores of an AMD EPYC (BENCHMARKS.md). `:smoke`: a tiny model on the embedded
+corpus, 6.5 minutes there (12 short trainings and 28 evaluations of the whole validation split;
+several times that on a loaded machine). `:wt103`: WikiText-103 words with Transformer-XL base's shape, for accelerators.
 `:extrapolate`: the LaMemo paper's figure 5 protocol at this budget: XL and LaMemo trained with
 segments and memory of 128 (the paper's 150), evaluated with segments of 64 and memory 64 x m,
 m = 1..10, with and without clamping the distances at the longest one trained.
