@@ -1,5 +1,6 @@
 """Training: schedule, gradient accumulation, NaN detection, and learning on real text."""
 
+import logging
 import math
 import os
 import re
@@ -16,6 +17,7 @@ from memjax import model as model_lib
 from memjax.training import optim
 from memjax.training import step as train_step_lib
 from memjax.training import loop as trainer
+from memjax.training import metrics as metrics_lib
 from memjax.training import workdir as workdir_lib
 from memjax.data import embedded_corpus
 import training_fixtures
@@ -237,3 +239,18 @@ def test_second_training_run_on_a_workdir_is_refused(corpus, tmp_path):
     with workdir_lib.RunLock(str(tmp_path)):
         with pytest.raises(errors.WorkdirError, match='in use by another training run'):
             trainer.train_and_evaluate(training_fixtures.tiny_config(corpus), str(tmp_path))
+
+
+def test_speeds_and_the_eta_leave_the_compiling_dispatch_out(corpus, tmp_path, caplog):
+    """The first report covers only the compiling dispatch: no speed, no ETA ("8 tok/s, eta 107h"
+    said nothing); the next ones are timed from its end."""
+    config = training_fixtures.tiny_config(corpus, train__num_steps=8, train__log_every=2, train__eval_every=0,
+                                           train__checkpoint_every=0)
+    with caplog.at_level(logging.INFO):
+        trainer.train_and_evaluate(config, str(tmp_path))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('step ')]
+    assert lines[0].startswith('step 2/8') and '| ? tok/s |' in lines[0] and lines[0].endswith('eta ?')
+    assert all('| ? tok/s |' not in line and not line.endswith('eta ?') for line in lines[1:]), lines
+    scalars = metrics_lib.read_scalars(str(tmp_path))['train/tokens_per_s']
+    assert 2 not in scalars and sorted(scalars) == [4, 6, 8]
+    assert any(re.search(r'[\d,]+ parameters; \d+ CPU device', r.getMessage()) for r in caplog.records)

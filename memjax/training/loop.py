@@ -413,6 +413,7 @@ class _Interval:
         self.first_step = first_step
         self.parts = []
         self.start_time = time.time()
+        self.untimed_tokens = 0.0  # The compiling first dispatch's: not in its throughput.
 
     def add(self, step_metrics: dict) -> None:
         self.parts.append(step_metrics)
@@ -463,11 +464,12 @@ def _log_interval(exp: Experiment, interval: _Interval, values: dict, step: int,
     tcfg = exp.run.train
     seconds = max(time.time() - interval.start_time, 1e-9)
     tokens = float(values['num_tokens'].sum())  # Global: summed over the sharded batch.
+    timed = step > interval.first_step  # Not an interval of the compiling dispatch alone.
     mean_nll = float(values['nll_sum'].sum() / max(values['num_tokens'].sum(), 1.0))
     scalars = {
         'loss': mean_nll,
         metrics_lib.metric_name(exp.unit): metrics_lib.metric_value(mean_nll, exp.unit),
-        'tokens_per_s': tokens / seconds,
+        **({'tokens_per_s': (tokens - interval.untimed_tokens) / seconds} if timed else {}),
         'learning_rate': float(values['learning_rate'][-1]),
         'grad_norm': float(values['grad_norm'].mean()),
         # The memory kind's auxiliary losses, per scored token like the loss.
@@ -475,7 +477,7 @@ def _log_interval(exp: Experiment, interval: _Interval, values: dict, step: int,
            for k, v in values.items() if k.startswith(train_step_lib.AUX_PREFIX)},
     }
     writer.write_scalars(step, 'train', scalars)
-    eta = (tcfg.num_steps - step) * seconds / max(step - interval.first_step, 1)
+    eta = (tcfg.num_steps - step) * seconds / (step - interval.first_step) if timed else None
     logging.info(metrics_lib.progress_line(step, tcfg.num_steps, scalars, exp.unit, eta))
     return tokens
 
@@ -713,6 +715,13 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
     step = int(state.step)
     best_loss = ckpt.best()[1]
 
+    mcfg, devices = exp.mcfg, jax.devices()
+    logging.info('Model: memory %r, %d layers x %d, memory %d, %s parameters; %d %s device(s); batches of %d x %d '
+                 'tokens, steps %d to %d.', mcfg.memory, mcfg.n_layer, mcfg.d_model, mcfg.mem_len,
+                 f'{sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,}', len(devices),
+                 devices[0].platform.upper(), tcfg.batch_size, tcfg.tgt_len, step, tcfg.num_steps)
+    if step < tcfg.num_steps:
+        logging.info('Compiling the training step: the first %d updates include it.', tcfg.segments_per_step)
     train_step, eval_step = _PhasedTrainStep(exp), make_eval_step(exp)
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     metric = metrics_lib.metric_name(exp.unit)
@@ -734,6 +743,8 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
                 compile_tokens = float(np.sum(step_metrics['num_tokens']))
                 logging.info('First %d updates, with compilation, took %.1fs.',
                              tcfg.segments_per_step, steady_start - interval.start_time)
+                # Speeds and the ETA count from here: a first line of "8 tok/s, eta 107h" says nothing.
+                interval.start_time, interval.first_step, interval.untimed_tokens = steady_start, step, compile_tokens
 
             is_last = step == tcfg.num_steps
             preempted = watch.reached(previous_step, step)

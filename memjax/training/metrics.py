@@ -36,7 +36,8 @@ def progress_line(step: int, num_steps: int, scalars: Mapping[str, float], unit:
     name = metric_name(unit)
     eta = format_duration(eta_seconds) if eta_seconds is not None else '?'
     return (f'step {step}/{num_steps} | loss {scalars["loss"]:.4f} | {name} {scalars[name]:.4f} | '
-            f'{scalars["tokens_per_s"]:,.0f} tok/s | lr {scalars["learning_rate"]:.3e} | '
+            f'{format(scalars["tokens_per_s"], ",.0f") if "tokens_per_s" in scalars else "?"} tok/s | '
+            f'lr {scalars["learning_rate"]:.3e} | '
             f'gnorm {scalars["grad_norm"]:.3f} | eta {eta}')
 
 
