@@ -268,6 +268,7 @@ def _compare(config: ml_collections.ConfigDict, section: ml_collections.ConfigDi
             for mem_len, clamp_len in itertools.product(mem_lens, section.clamp_lens):
                 overrides = _overrides(spec, mem_len, clamp_len)
                 where = f'{method}/seed{seed}/mem{mem_len}/clamp{clamp_len}'
+                logging.info('compare: evaluating %s', where)
                 try:
                     clamp = clamp_in_effect(source['config'], overrides)
                     # Scored once per setting that changes a number: a method whose evaluation does not
@@ -362,16 +363,22 @@ def plot(report: dict, path: str) -> None:
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
     except ImportError:
-        logging.warning('compare: matplotlib is not installed (pip install -e '.[plot]'); %s not drawn.', path)
+        logging.warning("compare: matplotlib is not installed (pip install -e '.[plot]'); %s not drawn.", path)
         return
     # One panel per clamp: a collapse without it would flatten the differences with it.
     clamps = sorted({row['clamp'] for row in report['rows']}, key=lambda c: (c > 0, -c))
     fig, axes = plt.subplots(1, 1 + len(clamps), figsize=(6 * (1 + len(clamps)), 4.5), squeeze=False)
     curves = axes[0][0]
+    # A colour per method, in every panel; a line style per seed.
+    methods = list(dict.fromkeys([*(name.split('/')[0] for name in report['curves']),
+                                  *(row['method'] for row in report['rows'])]))
+    colour = {m: plt.get_cmap('tab10')(i % 10) for i, m in enumerate(methods)}
     for name, curve in report['curves'].items():
         if curve['valid']:
+            method, seed = name.split('/')
             steps, values = zip(*curve['valid'])
-            curves.plot(steps, values, label=name)
+            curves.plot(steps, values, label=name, color=colour[method],
+                        linestyle=('-', '--', ':', '-.')[int(seed[len('seed'):]) % 4])
     curves.set(xlabel='training step', ylabel='validation loss (nats)', title='Learning curves')
     curves.legend(fontsize=7)
     for clamp, memory in zip(clamps, axes[0][1:]):
@@ -384,7 +391,7 @@ def plot(report: dict, path: str) -> None:
             values = [np.array(points[m]) for m in lens]
             # The bars span the seeds' range.
             memory.errorbar(lens, [x.mean() for x in values], yerr=[(x.max() - x.min()) / 2 for x in values],
-                            marker='o', capsize=3, label=method)
+                            marker='o', capsize=3, label=method, color=colour[method])
         asked = clamp_label({'clamp': clamp, 'clamp_in_effect': -1}).partition(':')[0]
         memory.set(xlabel='evaluation memory length', ylabel=rows[0]['metric_name'],
                    title=f'Against evaluation memory, clamp_len {asked}')
