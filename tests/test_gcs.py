@@ -255,7 +255,7 @@ def test_what_cannot_live_in_cloud_storage_is_refused_in_one_line(gcs, monkeypat
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, 'find_spec',
                         lambda name, *args: None if name == 'gcsfs' else real_find_spec(name, *args))
-    with pytest.raises(errors.UsageError, match=r'pip install "memjax\[gcs\]"'):
+    with pytest.raises(errors.UsageError, match=r"pip install -e '\.\[gcs\]'"):
         workdir_lib.check(f'{ROOT}/run', create=True)
 
 
