@@ -110,6 +110,8 @@ def write_result(target: os.PathLike | str, text: str) -> None:
 
 def _keep_beside(target: os.PathLike | str, text: str) -> str:
     kept = path(target).with_name(f'{path(target).name}.unsaved')
+    if kept.exists():  # An earlier failure's copy, not yet moved into place: never replaced.
+        raise FileExistsError(str(kept))
     kept.write_text(text)
     return str(kept)
 
