@@ -11,7 +11,10 @@ memory: tgt = mem = 150, disentangled relative positions, interpolation epsilon 
 paper's main results use no longer memory), batch 16 as the released evaluation scripts. The paper's ablations (table 3) are arguments:
 `no_interp` (alpha = 0: 23.67 dev), `no_look_ahead` (Transformer-XL: 23.42 dev), `xl_encoding`
 (Transformer-XL's relative encoding for the look-ahead too: the paper reports it fails to converge).
-'smoke': the same family at tiny size on the embedded corpus (byte tokens), in under a minute.
+'smoke': the same family at tiny size on the embedded corpus (byte tokens). 'notebook': LaMemo at the
+quickstart's size on a text file in bytes, the run notebooks/lamemo_memory.ipynb loads (docs/notebooks.md):
+  python -m memjax.train --config=configs/lamemo_wt103.py:notebook --workdir=runs/lamemo_notebook \
+      --config.data.text_path=kjv.txt
 """
 
 from memjax import config_lib
@@ -21,7 +24,7 @@ ABLATIONS = {'no_interp': {'lamemo_interpolate': False}, 'no_look_ahead': {'lame
 
 
 def get_config(arg: str = ''):
-    options = config_lib.config_options(__file__, arg, ('smoke',) + tuple(ABLATIONS))
+    options = config_lib.config_options(__file__, arg, ('smoke', 'notebook') + tuple(ABLATIONS))
     config = config_lib.sibling_config(__file__, 'transformer_xl_wt103_base.py')
     config.model.update(memory='lamemo', mem_len=150, lamemo_eps=1e-6)
     for option in options & set(ABLATIONS):
@@ -31,4 +34,6 @@ def get_config(arg: str = ''):
     config.eval.batch_size = 16
     if 'smoke' in options:
         config_lib.shrink_to_smoke(config)
+    if 'notebook' in options:
+        config_lib.shrink_to_notebook(config)
     return config

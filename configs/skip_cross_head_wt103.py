@@ -25,12 +25,13 @@ Arguments: `phase1` (the whole run skips, the paper's first run), `phase2` (no s
 phase-1 workdir with train.init_from), `no_sch` (beta = 0), `no_skip` (SCH alone), `xl` (neither),
 `ablation` (appendix B.1's model, on which tables 5-9 were measured: 8 layers, d_model 512, 8 heads
 x 64, d_inner 2048, dropout 0.1, batch 50; with `xl`, `no_sch`, `no_skip`, `phase1`: table 5's rows),
-`long`, `smoke`. docs/paper_configs.md lists every field against the paper and the released code.
+`long`, `smoke`, `notebook` (the quickstart's size on a text file in bytes, docs/notebooks.md).
+docs/paper_configs.md lists every field against the paper and the released code.
 """
 
 from memjax import config_lib
 
-OPTIONS = ('phase1', 'phase2', 'no_sch', 'no_skip', 'xl', 'ablation', 'smoke')
+OPTIONS = ('phase1', 'phase2', 'no_sch', 'no_skip', 'xl', 'ablation', 'smoke', 'notebook')
 
 
 def skip_cross_head(config, options: set, phase2_from: float = 0.75):
@@ -47,11 +48,10 @@ def skip_cross_head(config, options: set, phase2_from: float = 0.75):
         config.model.update(skip_rule='none', skip_until=-1)
     if options & {'no_sch', 'xl'}:
         config.model.sch_beta = 0.0
-    if 'smoke' in options:
-        config_lib.shrink_to_smoke(config)
+    if options & {'smoke', 'notebook'}:
+        config_lib.evaluate_as_trained(config)
+        (config_lib.shrink_to_smoke if 'smoke' in options else config_lib.shrink_to_notebook)(config)
         config.model.n_layer = 4  # Eq. (1) then skips layers 2 and 3 (1-based) with p = 1/8 and 1/4.
-        config.eval.update(tgt_len=-1, batch_size=-1)
-        config.eval.model.update(mem_len=None, clamp_len=None, same_length=None)
         if config.model.skip_until > 0:
             config.model.skip_until = int(phase2_from * config.train.num_steps)
     return config

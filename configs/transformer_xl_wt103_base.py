@@ -6,12 +6,21 @@ Architecture and optimisation from the reference training script: 16 layers, d_m
 200k steps, clip 0.25. Evaluation with a longer attention: tgt 64, mem 640, clamp 400,
 same_length, batch 10 (the reference eval.py's; on a mesh whose data x fsdp does not divide 10, set
 --config.eval.batch_size to a multiple of it).
+
+  python -m memjax.train --config=configs/transformer_xl_wt103_base.py --workdir=runs/transformer_xl_wt103_base
+  python -m memjax.train --config=configs/transformer_xl_wt103_base.py:notebook --workdir=runs/xl_notebook \
+      --config.data.text_path=kjv.txt
+
+`notebook`: Transformer-XL at the quickstart's size on a text file in bytes, the run that
+notebooks/transformer_xl_attention.ipynb, lamemo_memory.ipynb and trams_selection.ipynb load
+(docs/notebooks.md).
 """
 
 from memjax import config_lib
 
 
-def get_config():
+def get_config(arg: str = ''):
+    options = config_lib.config_options(__file__, arg, ('notebook',))
     config = config_lib.base_config()
     config.data.update(name='wikitext103', tokenizer='word')
     config.model.update(
@@ -24,4 +33,6 @@ def get_config():
         checkpoint_every=4000)
     config.eval.update(tgt_len=64, batch_size=10)
     config.eval.model.update(mem_len=640, clamp_len=400, same_length=True)
+    if 'notebook' in options:
+        config_lib.shrink_to_notebook(config)
     return config

@@ -33,7 +33,6 @@ import itertools
 import json
 import os
 import sys
-import time
 import traceback
 from typing import Callable
 
@@ -50,6 +49,8 @@ from memjax import evaluate
 from memjax import model as model_lib
 from memjax.model import memories
 from memjax.bench.suites import programs
+from memjax.data import factory as data_factory
+from memjax.data import pipeline
 from memjax.runtime import storage
 from memjax.training import loop as trainer
 from memjax.training import metrics as metrics_lib
@@ -218,12 +219,22 @@ def evaluate_one(config: ml_collections.ConfigDict, workdir: str, name: str, ove
         return done
     config = config.copy_and_resolve_references()
     config.eval.model.update(overrides)
-    start = time.time()
     summary = evaluate.evaluate_checkpoint(config, workdir, out_path=os.path.join(workdir, f'eval_{name}.json'))
-    # Compilation and data preparation included: what a user waits for.
-    summary['eval_tokens_per_s'] = summary['num_tokens'] / (time.time() - start)
+    summary['eval_tokens_per_s'] = summary['tokens_per_s']
     trainer.write_result(path, summary, history=False)  # Written once complete: a resumed comparison trusts it.
     return summary
+
+
+def unigram_loss(config: ml_collections.ConfigDict, workdir: str) -> float:
+    """The loss (nats per token) of scoring config.eval.split's tokens by their frequency in the
+    training split, add-one smoothed: a model at or above it has learned nothing from the context,
+    and its gap to another method means nothing."""
+    run = config_lib.resolve(config)
+    tokenizer = data_factory.build_tokenizer(run.data, workdir, save=False)
+    train, _ = pipeline.load_token_ids(run.data, 'train', tokenizer)
+    scored, _ = pipeline.load_token_ids(run.data, run.eval.split, tokenizer)
+    counts = np.bincount(train, minlength=tokenizer.vocab_size) + 1.0
+    return float(-np.mean(np.log(counts[scored] / counts.sum())))
 
 
 def run_comparison(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -286,7 +297,11 @@ def _compare(config: ml_collections.ConfigDict, section: ml_collections.ConfigDi
                              'eval_tokens_per_s': found['eval_tokens_per_s'],
                              'train_tokens_per_s': train['train_tokens_per_s'], 'wall_seconds': train['wall_seconds'],
                              'params': train['params'], 'step_memory_bytes': train['step_memory_bytes']})
-    report = {'config': config.to_dict(), 'rows': rows, 'failures': failures,
+    unigram = None
+    if results:
+        method, seed = next(iter(results))
+        unigram = unigram_loss(results[(method, seed)]['config'], os.path.join(workdir, method, f'seed{seed}'))
+    report = {'config': config.to_dict(), 'rows': rows, 'failures': failures, 'unigram_loss': unigram,
               'curves': {f'{m}/seed{s}': _curve(os.path.join(workdir, m, f'seed{s}')) for m, s in results}}
     trainer.write_result(os.path.join(workdir, 'comparison.json'), report, history=False)
     storage.write_result(os.path.join(workdir, 'comparison.md'), table(report, section.seeds))
@@ -311,10 +326,16 @@ def _metric(summary: dict) -> str:
 
 
 def _curve(run_dir: str) -> dict[str, list]:
-    """Training and validation loss against step, from the run's TensorBoard events."""
+    """Training and validation loss against step, from the run's TensorBoard events. The validation
+    points are those that scored as many tokens as the first: the periodic validations read
+    config.train.eval_batches, the final one may read the whole split, and a line joining them
+    would draw the change of text as a change of the model."""
     scalars = metrics_lib.read_scalars(run_dir)
     pick = lambda name: sorted(scalars.get(name, {}).items())
-    return {'train': pick('train/loss'), 'valid': pick('valid/loss')}
+    amounts = scalars.get('valid/num_tokens', {})
+    first = amounts[min(amounts)] if amounts else None
+    return {'train': pick('train/loss'),
+            'valid': [(step, loss) for step, loss in pick('valid/loss') if amounts.get(step) == first]}
 
 
 def clamp_label(row: dict) -> str:
@@ -338,23 +359,58 @@ def table(report: dict, seeds: int) -> str:
     seeds."""
     metric = report['rows'][0]['metric_name'] if report['rows'] else 'metric'
     lines = [f'| method | eval memory | clamp_len | loss (mean ± half-range, {seeds} seeds) | {metric} | '
-             'train tokens/s | eval tokens/s (with compile) | parameters | train step memory (MB) | train wall s |',
+             'train tokens/s | eval tokens/s | parameters | train step memory (MB) | train wall s |',
              '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
     for (method, mem_len, _), rows in _groups(report).items():
         loss = np.array([r['loss'] for r in rows])
         mean = lambda key: float(np.mean([r[key] for r in rows]))
         # A run resumed after its last logged interval has no throughput of its own.
-        speeds = [r['train_tokens_per_s'] for r in rows if r['train_tokens_per_s'] is not None]
+        speed = lambda key: (f'{np.mean(known):,.0f}' if (known := [r[key] for r in rows if r[key] is not None])
+                             else 'n/a')
         lines.append(f'| {method} | {mem_len} | {clamp_label(rows[0])} | {loss.mean():.4f} ± '
                      f'{(loss.max() - loss.min()) / 2:.4f} ({len(rows)}) | {mean("metric"):.4f} | '
-                     f'{f"{np.mean(speeds):,.0f}" if speeds else "n/a"} | {mean("eval_tokens_per_s"):,.0f} | '
+                     f'{speed("train_tokens_per_s")} | {speed("eval_tokens_per_s")} | '
                      f'{int(mean("params")):,} | {mean("step_memory_bytes") / 2**20:.1f} | {mean("wall_seconds"):.0f} |')
     lines.append('\nclamp_len: relative distances beyond it are scored as it. `trained`: the longest distance '
                  'training scored (mem_len + tgt_len - 1), where the evaluation reaches beyond it; `not reached`: '
                  'the evaluation scores no longer distance, so nothing is clamped.')
+    lines.append('\nThroughputs exclude compilation (a run resumed after its last logged interval has none); '
+                 'they are comparable only between runs that had the machine to themselves.')
+    lines += ['\n' + note for note in _warnings(report, seeds)]
     for name, why in report['failures'].items():
         lines.append(f'\nFailed: {name}: {why}')
     return '\n'.join(lines) + '\n'
+
+
+def _warnings(report: dict, seeds: int) -> list[str]:
+    """What the table cannot show: methods that have not learned (at or above the unigram loss),
+    and gaps no larger than the seeds' spread."""
+    notes = []
+    unigram = report.get('unigram_loss')
+    groups = _groups(report)
+    if unigram is not None:
+        behind = sorted({method for (method, _, _), rows in groups.items()
+                         if np.mean([r['loss'] for r in rows]) >= unigram})
+        if behind:
+            notes.append(f'Not learned: {", ".join(behind)} (loss at or above {unigram:.4f} nats, a unigram model\'s '
+                         'on this split): train longer or larger before reading their gaps.')
+    if seeds < 2:
+        notes.append('One seed per method: no gap in this table can be told from seed noise (compare.seeds >= 2 '
+                     'measures the spread).')
+        return notes
+    by_setting: dict[tuple, list] = {}
+    for (method, mem_len, clamp), rows in groups.items():
+        losses = [r['loss'] for r in rows]
+        by_setting.setdefault((mem_len, clamp), []).append((float(np.mean(losses)), min(losses), max(losses), method))
+    for (mem_len, clamp), entries in by_setting.items():
+        entries.sort()
+        # Neighbours in the ranking whose seed ranges overlap: their order is not established.
+        ties = [f'{a[3]} and {b[3]}' for a, b in zip(entries, entries[1:]) if b[1] <= a[2]]
+        if ties:
+            label = clamp_label({'clamp': clamp, 'clamp_in_effect': -1}).partition(':')[0]
+            notes.append(f'Within the seeds\' spread at eval memory {mem_len}, clamp_len {label}: '
+                         f'{"; ".join(ties)} (their seed ranges overlap).')
+    return notes
 
 
 def plot(report: dict, path: str) -> None:

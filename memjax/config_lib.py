@@ -278,6 +278,23 @@ def shrink_to_smoke(config: ml_collections.ConfigDict, **model: Any) -> ml_colle
     return config
 
 
+def shrink_to_notebook(config: ml_collections.ConfigDict, **model: Any) -> ml_collections.ConfigDict:
+    """A paper config's `:notebook` variant: the method at the quickstart's size (4 x 128, segments
+    and memory of 64) in bytes of a text file of the user's (`--config.data.text_path`; docs/notebooks.md
+    uses the King James Bible), 8,000 updates of 16 x 64 bytes. The notebooks in notebooks/ load such
+    a run to show their paper's effects, which a model trained for seconds does not show; `model`
+    sets the method's own fields."""
+    config.data.update(name='text', tokenizer='byte', heldout_size=1000)
+    config.model.update(d_model=128, n_layer=4, n_head=4, d_head=32, d_inner=512, dropout=0.0, dropatt=0.0,
+                        cutoffs=(), tie_projs=(), mem_len=64, **model)
+    config.train.update(batch_size=16, tgt_len=64, segments_per_step=10, num_steps=8000, learning_rate=1e-3,
+                        warmup_steps=100, min_lr_ratio=0.1, clip_norm=1.0, log_every=200, eval_every=2000,
+                        eval_batches=20, checkpoint_every=2000)
+    evaluate_as_trained(config)
+    config.eval.batch_size = 16
+    return config
+
+
 def resolve(config: ml_collections.ConfigDict, process_count: int = 1,
             device_count: Optional[int] = None) -> RunConfig:
     """The config checked and resolved into a RunConfig; ConfigError lists every problem found.

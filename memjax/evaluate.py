@@ -60,6 +60,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig
         name: metrics_lib.metric_value(result.mean_nll, exp.unit),
         'num_tokens': result.num_tokens,
         'num_target_tokens_of_split': int(streams.num_target_tokens),
+        'tokens_per_s': result.tokens_per_s,  # After the first batch, which compiles.
         'settings': {'memory': exp.eval_mcfg.memory,
                      **{k: getattr(exp.run.eval, k) for k in ('batch_size', 'tgt_len')},
                      **{k: getattr(exp.eval_mcfg, k) for k in memories.run_time_fields(exp.eval_mcfg.memory)}},

@@ -5,7 +5,6 @@ says how the files are read safely and what is converted).
 `python -m memjax.import_transfo_xl --model=model.pt --corpus=cache.pt --workdir=DIR`
 """
 
-import argparse
 from typing import Optional, Sequence
 
 from memjax.convert import hf_io
@@ -14,14 +13,12 @@ from memjax.training import loop
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog='python -m memjax.import_transfo_xl',
-        description='Import a model of the original Transformer-XL PyTorch code (model.pt) and its vocabulary '
-                    '(the data\'s cache.pt) into a memjax workdir.')
-    parser.add_argument('--model', required=True, help='model.pt written by pytorch/train.py')
-    parser.add_argument('--corpus', required=True, help='cache.pt of the data it was trained on')
-    parser.add_argument('--workdir', required=True, help='a new workdir to write')
-    args = parser.parse_args(argv)
+    args = hf_io.command_flags(
+        argv, 'memjax.import_transfo_xl',
+        'import a model of the original Transformer-XL PyTorch code (model.pt) and its vocabulary (the data\'s '
+        'cache.pt) into a new memjax workdir. Needs torch to read the files: pip install -e \'.[parity]\'.',
+        required={'model': 'model.pt written by pytorch/train.py', 'corpus': 'cache.pt of the data it was trained on',
+                  'workdir': 'a new workdir to write'})
 
     def job():
         config, params = original.read_model(args.model)
@@ -31,7 +28,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 f'{tokenizer.vocab_size:,} into {args.workdir} ({hf_io.config_summary(config)}).')
 
     hf_io.run_import(job)
-
 
 if __name__ == '__main__':
     hf_io.command_main(main)

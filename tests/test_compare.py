@@ -1,18 +1,23 @@
 """memjax.compare: every method at one budget, resumable, failures reported, parameters matched."""
 
 import json
+import math
 import os
 import shutil
 import signal
 import sys
 import types
 
+import ml_collections
 import numpy as np
 import pytest
 
 from memjax import compare
 from memjax import config_lib
 from memjax import errors
+from memjax.data import factory
+from memjax.data import pipeline
+from memjax.training import metrics
 import cli_fixtures
 import disks
 import training_fixtures
@@ -76,6 +81,52 @@ def test_the_table_gives_each_methods_mean_and_half_range(compared):
     row = next(r for r in report['rows'] if (r['method'], r['eval_mem_len'], r['clamp']) == ('xl', 16, -1))
     assert f'| xl | 16 | none | {row["loss"]:.4f} ± 0.0000 (1) | {row["metric"]:.4f} |' in text
     assert (np.array([r['loss'] for r in report['rows']]) > 0).all()
+
+
+def test_the_table_names_the_methods_that_have_not_learned(compared):
+    """Four updates leave every model short of a unigram model: the table says so, and with one seed
+    that no gap can be told from noise."""
+    workdir, report = compared
+    run = config_lib.resolve(ml_collections.ConfigDict({k: v for k, v in report['config'].items() if k != 'compare'}))
+    tokenizer = factory.build_tokenizer(run.data, os.path.join(workdir, 'xl', 'seed0'), save=False)
+    train = pipeline.load_token_ids(run.data, 'train', tokenizer)[0].tolist()
+    scored = pipeline.load_token_ids(run.data, 'validation', tokenizer)[0].tolist()
+    counts = {}
+    for token in train:
+        counts[token] = counts.get(token, 0) + 1
+    total = len(train) + tokenizer.vocab_size
+    naive = -sum(math.log((counts.get(token, 0) + 1) / total) for token in scored) / len(scored)
+    assert report['unigram_loss'] == pytest.approx(naive, rel=1e-9)
+    behind = sorted({r['method'] for r in report['rows'] if r['loss'] >= naive})
+    assert behind == ['none', 'trams', 'xl']
+    with open(os.path.join(workdir, 'comparison.md')) as f:
+        text = f.read()
+    assert f'Not learned: {", ".join(behind)} (loss at or above {naive:.4f} nats' in text
+    assert 'One seed per method: no gap in this table can be told from seed noise' in text
+
+
+def _row(method, seed, loss):
+    return {'method': method, 'seed': seed, 'eval_mem_len': 64, 'clamp': -2, 'clamp_in_effect': -1, 'loss': loss}
+
+
+def test_gaps_inside_the_seed_spread_are_named_and_learned_methods_are_not():
+    report = {'unigram_loss': 3.0, 'rows': [_row('xl', 0, 1.30), _row('xl', 1, 1.34), _row('lamemo', 0, 1.33),
+                                            _row('lamemo', 1, 1.35), _row('none', 0, 1.40), _row('none', 1, 1.41)]}
+    notes = compare._warnings(report, seeds=2)
+    # xl [1.30, 1.34] and lamemo [1.33, 1.35] overlap; none [1.40, 1.41] stands apart.
+    assert notes == ["Within the seeds' spread at eval memory 64, clamp_len trained: xl and lamemo "
+                     '(their seed ranges overlap).']
+    apart = dict(report, rows=[r for r in report['rows'] if r['method'] != 'lamemo'])
+    assert compare._warnings(apart, seeds=2) == []
+
+
+def test_a_curve_joins_only_validations_of_the_same_amount(tmp_path):
+    """The periodic validations read eval_batches; the final one may read the whole split."""
+    writer = metrics.MetricWriter(str(tmp_path))
+    for step, loss, tokens in ((10, 2.0, 640), (20, 1.75, 640), (30, 1.5, 640), (40, 1.25, 5000)):
+        writer.write_scalars(step, 'valid', {'loss': loss, 'num_tokens': tokens})
+    writer.close()
+    assert compare._curve(str(tmp_path))['valid'] == [(10, 2.0), (20, 1.75), (30, 1.5)]
 
 
 def test_a_second_run_reads_everything_back(compared, corpus):

@@ -24,7 +24,8 @@ CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py'))) + [
         'lamemo_wt103.py:no_look_ahead,xl_encoding', 'lamemo_enwik8.py:smoke', 'trams_wt103.py:xl',
         'trams_wt103.py:released', 'trams_enwik8.py:xl', 'skip_cross_head_wt103.py:smoke',
         'skip_cross_head_wt103.py:phase1,long', 'skip_cross_head_wt103.py:phase2', 'skip_cross_head_wt103.py:xl',
-        'skip_cross_head_enwik8.py:short,no_sch')]
+        'skip_cross_head_enwik8.py:short,no_sch', 'transformer_xl_wt103_base.py:notebook', 'lamemo_wt103.py:notebook',
+        'inftyformer_wt103.py:notebook,sticky', 'skip_cross_head_wt103.py:notebook,phase1,no_sch')]
 TINY = os.path.join(REPO, 'configs', 'tiny.py')
 # Vocabulary sizes the tokenizers give (the word vocabulary of WikiText-103 train).
 VOCAB = {'byte': 256, 'char': 256, 'word': 267735, 'sentencepiece': 8000, 'gpt2_bpe': 50257, 'sorting': 22}
@@ -53,6 +54,22 @@ def test_every_config_is_valid(path):
     assert eval_mcfg.memory == mcfg.memory or mcfg.memory in memories.kind_class(eval_mcfg.memory).runs_on
     dropped = memories.run_time_fields(mcfg.memory) + memories.run_time_fields(eval_mcfg.memory)
     assert dataclasses_without(mcfg, dropped) == dataclasses_without(eval_mcfg, dropped)
+
+
+@pytest.mark.parametrize('arg, memory, own', [
+    ('transformer_xl_wt103_base.py:notebook', 'xl', {}),
+    ('lamemo_wt103.py:notebook', 'lamemo', {'lamemo_eps': 1e-6}),
+    ('inftyformer_wt103.py:notebook,sticky', 'infinity', {'ltm_sticky': True, 'ltm_basis': 64, 'ltm_tau': 0.5}),
+    ('skip_cross_head_wt103.py:notebook,phase1,no_sch', 'xl', {'skip_rule': 'linear', 'skip_until': -1, 'sch_beta': 0.0}),
+])
+def test_notebook_runs_keep_their_method_at_the_quickstart_size_on_a_text_file(arg, memory, own):
+    """The notebooks' larger runs (docs/notebooks.md): one size for every method, the method's own fields."""
+    run = config_lib.resolve(parse([f'--config={os.path.join(REPO, "configs", arg)}'])).with_vocab_size(256)
+    assert (run.data.name, run.data.tokenizer, run.data.text_path) == ('text', 'byte', '')
+    assert (run.model.memory, run.model.n_layer, run.model.d_model, run.model.mem_len, run.train.tgt_len,
+            run.train.num_steps) == (memory, 4, 128, 64, 64, 8000)
+    assert {field: getattr(run.model, field) for field in own} == own
+    assert run.eval_model.mem_len == 64 and run.eval.tgt_len == 64  # Evaluated as trained.
 
 
 def dataclasses_without(mcfg, dropped):

@@ -91,6 +91,27 @@ def test_max_batches_limits_the_pass(experiment):
     assert full.num_tokens > first.num_tokens
 
 
+def test_progress_lines_and_throughput_after_the_compiling_batch(experiment, monkeypatch):
+    """A long evaluation says how far it is; its tokens/s leave out the first batch, which compiles."""
+    exp, params, eval_step = experiment
+    config = exp.config.copy_and_resolve_references()
+    config.eval.batch_size = 1
+    streams = evaluation.eval_streams(config, exp.tokenizer, 'validation')
+    assert streams.num_batches > 3
+    calls = []
+    timed = lambda *args: calls.append(args) or eval_step(*args)
+    lines = []
+    monkeypatch.setattr(evaluation.logging, 'info', lambda message, *args: lines.append(message % args))
+    monkeypatch.setattr(evaluation, 'PROGRESS_EVERY_S', 0.0)
+    result = evaluation.evaluate_streams(timed, params, exp.eval_mcfg, streams, 1, max_batches=3)
+    assert len(calls) == 3
+    assert lines[0].startswith('evaluating validation: batch 2/3 | eta ') and lines[1].startswith(
+        'evaluating validation: batch 3/3 | eta 0m00s')
+    assert result.tokens_per_s > 0
+    one = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams, 1, max_batches=1)
+    assert one.tokens_per_s is None  # Only the compiling batch: no throughput to report.
+
+
 def test_evaluate_command_scores_test_split_from_checkpoint(corpus, tmp_path):
     workdir = str(tmp_path)
     config = training_fixtures.tiny_config(corpus, train__num_steps=2, train__eval_every=0,

@@ -38,3 +38,9 @@ def test_notebook_runs_and_shows_its_plots(path):
     images = [output for cell in notebook.cells if cell.cell_type == 'code' for output in cell.outputs
               if 'image/png' in output.get('data', {})]
     assert images, f'{path} drew no plot'
+    # Libraries' notes on what memjax does on purpose (read-only checkpoints, its own text dataset)
+    # stay out of a reader's way.
+    printed = ''.join(output.get('text', '') for cell in notebook.cells if cell.cell_type == 'code'
+                      for output in cell.outputs)
+    for note in ('read only', 'read_only=True', 'Using custom data configuration', 'did not provide metrics'):
+        assert note not in printed, f'{path} printed a library note: {note!r}'

@@ -21,7 +21,6 @@ mask buffers some files hold ('attn.bias', 'attn.masked_bias') are not weights a
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -162,13 +161,12 @@ def extend(fresh: Mapping[str, Any], pretrained: Mapping[str, Any]) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog='python -m memjax.convert.hf_gpt2',
-                                     description='Import HF GPT-2 weights into memjax (config.json + params.msgpack).')
-    parser.add_argument('--checkpoint', required=True,
-                        help='save_pretrained directory, or a .safetensors file')
-    parser.add_argument('--config', default=None, help='HF config.json; default: the one in or next to --checkpoint')
-    parser.add_argument('--out', required=True, help='directory to write the memjax parameters into')
-    args = parser.parse_args(argv)
+    args = hf_io.command_flags(
+        argv, 'memjax.convert.hf_gpt2',
+        'import Hugging Face GPT-2 weights (safetensors) into memjax (config.json + params.msgpack).',
+        required={'checkpoint': 'save_pretrained directory, or a .safetensors file',
+                  'out': 'directory to write the memjax parameters into'},
+        optional={'config': 'HF config.json; default: the one in or next to --checkpoint'})
 
     def job():
         config, params = load_hf_checkpoint(args.checkpoint, args.config)

@@ -13,8 +13,9 @@ import json
 import os
 import pickle
 import sys
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+from absl import flags
 from absl import logging as absl_logging
 import flax.serialization
 import jax
@@ -247,6 +248,36 @@ def load_checkpoint(path: str, hf_config: Optional[HFConfig], config_from_hf: Ca
         hf_config = found_config
     config = config_from_hf(hf_config)
     return config, params_from_state_dict(state, config, source=path)
+
+
+def command_flags(argv: Optional[Sequence[str]], prog: str, about: str, required: Mapping[str, str],
+                  optional: Mapping[str, str] = {}) -> flags.FlagValues:  # pylint: disable=dangerous-default-value
+    """An import command's flags (`--name=value`), parsed by absl as every memjax command's, into a
+    FlagValues of their own: the importers are also library modules, imported by commands whose
+    flags (--config) would collide in absl's global ones. `--help` prints `about`, which names what
+    the command needs, and the flags; a missing, unknown or extra argument is one line."""
+    values = flags.FlagValues()
+    for name, text in {**required, **optional}.items():
+        flags.DEFINE_string(name, None, text, flag_values=values)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if {'--help', '-h', '--helpfull'} & set(argv):
+        listed = [f'  --{name}: {text}' for name, text in required.items()]
+        print('\n'.join([f'python -m {prog}: {about}', '', *listed,
+                         *[f'  --{name}: {text} (optional)' for name, text in optional.items()]]))
+        sys.exit(0)
+
+    def refuse(problem: str):
+        print(f'{errors.UsageError.label}: {problem}; python -m {prog} --help lists its flags.', file=sys.stderr)
+        sys.exit(errors.EXIT_USAGE)
+
+    try:
+        extra = values([prog, *argv])[1:]
+    except flags.Error as error:
+        refuse(' '.join(str(error).split()))
+    missing = [f'--{name}' for name in required if values[name].value is None]
+    if missing or extra:
+        refuse(f'missing {", ".join(missing)}' if missing else f'unexpected arguments {extra}')
+    return values
 
 
 def run_import(job: Callable[[], str]) -> None:

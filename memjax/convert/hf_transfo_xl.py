@@ -31,7 +31,6 @@ The imported parameters are saved as flax msgpack bytes plus the ModelConfig as 
 
 from __future__ import annotations
 
-import argparse
 import functools
 from typing import Any, Mapping, Optional, Sequence
 
@@ -221,15 +220,13 @@ def load_hf_checkpoint(path: str, hf_config: Optional[HFConfig] = None) -> tuple
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog='python -m memjax.convert.hf_transfo_xl',
-        description='Import HF TransfoXLLMHeadModel weights into memjax (config.json + params.msgpack).')
-    parser.add_argument('--checkpoint', required=True,
-                        help='save_pretrained directory, or a .safetensors / .bin state-dict file')
-    parser.add_argument('--config', default=None,
-                        help=f'HF {hf_io.CONFIG_FILE}; default: the one in or next to --checkpoint')
-    parser.add_argument('--out', required=True, help='directory to write the memjax parameters into')
-    args = parser.parse_args(argv)
+    args = hf_io.command_flags(
+        argv, 'memjax.convert.hf_transfo_xl',
+        'import Hugging Face TransfoXLLMHeadModel weights (transformers <= 4.37) into memjax (config.json + '
+        'params.msgpack). safetensors files need no extra; .bin files need torch: pip install -e \'.[parity]\'.',
+        required={'checkpoint': 'save_pretrained directory, or a .safetensors / .bin state-dict file',
+                  'out': 'directory to write the memjax parameters into'},
+        optional={'config': f'HF {hf_io.CONFIG_FILE}; default: the one in or next to --checkpoint'})
 
     def job():
         config, params = load_hf_checkpoint(args.checkpoint, args.config)

@@ -30,6 +30,7 @@ from tensorflow_datasets.core import utils as tfds_utils
 from memjax import errors
 from memjax.data import embedded_corpus
 from memjax.data.config import DEFAULT_DATA_DIR, DataConfig
+from memjax.runtime import logs
 
 SPLITS = embedded_corpus.SPLITS
 SPLIT_ALIASES = {'valid': 'validation', 'val': 'validation', 'dev': 'validation'}
@@ -453,8 +454,8 @@ def make_builder(data_cfg: DataConfig) -> _MemjaxTextBuilder:
         held = data_cfg.heldout_size
         if held != STANDARD_HELDOUT:
             config = HeldoutConfig(name=f'heldout{held}', heldout_size=held)
-    return cls(data_dir=str(data_dir(data_cfg)), config=config,
-               file_format='array_record')
+    with logs.dropped('Using custom data configuration'):  # A text file's config is memjax's own.
+        return cls(data_dir=str(data_dir(data_cfg)), config=config, file_format='array_record')
 
 
 def _check_manual_files(builder: _MemjaxTextBuilder, folder: Path) -> None:

@@ -52,6 +52,9 @@ class DataConfig:
             (self.name in DATA_NAMES, f'config.data.name={self.name!r} must be one of {DATA_NAMES}.'),
             (self.tokenizer in TOKENIZERS,
              f'config.data.tokenizer={self.tokenizer!r} must be one of {TOKENIZERS}.'),
+            (self.name != 'text' or bool(self.text_path),
+             "config.data.name='text' reads a text file of yours: give it as --config.data.text_path=FILE "
+             '(a UTF-8 text file, or a folder of them).'),
             (self.train_documents >= 0,
              f'config.data.train_documents={self.train_documents} must be >= 0 (0: every document).'),
             *((('://' not in getattr(self, field),

@@ -31,13 +31,33 @@ class _QuietLibraries(logging_std.Filter):
     def filter(self, record: logging_std.LogRecord) -> bool:
         if '/orbax/' in record.pathname:
             # Also its notes on read-only managers and on saves without a validation loss.
-            message = record.getMessage()
-            return record.levelno >= logging_std.WARNING and not any(
-                quiet in message for quiet in ('read only', 'read_only=True',
-                                               'did not provide metrics'))
-        if 'Using custom data configuration' in record.getMessage():  # TFDS, on every read.
-            return False
+            return record.levelno >= logging_std.WARNING and 'did not provide metrics' not in record.getMessage()
         return record.levelno >= logging_std.WARNING or 'xla_bridge' not in record.pathname
+
+
+class _Dropped(logging_std.Filter):
+    def __init__(self, fragments: tuple[str, ...]):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging_std.LogRecord) -> bool:
+        return not any(fragment in record.getMessage() for fragment in self.fragments)
+
+
+@contextlib.contextmanager
+def dropped(*fragments: str) -> Iterator[None]:
+    """Drops, within the block, absl records (orbax's, TFDS's) that contain one of `fragments`:
+    a library's warnings about what memjax does on purpose (opening a checkpoint read-only, a
+    builder config of its own). The filter sits on absl's logger, not on a handler, so that it
+    holds outside the command lines too: in notebooks and scripts absl has no handler of its own
+    and its records reach Python's root logger."""
+    absl_logger = logging_std.getLogger('absl')
+    quiet = _Dropped(fragments)
+    absl_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(quiet)
 
 
 _MEMJAX_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

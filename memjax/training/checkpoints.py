@@ -27,6 +27,7 @@ from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from memjax import errors
 from memjax.model.memories import MemoryState
+from memjax.runtime import logs
 from memjax.runtime import storage
 
 
@@ -45,6 +46,9 @@ class CheckpointMismatchError(errors.CheckpointError):
 # Odd multipliers: a flipped bit changes a weighted sum by 2^k * odd, never 0 mod 2^32.
 _WEIGHT_A, _WEIGHT_B, _OFFSET_B = 0x9E3779B1, 0x85EBCA77, 0x5BD1E995
 VALID_LOSS = 'valid_loss'
+# Orbax's warnings on every manager opened read-only, as evaluations, analyses and the checks
+# before a resume open theirs on purpose.
+_READ_ONLY_NOTES = ('read only', 'read_only=True')
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
@@ -205,13 +209,14 @@ class Checkpointer:
                                       keep_checkpoints_without_metrics=False)])
         # best_fn also makes orbax write each step's metrics to disk, so that a manager opened
         # by a resumed run still knows which checkpoint is the best.
-        options = ocp.CheckpointManagerOptions(
-            preservation_policy=policy, best_fn=lambda m: m[VALID_LOSS], best_mode='min',
-            create=not read_only, read_only=read_only, enable_async_checkpointing=True)
         # Named handlers let orbax read an item's metadata before anything was saved or restored.
         handlers = {'arrays': ocp.StandardCheckpointHandler(), 'meta': ocp.JsonCheckpointHandler()}
         _check_orbax_metadata(self.directory)
-        self._manager = _Manager(self.directory, options=options, item_handlers=handlers)
+        with logs.dropped(*_READ_ONLY_NOTES):
+            options = ocp.CheckpointManagerOptions(
+                preservation_policy=policy, best_fn=lambda m: m[VALID_LOSS], best_mode='min',
+                create=not read_only, read_only=read_only, enable_async_checkpointing=True)
+            self._manager = _Manager(self.directory, options=options, item_handlers=handlers)
         self._writing: Optional[int] = None  # The step whose asynchronous write may be in flight.
         self.damaged: list[int] = []  # Steps found damaged (and quarantined) by latest_intact.
 
@@ -297,8 +302,8 @@ class Checkpointer:
         """
         self.check_shapes(step, abstract, part=True)
         # A partial restore needs orbax's PyTree handler, which the named handlers would refuse.
-        manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-            read_only=True, save_interval_steps=0))
+        with logs.dropped(*_READ_ONLY_NOTES):
+            manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(read_only=True))
         try:
             return manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.PyTreeRestore(
                 item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),

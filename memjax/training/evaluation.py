@@ -5,8 +5,10 @@ segment, and every real target token is scored exactly once; the reported loss i
 exact sum of NLL over those tokens divided by their count (no per-batch averaging).
 """
 
+import time
 from typing import Any, Callable, NamedTuple, Optional
 
+from absl import logging
 import jax
 import numpy as np
 
@@ -14,12 +16,18 @@ from memjax import config_lib
 from memjax import model as model_lib
 from memjax.data import factory as data_factory
 from memjax.data import pipeline
+from memjax.training import metrics as metrics_lib
+
+# A whole-split evaluation can take many minutes: a progress line this often.
+PROGRESS_EVERY_S = 30.0
 
 
 class EvalResult(NamedTuple):
     nll_sum: float  # nats, summed in float64 over all scored tokens.
     num_tokens: int
     num_correct: Optional[int] = None  # With config.eval.accuracy: argmax predictions that are right.
+    # Scored tokens per second after the first batch, which compiles; None with one batch.
+    tokens_per_s: Optional[float] = None
 
     @property
     def accuracy(self) -> Optional[float]:
@@ -64,17 +72,31 @@ def evaluate_streams(eval_step: Callable, params: Any, eval_mcfg: model_lib.Mode
     else:
         memory = partitioner.init_memory(eval_mcfg, streams.batch_size)
     key = jax.random.PRNGKey(0) if key is None else key
+    total = streams.num_batches if max_batches < 0 else min(max_batches, streams.num_batches)
     parts = []
+    timed_from = logged = 0.0
     for index, batch in enumerate(streams.iterator()):
-        if 0 <= max_batches <= index:
+        if index >= total:
             break
         if partitioner is not None:
             batch = partitioner.global_batch(batch)
         memory, metrics = eval_step(params, memory, batch, jax.random.fold_in(key, index))
-        parts.append(metrics)  # Left on device: no host sync per batch.
+        parts.append(metrics)  # Left on device: the host waits only for the first batch and progress lines.
+        if index == 0:
+            jax.block_until_ready(metrics)  # The first batch includes the compilation: timed from its end.
+            timed_from = logged = time.time()
+        elif time.time() - logged >= PROGRESS_EVERY_S:
+            jax.block_until_ready(metrics)
+            logged = time.time()
+            per_batch = (logged - timed_from) / index
+            logging.info('evaluating %s: batch %d/%d | eta %s', streams.split, index + 1, total,
+                         metrics_lib.format_duration(per_batch * (total - index - 1)))
     # Replicated outputs of a jitted step: every process reads the same global sums.
     host = jax.device_get(parts)
+    seconds = time.time() - timed_from
     nll_sum = sum(float(np.sum(np.asarray(p['nll_sum'], np.float64))) for p in host)
     num_tokens = sum(int(np.sum(p['num_tokens'])) for p in host)
     num_correct = sum(int(np.sum(p['num_correct'])) for p in host) if host and 'num_correct' in host[0] else None
-    return EvalResult(nll_sum, num_tokens, num_correct)
+    timed_tokens = num_tokens - (int(np.sum(host[0]['num_tokens'])) if host else 0)
+    return EvalResult(nll_sum, num_tokens, num_correct,
+                      timed_tokens / seconds if len(host) > 1 and seconds > 0 else None)
