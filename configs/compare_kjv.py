@@ -13,8 +13,9 @@ with a "Book N" line heading each chapter and numbered verses; another edition's
 the numbers a little. data.name='text' cuts one file 90/5/5 % into train, validation and test.
 
 Default: the quickstart's model (4 x 128, segments and memory of 64) for 4,000 segments of 16 x 64
-bytes per method and seed, evaluated with memory 64, 128 and 256: 78 minutes for six trained
-methods x 2 seeds on 2 cores of an AMD EPYC (BENCHMARKS.md). `:smoke`: a tiny model on the embedded
+bytes per method and seed, evaluated with memory 64, 128 and 256, six trained methods x 2 seeds:
+78 minutes on 2 cores of an AMD EPYC, 105 minutes on 2 cores of an Intel Xeon (family 6 model 167,
+2026-11-27, f469a77) whose cores other work shared. `:smoke`: a tiny model on the embedded
 corpus, 6.5 minutes there (12 short trainings and 28 evaluations of the whole validation split;
 several times that on a loaded machine). `:wt103`: WikiText-103 words with Transformer-XL base's shape, for accelerators.
 `:extrapolate`: the LaMemo paper's figure 5 protocol at this budget: XL and LaMemo trained with

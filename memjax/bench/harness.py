@@ -172,7 +172,7 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int = 2, repeats
     interleaved, it lands on all of them. `settle` times a step as it runs in a loop of its own
     steps (as in training or evaluation), not right after another implementation: memjax's first
     evaluation step after a PyTorch step takes 16 % longer than the next ones, PyTorch's the same
-    (BENCHMARKS.md, peer).
+    (docs/perf-notes.md).
     """
     if repeats < 1:
         raise BenchError(f'repeats={repeats} must be >= 1.')

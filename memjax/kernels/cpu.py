@@ -53,7 +53,7 @@ SPAN_ATTENTION_TARGET = 'memjax_span_attention'
 CLUSTER_TARGET = 'memjax_cluster_logsumexp'
 CLUSTER_GRADIENT_TARGET = 'memjax_cluster_logsumexp_gradient'
 SWITCH = 'MEMJAX_CPU_KERNELS'  # 'off' keeps XLA's own products everywhere.
-# Where the weight gradients take the kernel (measured on a Zen 5, BENCHMARKS.md): XLA:CPU's x^T g,
+# Where the weight gradients take the kernel (measured on a Zen 5, docs/perf-notes.md): XLA:CPU's x^T g,
 # its copy of g included, ran at 198-341 GFLOP/s where a side of the map is 256 wide (the kernel
 # 313-456), at 359-439 where the narrower side is 410 or 768 (the kernel 370-431); a table's
 # gradient over a tail cluster's chunk of 64 rows was slower from the kernel (WikiText-103's

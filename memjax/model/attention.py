@@ -376,7 +376,7 @@ def _token_attention(cfg: ModelConfig, query, key, value, cache: LayerCache, pos
 def _content_scores(query, key):
     """[B, T, H, D] queries x [B, K, H, D] keys -> [B, H, T, K] float32, with heads before positions
     (XLA:CPU runs the product faster so, and lays the key projection out for it: evaluation steps
-    7-16 % faster at the peer shape, BENCHMARKS.md, ops); on CPU memjax's kernel where it applies."""
+    7-16 % faster at the peer shape, docs/perf-notes.md); on CPU memjax's kernel where it applies."""
     return cpu_kernels.product(_heads_first_scores, query.transpose(0, 2, 1, 3), key.transpose(0, 2, 1, 3),
                                transpose_rhs=True)
 

@@ -58,7 +58,7 @@ def position_scores(query: jax.Array, pos_key: jax.Array) -> jax.Array:
     B*T queries, [H, B*T, K]; the swap of the two leading axes is left to the consumer (the
     rel-shift and mask fuse it as a read of whole [T, K] blocks). Evaluation steps at the peer
     shape ran 10 % faster than with the rows broadcast over the batch for a batched product
-    (BENCHMARKS.md, ops); training unchanged.
+    (docs/perf-notes.md); training unchanged.
     """
     scores = jnp.einsum('bthd,khd->hbtk', query, pos_key, preferred_element_type=jnp.float32)
     return scores.transpose(1, 0, 2, 3)

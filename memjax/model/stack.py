@@ -36,7 +36,7 @@ class FeedForward(nn.Module):
         x = layer_norm(cfg, 'layer_norm')(h) if cfg.pre_lnorm else h
         # Both products on [B*T, d] rows: on [B, T, d] XLA:CPU copies the hidden gradient into a
         # transposed layout for the weight gradients (training steps 6-8 % slower at the peer shape,
-        # BENCHMARKS.md, ops). The rows are batch-major, so they shard as the batch does.
+        # docs/perf-notes.md). The rows are batch-major, so they shard as the batch does.
         x = x.reshape(-1, x.shape[-1])
         x = BLOCKS[cfg.block].activation(dense(cfg.d_inner, 'inner', ('embed', 'mlp'))(x))
         x = nn.with_logical_constraint(x, ('activation_batch', 'activation_mlp'))

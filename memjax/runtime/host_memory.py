@@ -4,7 +4,7 @@ Why: XLA's CPU runtime allocates every execution's temporaries (hundreds of MB f
 step) with posix_memalign on one of its worker threads. glibc serves a block that large only as a
 fresh mmap and unmaps it on free, so every step page-faults all of it in again, 4 KiB at a time:
 at the enwik8-base shape that was ~120,000 page faults and ~18% of the CPU time of each step
-(BENCHMARKS.md).
+(docs/perf-notes.md).
 
 Two remedies, chosen with `mode`:
 - 'auto' / 'on': glibc's `hugetlb=1` tunable, which maps such blocks with transparent huge pages
@@ -16,7 +16,7 @@ Two remedies, chosen with `mode`:
 - 'reuse': every thread allocates from the main heap with mmap and trimming off, so the block is
   reused from step to step and nothing is faulted or zeroed again. Faster still when a step's
   temporaries are large, but the one shared malloc arena slows small, fast steps such as the
-  quickstart's (figures in BENCHMARKS.md), and freed memory stays with the process. Only threads that have not allocated yet
+  quickstart's (figures in docs/perf-notes.md), and freed memory stays with the process. Only threads that have not allocated yet
   are affected, so it too must run before JAX starts.
 """
 

@@ -305,8 +305,8 @@ def unseen_distances(trained: ModelConfig, evaluated: ModelConfig) -> Optional[s
     """One line when evaluation scores distances training never produced, else None.
 
     A relative position beyond the trained range is an input the model has not learned to weigh:
-    LaMemo trained with segments and memory of 64 sends most of its lower layers' attention there
-    at memory 256 (BENCHMARKS.md, \"Evaluating with a longer memory\")."""
+    LaMemo trained with segments and memory of 128 sends up to 0.92 of a lower layer's attention there
+    at memory 640 (BENCHMARKS.md, \"Evaluating with a longer memory\")."""
     longest, trained_max = scored_distance(evaluated), scored_distance(trained)
     if longest is None or longest <= trained_max:
         return None

@@ -5,7 +5,7 @@ and value maps again every segment. In evaluation the weights do not change, so 
 position's key and value are the ones its layer computed when the position was the segment:
 this kind keeps those instead (a pool), and no memory row is projected again. The scores are
 the same numbers as 'xl' (tested); at the peer shape (tgt = mem = 128) an evaluation step is
-4-7 % faster (BENCHMARKS.md, ops), for a state of 2 x n_head x d_head floats per position and
+4-7 % faster (docs/perf-notes.md), for a state of 2 x n_head x d_head floats per position and
 layer instead of d_model.
 
 Evaluation runs it for parameters trained as 'xl' unless `config.eval.model.memory` names

@@ -221,7 +221,7 @@ class Gate(nn.Module):
     with nn.Conv's parameters (kernel [3, in, out], bias [out]).
 
     Written as one matmul over each row and its two neighbours: XLA:CPU's convolution backward ran
-    this layer at a fraction of the matmul's speed at some shapes (BENCHMARKS.md, infinity)."""
+    this layer at a fraction of the matmul's speed at some shapes (docs/perf-notes.md)."""
 
     config: ModelConfig
 
