@@ -1,6 +1,9 @@
 """Command line: every method trained at one equal budget, evaluated at the same and at longer
 memory, compared in a table and plots.
 
+Needs the data the config names (configs/compare_kjv.py: a text file, --config.data.text_path;
+`:smoke`: nothing); the plot needs the `plot` extra (pip install -e '.[plot]').
+
   python -m memjax.compare --config=configs/compare_kjv.py:smoke --workdir=runs/compare_smoke
   python -m memjax.compare --config=configs/compare_kjv.py --workdir=runs/compare_kjv \
       --config.data.text_path=kjv.txt

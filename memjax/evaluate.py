@@ -1,5 +1,8 @@
 """Command line: evaluate the newest checkpoint of a workdir on a split.
 
+Needs a workdir with a checkpoint (written by memjax.train or an import) and the data its config
+names; prints the result as JSON.
+
 `python -m memjax.evaluate --config=configs/X.py --workdir=DIR [--config.eval.split=test]`
 scores every target token of the split once, in order, carrying the memory, with the
 evaluation overrides of config.eval (tgt_len, mem_len, clamp_len, same_length; a kind that runs

@@ -1,5 +1,8 @@
 """Command line: continue a prompt with a trained model, streaming the text as it is produced.
 
+Needs a workdir with a checkpoint and its tokenizer (memjax.train or an import); the prompt should
+be text of the kind the model was trained on.
+
 `python -m memjax.generate --workdir=DIR --prompt="In the beginning" --max_new_tokens=200
 [--temperature=0.8 --top_k=40 --top_p=0.95 --seed=1 --num_samples=4 --prompt_file=F]`
 

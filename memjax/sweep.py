@@ -1,5 +1,7 @@
 """Command line: evaluate one trained workdir over a grid of evaluation settings; a table and a plot.
 
+Needs a trained workdir and the data its config names; the plot needs the `plot` extra.
+
   python -m memjax.sweep trams --config=configs/trams_wt103.py --workdir=runs/transformer_xl_wt103_base
 
 A sweep is a list of panels. A panel varies one setting with the others fixed and scores every

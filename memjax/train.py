@@ -1,5 +1,8 @@
 """Command line: `python -m memjax.train --config=configs/X.py --workdir=DIR [--config.a.b=v]`.
 
+Needs the data the config names (docs/data.md; the embedded corpus needs nothing, a text file
+`--config.data.text_path`); a `gs://` workdir needs the `gcs` extra (pip install -e '.[gcs]').
+
 Re-running with the same workdir resumes from its newest intact checkpoint, provided the
 config still fits it (see memjax/training/resume.py); a run stopped by SIGTERM checkpoints first
 and exits 0, by Ctrl-C checkpoints first and exits 130 (a second Ctrl-C stops at once).

@@ -1,8 +1,10 @@
 """The README's commands run in the form it gives them (at tiny size, overrides appended), and the
 front-page documents name no file outside the repository."""
 
+import ast
 import configparser
 import glob
+import importlib
 import json
 import os
 import re
@@ -109,3 +111,29 @@ def test_documents_name_no_file_outside_the_repository(path):
     if os.path.dirname(path) == REPO:
         outside = re.findall(r'(?<![\w.])(\.\./[\w./-]+|/(?:tmp|work|root|home|Users|mnt)/[\w./-]*)', text)
         assert not outside, f'{path} names {outside}'
+
+
+COMMANDS = ('memjax.train', 'memjax.evaluate', 'memjax.generate', 'memjax.compare', 'memjax.sweep',
+            'memjax.bench.__main__')
+
+
+@pytest.mark.parametrize('module', COMMANDS)
+def test_every_commands_help_says_what_it_needs(module):
+    """absl's --help prints the command module's docstring (read, not imported: each defines --config)."""
+    path = os.path.join(REPO, *module.split('.')) + '.py'
+    with open(path, encoding='utf-8') as f:
+        assert 'Needs ' in ast.get_docstring(ast.parse(f.read()))
+
+
+@pytest.mark.parametrize('module, needs', [('memjax.import_transfo_xl', 'Needs torch'),
+                                           ('memjax.convert.hf_transfo_xl', '.bin files need torch'),
+                                           ('memjax.convert.hf_gpt2', 'safetensors')])
+def test_the_importers_take_absl_flags_and_say_what_they_need(module, needs, capsys):
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as shown:
+        main(['--help'])
+    assert shown.value.code == 0 and needs in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        main(['--bogus=1'])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.count('\n') == 1 and "Unknown command line flag 'bogus'" in err

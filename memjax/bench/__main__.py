@@ -2,6 +2,8 @@
 
 Prints the suite's table (Markdown) on stdout, progress on stderr, and writes the full
 report (machine, versions, config, every figure) as JSON to --out. `--list` names the suites.
+Needs nothing beyond memjax, but `peer` (and `accel`'s peer part), which times PyTorch: the
+`parity` extra (pip install -e '.[parity]').
 """
 
 import dataclasses
