@@ -33,6 +33,7 @@ _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k most probable toke
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sample in the nucleus of this probability; 1: all.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the draws.')
 _NUM_SAMPLES = flags.DEFINE_integer('num_samples', 1, 'Continuations of the prompt, produced side by side.')
+_ECHO = flags.DEFINE_boolean('echo', True, 'Print the prompt before its continuation (--noecho: the continuation alone).')
 flags.mark_flags_as_required(['workdir'])
 flags.adopt_module_key_flags(cli)
 
@@ -59,7 +60,8 @@ def main(argv):
 
     def job():
         # The prompt, then the continuation as it is produced (several samples one after another).
-        print(text, end='' if _NUM_SAMPLES.value == 1 else '\n', flush=True)
+        if _ECHO.value:
+            print(text, end='' if _NUM_SAMPLES.value == 1 else '\n', flush=True)
         start = time.time()
         generate(cli.load_config(_CONFIG), _WORKDIR.value, text, _MAX_NEW_TOKENS.value, settings, _SEED.value,
                  _NUM_SAMPLES.value)

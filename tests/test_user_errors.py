@@ -1,7 +1,9 @@
 """Every user error of the command lines is one line on stderr with a distinct exit status,
 before anything is compiled; the traceback only comes with --verbose."""
 
+import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +12,8 @@ import textwrap
 import pytest
 
 from memjax import errors
+from memjax.generation import Sampling
+from memjax.generation import text as generation_text
 from memjax.training import loop as trainer
 import cli_fixtures
 import disks
@@ -278,6 +282,18 @@ def test_generate_errors_are_one_line(trained, env, tmp_path):
     assert_one_line(code, stderr, errors.EXIT_USAGE, 'top_k=-1 must be >= 0')
     code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={tmp_path}', '--prompt=a'], env)
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'no readable checkpoint')
+
+
+def test_generate_echoes_the_prompt_unless_told_not_to_and_reports_its_speed(trained, env):
+    workdir, _ = trained
+    command = [sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt=the memory',
+               '--max_new_tokens=6', '--temperature=0']
+    shown, hidden = (subprocess.run(command + extra, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+                                    cwd=training_fixtures.REPO) for extra in ([], ['--noecho']))
+    assert shown.returncode == hidden.returncode == 0, shown.stderr[-2000:] + hidden.stderr[-2000:]
+    continuation = generation_text.generate(None, workdir, 'the memory', 6, Sampling(temperature=0), out=io.StringIO())[0]
+    assert shown.stdout.rstrip('\n') == 'the memory' + continuation and hidden.stdout.rstrip('\n') == continuation
+    assert re.search(r'6 tokens in [0-9.]+ s, [0-9,.]+ tokens/s', shown.stderr)
 
 
 def test_a_state_too_large_for_the_device_is_refused_before_anything_is_built(corpus, tmp_path, monkeypatch):
