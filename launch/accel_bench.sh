@@ -26,7 +26,7 @@ run (default; on the GPU machine): installs those wheels under --site (ahead of
   rewritten as its rows are measured, so a run stopped at its limit keeps
   them), their .log files, probe_NAME.json, machine.txt.
 
-Example (a lent machine that copies the checkout, .wheels included, and returns \$OUT):
+Example (a GPU machine without network that receives the checkout, .wheels included, and returns \$OUT):
   launch/accel_bench.sh prepare        # here, once
   launch/accel_bench.sh --out="\$OUT"  # there, in one call of at most 600 s
 EOF

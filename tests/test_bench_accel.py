@@ -1,4 +1,4 @@
-"""The `accel` suite at --size=tiny on CPU (the code a GPU lease runs), the datasheet table and the
+"""The `accel` suite at --size=tiny on CPU (the code a GPU job runs), the datasheet table and the
 MFU arithmetic: every figure is recomputed here from what the row says it measured."""
 
 import importlib.util

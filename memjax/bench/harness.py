@@ -188,7 +188,7 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], warmup: int = 2, repeats
             jax.block_until_ready(fn())
             times[name].append(clock() - start)
     timings = {name: Timing(tuple(t), warmup) for name, t in times.items()}
-    # Each figure as soon as it exists: a suite killed at a deadline (a lent GPU's minutes) still
+    # Each figure as soon as it exists: a suite killed at a deadline (a GPU job's time limit) still
     # leaves what it measured in its progress log, although its table prints only at the end.
     print('[bench] timed ' + ', '.join(f'{name}: {t.median_s * 1e3:.3f} ms' for name, t in timings.items()),
           file=sys.stderr, flush=True)

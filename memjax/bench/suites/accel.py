@@ -1,6 +1,6 @@
 """`accel`: memjax on one GPU or TPU, against the chip's datasheet and PyTorch on the same chip.
 
-One command for a lease of an accelerator (`launch/accel_bench.sh` runs it in one device call):
+One command for a time-limited allocation of an accelerator (`launch/accel_bench.sh` runs it in one job):
 
 - peak: bf16 and float32 (TF32 on GPUs) products up to 16384^3 beside the datasheet rate.
 - peer: HF `TransfoXLLMHeadModel` on the same device (CUDA PyTorch), at enwik8-base's shape:
@@ -21,7 +21,7 @@ One command for a lease of an accelerator (`launch/accel_bench.sh` runs it in on
   with `remat='dots_saveable'`, each against the train part's row.
 - probe: the wt103-large bf16 row alone, for A/B runs of XLA flags in separate processes.
 
-Rows print as they are measured, and `--out` is rewritten with each (a lease may end mid-suite);
+Rows print as they are measured, and `--out` is rewritten with each (an allocation may end mid-suite);
 `--parts` picks parts. The peer runs
 before the large steps because JAX's allocator keeps what it grew to, and PyTorch shares the chip.
 `--size=tiny` runs the same code on CPU at seconds-long shapes (the test suite).

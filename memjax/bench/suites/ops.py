@@ -184,7 +184,7 @@ def measure_vocab(vocab: peer.Vocab, shape: peer.Shape, ctx: harness.Context, pe
             mode_rows += impl_rows
             figures.update({f'{impl}_{mode}_{vocab.name}_{k}': v for k, v in totals.items()})
         rows += mode_rows
-        # Printed now as well: a run stopped at a deadline (a lent machine's) keeps what it measured.
+        # Printed now as well: a run stopped at a deadline (a job's time limit) keeps what it measured.
         ctx.log(f'ops: {vocab.name} {mode} by op:\n' + harness.format_table(mode_rows, COLUMNS))
         rival = 'hf_compiled' if 'hf_compiled' in theirs else 'hf_eager'
         ctx.log(f'ops: {vocab.name} {mode}: timing memjax and {rival} (no profiler) for the roofline')
