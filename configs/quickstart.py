@@ -1,7 +1,7 @@
 """Byte-level Transformer-XL on the embedded corpus: trains on a 2-core CPU in minutes.
 
-Measured in docs/training.md ("Quickstart"): about 1.77 validation bits per byte, 4-5 minutes end to end
-on 2 cores.
+Measured in docs/training.md ("Quickstart"): about 1.77 validation bits per byte; the job took 2-5
+minutes on 2-core CPUs (3 min 47 s on an Intel Xeon, family 6 model 167).
 Small and without dropout, since it sees each training byte about once.
 """
 
