@@ -229,7 +229,8 @@ class Checkpointer:
                 'config': config, 'data': data}
         self.wait()  # A failed background write is the previous step's: named as such.
         self._writing = step
-        with self._failing_save_is_an_error(step):
+        # A save between validations has no loss to rank by, as keep-best expects.
+        with self._failing_save_is_an_error(step), logs.dropped('did not provide metrics'):
             self._manager.save(step, args=ocp.args.Composite(
                 arrays=ocp.args.StandardSave(_zero_size_to_none(arrays)),
                 meta=ocp.args.JsonSave(meta)),
