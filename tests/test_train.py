@@ -254,3 +254,7 @@ def test_speeds_and_the_eta_leave_the_compiling_dispatch_out(corpus, tmp_path, c
     scalars = metrics_lib.read_scalars(str(tmp_path))['train/tokens_per_s']
     assert 2 not in scalars and sorted(scalars) == [4, 6, 8]
     assert any(re.search(r'[\d,]+ parameters; \d+ CPU device', r.getMessage()) for r in caplog.records)
+    # Where the run's outputs go, and the mesh the devices form.
+    outputs = next(r.getMessage() for r in caplog.records if r.getMessage().startswith('Mesh '))
+    assert outputs.startswith(f'Mesh data {jax.device_count()} x fsdp 1 x tensor 1;') and outputs.endswith(
+        f'checkpoints every run (at the end) in {tmp_path}/checkpoints, TensorBoard in {tmp_path}/tensorboard.')

@@ -720,6 +720,13 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
                  'tokens, steps %d to %d.', mcfg.memory, mcfg.n_layer, mcfg.d_model, mcfg.mem_len,
                  f'{sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,}', len(devices),
                  devices[0].platform.upper(), tcfg.batch_size, tcfg.tgt_len, step, tcfg.num_steps)
+    logging.info('Mesh %s; Adam at %g, %d warmup steps, %s decay to %g x, clip %g; validation every %s, '
+                 'checkpoints every %s in %s, TensorBoard in %s.',
+                 ' x '.join(f'{name} {size}' for name, size in exp.run.mesh.shape(len(devices)).items()),
+                 tcfg.learning_rate, tcfg.warmup_steps, tcfg.decay, tcfg.min_lr_ratio, tcfg.clip_norm,
+                 f'{tcfg.eval_every} steps' if tcfg.eval_every else 'run (at the end)',
+                 f'{tcfg.checkpoint_every} steps' if tcfg.checkpoint_every else 'run (at the end)',
+                 checkpoint_dir(workdir), storage.join(workdir, 'tensorboard'))
     if step < tcfg.num_steps:
         logging.info('Compiling the training step: the first %d updates include it.', tcfg.segments_per_step)
     train_step, eval_step = _PhasedTrainStep(exp), make_eval_step(exp)
