@@ -45,6 +45,10 @@ def parse(argv):
 @pytest.mark.parametrize('path', CONFIG_FILES, ids=os.path.basename)
 def test_every_config_is_valid(path):
     config = parse([f'--config={path}'])
+    if config.data.name == 'text':  # A text file of the user's, which such a config cannot name.
+        with pytest.raises(config_lib.ConfigError, match='--config.data.text_path=FILE'):
+            config_lib.resolve(config)
+        config = parse([f'--config={path}', '--config.data.text_path=kjv.txt'])
     run = config_lib.resolve(config).with_vocab_size(VOCAB[config.data.tokenizer])
     mcfg, eval_mcfg = run.model, run.eval_model
     want = config.eval.model.mem_len
@@ -64,8 +68,9 @@ def test_every_config_is_valid(path):
 ])
 def test_notebook_runs_keep_their_method_at_the_quickstart_size_on_a_text_file(arg, memory, own):
     """The notebooks' larger runs (docs/notebooks.md): one size for every method, the method's own fields."""
-    run = config_lib.resolve(parse([f'--config={os.path.join(REPO, "configs", arg)}'])).with_vocab_size(256)
-    assert (run.data.name, run.data.tokenizer, run.data.text_path) == ('text', 'byte', '')
+    run = config_lib.resolve(parse([f'--config={os.path.join(REPO, "configs", arg)}',
+                                    '--config.data.text_path=kjv.txt'])).with_vocab_size(256)
+    assert (run.data.name, run.data.tokenizer, run.data.text_path) == ('text', 'byte', 'kjv.txt')
     assert (run.model.memory, run.model.n_layer, run.model.d_model, run.model.mem_len, run.train.tgt_len,
             run.train.num_steps) == (memory, 4, 128, 64, 64, 8000)
     assert {field: getattr(run.model, field) for field in own} == own
