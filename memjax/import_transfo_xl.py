@@ -29,5 +29,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     hf_io.run_import(job)
 
+
 if __name__ == '__main__':
     hf_io.command_main(main)
