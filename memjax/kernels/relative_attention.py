@@ -1,0 +1,452 @@
+"""Transformer-XL's span attention as tiled Pallas kernels: the scores never exist whole.
+
+Why: every score of these models has a positional term, the query against the encoding of the
+query-to-key distance, aligned by the relative shift. Stock fused attention kernels take no such
+term (or only as a precomputed [B, H, T, K] bias), so the reference path writes the whole score
+matrix to device memory, reads it back for the softmax and keeps the weights for the backward pass:
+at the papers' evaluation settings (mem 1600) that matrix dominates time and memory.
+
+Here a query tile walks the key tiles with a running maximum and sum (flash attention). For query
+tile [i0, i0 + bq) and key tile [j0, j0 + bk) the distance rows needed form one window of
+bq + bk rows of the table, so the positional scores are one product [bq, D] x [D, bq + bk] and the
+relative shift moves row a of that product left by bq - 1 - a (`_skew`). The backward pass
+recomputes the scores tile by tile from the forward's log-normaliser: one kernel walks key tiles
+per query tile (query and distance-row gradients; the rows' gradient is summed over the batch
+inside the kernel, so each program owns one window of the table's gradient), one walks query tiles
+per key tile (key and value gradients). Attention dropout draws its mask from a counter-based hash
+of (seed, batch, head, query, key), so the backward pass redraws exactly the forward's mask.
+
+The shift has one form per lowering: a round trip through a per-program scratch block read at
+skewed addresses ('scratch': Triton, which has no gather of values), a strided lane rotation
+('roll': TPU's XLU), and a gather of values ('gather': the reference, for interpret mode). All
+three run in interpret mode on a CPU, where the tests check them against the reference attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+MIN = float(jnp.finfo(jnp.float32).min)
+SKEWS = ('scratch', 'roll', 'gather')
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """Static shape and options of one fused call (hashable: a custom_vjp's non-differentiable
+    argument). `queries`, `keys`: the true T and K; the arrays are padded to whole tiles."""
+
+    queries: int
+    keys: int
+    window: int  # same_length: a query sees the newest `window` keys; 0 = off.
+    scale: float
+    rate: float  # Attention dropout; 0 in evaluation.
+    block_q: int
+    block_k: int
+    skew: str
+    interpret: bool
+
+    @property
+    def width(self) -> int:
+        """Distance rows one tile pair reads: bq + bk (a power of two for Triton; one row unused)."""
+        return self.block_q + self.block_k
+
+    @property
+    def front(self) -> int:
+        """Zero rows before the table, so that every tile's window starts at row >= 0."""
+        return self.block_q
+
+
+def dropout_keep(seed, batch, head, query, key, rate: float):
+    """Whether attention dropout keeps score (query, key) of (batch, head): a murmur3-style hash of
+    the indices and the seed, compared with `rate` * 2^32. A pure function of its arguments, so
+    forward and backward draw the same mask; `query` and `key` broadcast ([bq, 1] and [1, bk])."""
+    u = lambda x: jnp.asarray(x).astype(jnp.uint32)
+
+    def mix(x):
+        x = x ^ (x >> 16)
+        x = x * jnp.uint32(0x85EBCA6B)
+        x = x ^ (x >> 13)
+        x = x * jnp.uint32(0xC2B2AE35)
+        return x ^ (x >> 16)
+
+    lane = mix(u(seed) ^ (u(batch) * jnp.uint32(0x9E3779B1)) ^ (u(head) * jnp.uint32(0x7FEB352D)))
+    x = mix(lane ^ (u(query) * jnp.uint32(0x846CA68B)))
+    x = mix(x ^ (u(key) * jnp.uint32(0x27D4EB2F)))
+    return x >= jnp.uint32(min(int(rate * 2.0 ** 32), 2 ** 32 - 1))
+
+
+def _iota(shape, axis):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+def _barrier(spec: Spec):
+    # Threads of a Triton program read scratch that other threads wrote: fence in between.
+    if spec.skew == 'scratch' and not spec.interpret:
+        from jax.experimental.pallas import triton as plgpu
+        plgpu.debug_barrier()
+
+
+def _skew(spec: Spec, window_scores, scratch_ref):
+    """[bq, bq + bk] scores of the window's distance rows -> [bq, bk] scores of the key tile:
+    out[a, c] = window_scores[a, c + bq - 1 - a]."""
+    bq, bk, w = spec.block_q, spec.block_k, spec.width
+    if spec.skew == 'roll':
+        from jax.experimental.pallas import tpu as pltpu
+        return pltpu.roll(window_scores, w - bq + 1, 1, stride=1, stride_axis=0)[:, :bk]
+    rows, cols = _iota((bq, bk), 0), _iota((bq, bk), 1)
+    if spec.skew == 'gather':
+        return jnp.take_along_axis(window_scores, cols + bq - 1 - rows, axis=1)
+    _barrier(spec)
+    scratch_ref[...] = window_scores
+    _barrier(spec)
+    return scratch_ref[rows, cols + bq - 1 - rows]
+
+
+def _unskew(spec: Spec, tile, scratch_ref):
+    """The inverse placement: [bq, bk] -> [bq, bq + bk] with out[a, c + bq - 1 - a] = tile[a, c]
+    and zeros elsewhere (the scores' gradient, back on the window's distance rows)."""
+    bq, bk, w = spec.block_q, spec.block_k, spec.width
+    if spec.skew == 'roll':
+        from jax.experimental.pallas import tpu as pltpu
+        padded = jnp.concatenate([tile, jnp.zeros((bq, w - bk), tile.dtype)], axis=1)
+        # Row a moves right by bq - 1 - a: a shift of bq - 1 and a stride of w - 1 (= -1 mod w).
+        return pltpu.roll(padded, bq - 1, 1, stride=w - 1, stride_axis=0)
+    rows, cols = _iota((bq, w), 0), _iota((bq, w), 1)
+    if spec.skew == 'gather':
+        source = cols - (bq - 1 - rows)
+        inside = (source >= 0) & (source < bk)
+        return jnp.where(inside, jnp.take_along_axis(tile, jnp.clip(source, 0, bk - 1), axis=1), 0.0)
+    _barrier(spec)
+    scratch_ref[...] = jnp.zeros((bq, w), jnp.float32)
+    _barrier(spec)
+    tile_rows, tile_cols = _iota((bq, bk), 0), _iota((bq, bk), 1)
+    scratch_ref[tile_rows, tile_cols + bq - 1 - tile_rows] = tile
+    _barrier(spec)
+    return scratch_ref[...]
+
+
+def _dot(a, b, trans_a=False, trans_b=False):
+    """A 2-D product in float32, either operand transposed (contracted on its other axis)."""
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _scores(spec: Spec, i0, j0, content_query, position_query, key, table_ref, valid, scratch_ref):
+    """Scaled, masked scores [bq, bk] of query tile i0 against key tile j0, and where they are
+    visible: causal, valid keys, the same_length window."""
+    t, k, bq, bk = spec.queries, spec.keys, spec.block_q, spec.block_k
+    scores = _dot(content_query, key, trans_b=True)
+    first_row = j0 + t - i0 - bq + spec.front
+    table = table_ref[pl.ds(first_row, spec.width), :]
+    scores = scores + _skew(spec, _dot(position_query, table, trans_b=True), scratch_ref)
+    query = i0 + _iota((bq, bk), 0)
+    key_index = j0 + _iota((bq, bk), 1)
+    newest = k - t + query  # The query's own key.
+    visible = (key_index <= newest) & (valid[None, :] != 0)
+    if spec.window:
+        visible &= key_index > newest - spec.window
+    return jnp.where(visible, scores * spec.scale, MIN), visible, query, key_index, table
+
+
+def _key_tiles(spec: Spec, i0, n_key_tiles):
+    """Key tiles query tile i0 can see: up to its newest query's key, from the window's oldest."""
+    newest = spec.keys - spec.queries + i0 + spec.block_q - 1
+    hi = jnp.minimum(n_key_tiles, newest // spec.block_k + 1)
+    lo = 0
+    if spec.window:
+        lo = jnp.maximum(0, (spec.keys - spec.queries + i0 - spec.window + 1) // spec.block_k)
+    return lo, hi
+
+
+def _query_tiles(spec: Spec, j0, n_query_tiles):
+    """Query tiles that see key tile j0 (the inverse of `_key_tiles`)."""
+    lag = spec.keys - spec.queries
+    lo = jnp.maximum(0, (j0 - lag) // spec.block_q)
+    hi = n_query_tiles
+    if spec.window:
+        hi = jnp.clip((j0 + spec.block_k - 2 - lag + spec.window) // spec.block_q + 1, 0, n_query_tiles)
+    return lo, hi
+
+
+def _dropped(spec: Spec, x, seed, b, h, query, key_index):
+    if not spec.rate:
+        return x
+    keep = dropout_keep(seed, b, h, query, key_index, spec.rate)
+    return jnp.where(keep, x * (1.0 / (1.0 - spec.rate)), 0.0)
+
+
+def _forward_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table_ref, valid_ref, o_ref, lse_ref,
+                    *scratch):
+    scratch_ref = scratch[0] if scratch else None
+    b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bq, bk = spec.block_q, spec.block_k
+    i0 = qi * bq
+    content_query, position_query = cq_ref[...], pq_ref[...]
+    seed = seed_ref[0]
+    lo, hi = _key_tiles(spec, i0, k_ref.shape[0] // bk)
+
+    def step(kt, carry):
+        m, l, acc = carry
+        j0 = kt * bk
+        key, value = k_ref[pl.ds(j0, bk), :], v_ref[pl.ds(j0, bk), :]
+        scores, _, query, key_index, _ = _scores(spec, i0, j0, content_query, position_query, key, table_ref,
+                                                 valid_ref[pl.ds(j0, bk)], scratch_ref)
+        m_new = jnp.maximum(m, scores.max(axis=1))
+        probs = jnp.exp(scores - m_new[:, None])
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + probs.sum(axis=1)
+        probs = _dropped(spec, probs, seed, b, h, query, key_index)
+        acc = acc * alpha[:, None] + _dot(probs.astype(value.dtype), value)
+        return m_new, l, acc
+
+    init = (jnp.full((bq,), MIN, jnp.float32), jnp.zeros((bq,), jnp.float32),
+            jnp.zeros((bq, o_ref.shape[-1]), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(lo, hi, step, init)
+    l = jnp.where(l == 0.0, 1.0, l)  # Padded queries that see no tile: finite, and never read.
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _query_grad_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table_ref, valid_ref, do_ref, lse_ref,
+                       delta_ref, glse_ref, dcq_ref, dpq_ref, dtable_ref, *scratch):
+    """Per (head, query tile), every batch row: the queries' gradients, and this query tile's
+    share of the distance rows' gradient summed over the batch (`dtable_ref`, all rows)."""
+    scratch_ref = scratch[0] if scratch else None
+    h, qi = pl.program_id(0), pl.program_id(1)
+    bq, bk, w = spec.block_q, spec.block_k, spec.width
+    i0 = qi * bq
+    seed = seed_ref[0]
+    lo, hi = _key_tiles(spec, i0, k_ref.shape[1] // bk)
+    dims = dcq_ref.shape[-1]
+
+    def clear(chunk, _):
+        dtable_ref[pl.ds(chunk * w, w), :] = jnp.zeros((w, dims), jnp.float32)
+        return 0
+
+    jax.lax.fori_loop(0, dtable_ref.shape[0] // w, clear, 0)
+
+    def batch_row(b, _):
+        content_query, position_query = cq_ref[b], pq_ref[b]
+        grad_out, lse = do_ref[b], lse_ref[b]
+        bias = glse_ref[b] - delta_ref[b]  # d(lse) - <dO, O> per query.
+
+        def step(kt, carry):
+            dcq, dpq = carry
+            j0 = kt * bk
+            key, value = k_ref[b, pl.ds(j0, bk), :], v_ref[b, pl.ds(j0, bk), :]
+            scores, visible, query, key_index, table = _scores(
+                spec, i0, j0, content_query, position_query, key, table_ref, valid_ref[b, pl.ds(j0, bk)],
+                scratch_ref)
+            probs = jnp.where(visible, jnp.exp(scores - lse[:, None]), 0.0)
+            grad_probs = _dropped(spec, _dot(grad_out, value, trans_b=True), seed, b, h, query, key_index)
+            grad_scores = probs * (grad_probs + bias[:, None]) * spec.scale
+            dcq = dcq + _dot(grad_scores.astype(key.dtype), key)
+            grad_window = _unskew(spec, grad_scores, scratch_ref)
+            dpq = dpq + _dot(grad_window.astype(table.dtype), table)
+            first_row = j0 + spec.queries - i0 - bq + spec.front
+            _barrier(spec)
+            rows = pl.ds(first_row, w)
+            dtable_ref[rows, :] = dtable_ref[rows, :] + _dot(grad_window.astype(position_query.dtype),
+                                                             position_query, trans_a=True)
+            return dcq, dpq
+
+        zeros = jnp.zeros((bq, dims), jnp.float32)
+        dcq, dpq = jax.lax.fori_loop(lo, hi, step, (zeros, zeros))
+        dcq_ref[b] = dcq.astype(dcq_ref.dtype)
+        dpq_ref[b] = dpq.astype(dpq_ref.dtype)
+        return 0
+
+    jax.lax.fori_loop(0, cq_ref.shape[0], batch_row, 0)
+
+
+def _key_grad_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table_ref, valid_ref, do_ref, lse_ref,
+                     delta_ref, glse_ref, dk_ref, dv_ref, *scratch):
+    """Per (batch, head, key tile): the keys' and values' gradients over the query tiles that see it."""
+    scratch_ref = scratch[0] if scratch else None
+    b, h, kt = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bq, bk = spec.block_q, spec.block_k
+    j0 = kt * bk
+    seed = seed_ref[0]
+    key, value = k_ref[...], v_ref[...]
+    valid = valid_ref[pl.ds(j0, bk)]
+    lo, hi = _query_tiles(spec, j0, cq_ref.shape[0] // bq)
+
+    def step(qt, carry):
+        dk, dv = carry
+        i0 = qt * bq
+        rows = pl.ds(i0, bq)
+        content_query, position_query = cq_ref[rows, :], pq_ref[rows, :]
+        grad_out, lse = do_ref[rows, :], lse_ref[rows]
+        scores, visible, query, key_index, _ = _scores(spec, i0, j0, content_query, position_query, key,
+                                                       table_ref, valid, scratch_ref)
+        probs = jnp.where(visible, jnp.exp(scores - lse[:, None]), 0.0)
+        kept = _dropped(spec, probs, seed, b, h, query, key_index)
+        dv = dv + _dot(kept.astype(grad_out.dtype), grad_out, trans_a=True)
+        grad_probs = _dropped(spec, _dot(grad_out, value, trans_b=True), seed, b, h, query, key_index)
+        grad_scores = probs * (grad_probs + (glse_ref[rows] - delta_ref[rows])[:, None]) * spec.scale
+        dk = dk + _dot(grad_scores.astype(content_query.dtype), content_query, trans_a=True)
+        return dk, dv
+
+    zeros = jnp.zeros((bk, dk_ref.shape[-1]), jnp.float32)
+    dk, dv = jax.lax.fori_loop(lo, hi, step, (zeros, zeros))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _compiler_params(spec: Spec):
+    if spec.interpret or spec.skew != 'scratch':
+        return None
+    from jax.experimental.pallas import triton as plgpu
+    return plgpu.CompilerParams(num_warps=4, num_stages=2)
+
+
+def _call(spec: Spec, kernel, grid, in_specs, out_shapes, out_specs, scratch_shape, *args):
+    """One pallas_call; with the 'scratch' shift, one more output: a [bq, bq + bk] float32 block per
+    program (`scratch_shape` its leading, per-program dimensions), dropped afterwards."""
+    if spec.skew == 'scratch':
+        lead = len(scratch_shape)
+        out_shapes = list(out_shapes) + [jax.ShapeDtypeStruct(scratch_shape + (spec.block_q, spec.width), jnp.float32)]
+        out_specs = list(out_specs) + [pl.BlockSpec((None,) * lead + (spec.block_q, spec.width),
+                                                    lambda *ids: ids[:lead] + (0, 0))]
+    outs = pl.pallas_call(functools.partial(kernel, spec), grid=grid, in_specs=in_specs, out_specs=out_specs,
+                          out_shape=out_shapes, interpret=spec.interpret,
+                          compiler_params=_compiler_params(spec))(*args)
+    return outs[:len(outs) - (spec.skew == 'scratch')]
+
+
+def _whole(shape):
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _forward(spec: Spec, seed, cq, pq, k, v, table, valid):
+    batch, heads, t_pad, dims = cq.shape
+    k_pad, rows = k.shape[2], table.shape[1]
+    per_query = pl.BlockSpec((None, None, spec.block_q, dims), lambda b, h, q: (b, h, q, 0))
+    per_head_keys = pl.BlockSpec((None, None, k_pad, dims), lambda b, h, q: (b, h, 0, 0))
+    in_specs = [_whole((1,)), per_query, per_query, per_head_keys, per_head_keys,
+                pl.BlockSpec((None, rows, dims), lambda b, h, q: (h, 0, 0)),
+                pl.BlockSpec((None, k_pad), lambda b, h, q: (b, 0))]
+    out_shapes = [jax.ShapeDtypeStruct(cq.shape, v.dtype), jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)]
+    out_specs = [per_query, pl.BlockSpec((None, None, spec.block_q), lambda b, h, q: (b, h, q))]
+    grid = (batch, heads, t_pad // spec.block_q)
+    return _call(spec, _forward_kernel, grid, in_specs, out_shapes, out_specs, grid, seed, cq, pq, k, v, table,
+                 valid)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(spec: Spec, seed, cq, pq, k, v, table, valid):
+    return tuple(_forward(spec, seed, cq, pq, k, v, table, valid))
+
+
+def _attention_forward(spec, seed, cq, pq, k, v, table, valid):
+    out, lse = _forward(spec, seed, cq, pq, k, v, table, valid)
+    return (out, lse), (seed, cq, pq, k, v, table, valid, out, lse)
+
+
+def _attention_backward(spec, residuals, grads):
+    seed, cq, pq, k, v, table, valid, out, lse = residuals
+    grad_out, grad_lse = grads
+    batch, heads, t_pad, dims = cq.shape
+    k_pad, rows = k.shape[2], table.shape[1]
+    n_q, n_k = t_pad // spec.block_q, k_pad // spec.block_k
+    delta = jnp.sum(grad_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    grad_out = grad_out.astype(v.dtype)
+    grad_lse = grad_lse.astype(jnp.float32)
+    args = (seed, cq, pq, k, v, table, valid, grad_out, lse, delta, grad_lse)
+
+    # Per (head, query tile), all batch rows in the block: the table's gradient sums over the batch.
+    by_query = pl.BlockSpec((batch, None, spec.block_q, dims), lambda h, q: (0, h, q, 0))
+    by_query_row = pl.BlockSpec((batch, None, spec.block_q), lambda h, q: (0, h, q))
+    keys_of_head = pl.BlockSpec((batch, None, k_pad, dims), lambda h, q: (0, h, 0, 0))
+    in_specs = [_whole((1,)), by_query, by_query, keys_of_head, keys_of_head,
+                pl.BlockSpec((None, rows, dims), lambda h, q: (h, 0, 0)), _whole((batch, k_pad)),
+                by_query, by_query_row, by_query_row, by_query_row]
+    out_shapes = [jax.ShapeDtypeStruct(cq.shape, cq.dtype), jax.ShapeDtypeStruct(pq.shape, pq.dtype),
+                  jax.ShapeDtypeStruct((n_q, heads, rows, dims), jnp.float32)]
+    out_specs = [by_query, by_query, pl.BlockSpec((None, None, rows, dims), lambda h, q: (q, h, 0, 0))]
+    dcq, dpq, dtable = _call(spec, _query_grad_kernel, (heads, n_q), in_specs, out_shapes, out_specs,
+                             (heads, n_q), *args)
+
+    per_key = pl.BlockSpec((None, None, spec.block_k, dims), lambda b, h, j: (b, h, j, 0))
+    queries_of_head = pl.BlockSpec((None, None, t_pad, dims), lambda b, h, j: (b, h, 0, 0))
+    rows_of_head = pl.BlockSpec((None, None, t_pad), lambda b, h, j: (b, h, 0))
+    in_specs = [_whole((1,)), queries_of_head, queries_of_head, per_key, per_key,
+                pl.BlockSpec((None, rows, dims), lambda b, h, j: (h, 0, 0)),
+                pl.BlockSpec((None, k_pad), lambda b, h, j: (b, 0)),
+                queries_of_head, rows_of_head, rows_of_head, rows_of_head]
+    out_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    dk, dv = _call(spec, _key_grad_kernel, (batch, heads, n_k), in_specs, out_shapes, [per_key, per_key],
+                   (batch, heads, n_k), *args)
+    return (None, dcq, dpq, dk, dv, dtable.sum(axis=0).astype(table.dtype), None)
+
+
+_attention.defvjp(_attention_forward, _attention_backward)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def padded_head_dim(head_dim: int, skew: str) -> int:
+    """Triton's blocks are powers of two (16 at least, for its products); TPU's lanes are 128 wide."""
+    if skew == 'roll':
+        return _round_up(head_dim, 128)
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def span_attention(content_query, position_query, key, value, pos_key, key_valid, *, scale: float,
+                   window: int = 0, dropout_rate: float = 0.0, dropout_seed=None, block_q: int = 64,
+                   block_k: int = 64, skew: str = 'scratch', interpret: bool = False):
+    """Attention over one contiguous span of K keys whose last T are the segment's queries' own:
+    (attended [B, T, H, D] in the values' dtype, log_norm [B, H, T] float32), as the reference's
+    softmax over (content_query . key + rel_shift(position_query . pos_key)) * scale.
+
+    content_query, position_query: [B, T, H, D] (the queries plus u, plus v); key, value
+    [B, K, H, D]; pos_key [K, H, D], row p the encoding of distance K - 1 - p (clamped by the table);
+    key_valid [B, K] bool. `window` > 0: same_length. `dropout_rate` > 0 drops attention weights
+    with the mask `dropout_keep(dropout_seed, ...)`; `dropout_seed` an int32 scalar.
+    """
+    if skew not in SKEWS:
+        raise ValueError(f'skew={skew!r} must be one of {SKEWS}.')
+    batch, t, heads, dims = content_query.shape
+    k = key.shape[1]
+    if pos_key.shape[0] != k:
+        raise ValueError(f'{pos_key.shape[0]} distance rows for a span of {k} keys.')
+    if block_q & (block_q - 1) or block_k & (block_k - 1):
+        raise ValueError(f'tiles of {block_q} x {block_k}: both must be powers of two.')
+    # Tiles no longer than the padded lengths need: a short segment takes one small tile.
+    block_q = min(block_q, max(16, 1 << (t - 1).bit_length()))
+    block_k = min(block_k, max(16, 1 << (k - 1).bit_length()))
+    spec = Spec(queries=t, keys=k, window=int(window), scale=float(scale), rate=float(dropout_rate),
+                block_q=block_q, block_k=block_k, skew=skew, interpret=interpret)
+    dims_pad = padded_head_dim(dims, skew)
+    t_pad, k_pad = _round_up(t, block_q), _round_up(k, block_k)
+    rows = _round_up(spec.front + k_pad + t, spec.width)
+
+    def head_major(x, length):  # [B, N, H, D] -> [B, H, N_pad, D_pad]
+        x = x.transpose(0, 2, 1, 3)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, dims_pad - dims)))
+
+    table = jnp.pad(pos_key.transpose(1, 0, 2), ((0, 0), (spec.front, rows - spec.front - k), (0, dims_pad - dims)))
+    valid = jnp.pad(key_valid.astype(jnp.int32), ((0, 0), (0, k_pad - k)))
+    seed = jnp.zeros((1,), jnp.int32) if dropout_seed is None else jnp.reshape(dropout_seed, (1,)).astype(jnp.int32)
+    out, lse = _attention(spec, seed, head_major(content_query, t_pad), head_major(position_query, t_pad),
+                          head_major(key, k_pad), head_major(value, k_pad), table.astype(pos_key.dtype), valid)
+    return out[:, :, :t, :dims].transpose(0, 2, 1, 3), lse[:, :, :t]
+
+
+def default_skew(platform: str) -> str:
+    """The shift's form for a platform's lowering ('gather' in interpret mode elsewhere)."""
+    return {'gpu': 'scratch', 'cuda': 'scratch', 'rocm': 'scratch', 'tpu': 'roll'}.get(platform, 'gather')
+
+
+def tiles_for(head_dim: int) -> tuple[int, int]:
+    """(block_q, block_k): 64 x 64 keeps a tile's operands in registers and shared memory at head
+    dims up to 128; wider heads halve the key tile."""
+    return (64, 64) if head_dim <= 128 else (64, 32)
+
