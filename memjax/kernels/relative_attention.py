@@ -17,9 +17,10 @@ per key tile (key and value gradients). Attention dropout draws its mask from a 
 of (seed, batch, head, query, key), so the backward pass redraws exactly the forward's mask.
 
 The shift has one form per lowering: a round trip through a per-program scratch block read at
-skewed addresses ('scratch': Triton, which has no gather of values), a strided lane rotation
-('roll': TPU's XLU), and a gather of values ('gather': the reference, for interpret mode). All
-three run in interpret mode on a CPU, where the tests check them against the reference attention.
+skewed addresses ('scratch': Triton has no gather of values, but loads from computed addresses),
+and a strided lane rotation ('roll': TPU's XLU). Both run in Pallas's interpret mode on a CPU,
+where the tests check them against the reference attention; the Triton form also lowers there
+(tests/test_fused_attention.py exports it for CUDA).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 MIN = float(jnp.finfo(jnp.float32).min)
-SKEWS = ('scratch', 'roll', 'gather')
+SKEWS = ('scratch', 'roll')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +100,6 @@ def _skew(spec: Spec, window_scores, scratch_ref):
         from jax.experimental.pallas import tpu as pltpu
         return pltpu.roll(window_scores, w - bq + 1, 1, stride=1, stride_axis=0)[:, :bk]
     rows, cols = _iota((bq, bk), 0), _iota((bq, bk), 1)
-    if spec.skew == 'gather':
-        return jnp.take_along_axis(window_scores, cols + bq - 1 - rows, axis=1)
     _barrier(spec)
     scratch_ref[...] = window_scores
     _barrier(spec)
@@ -116,11 +115,6 @@ def _unskew(spec: Spec, tile, scratch_ref):
         padded = jnp.concatenate([tile, jnp.zeros((bq, w - bk), tile.dtype)], axis=1)
         # Row a moves right by bq - 1 - a: a shift of bq - 1 and a stride of w - 1 (= -1 mod w).
         return pltpu.roll(padded, bq - 1, 1, stride=w - 1, stride_axis=0)
-    rows, cols = _iota((bq, w), 0), _iota((bq, w), 1)
-    if spec.skew == 'gather':
-        source = cols - (bq - 1 - rows)
-        inside = (source >= 0) & (source < bk)
-        return jnp.where(inside, jnp.take_along_axis(tile, jnp.clip(source, 0, bk - 1), axis=1), 0.0)
     _barrier(spec)
     scratch_ref[...] = jnp.zeros((bq, w), jnp.float32)
     _barrier(spec)
@@ -440,13 +434,17 @@ def span_attention(content_query, position_query, key, value, pos_key, key_valid
     return out[:, :, :t, :dims].transpose(0, 2, 1, 3), lse[:, :, :t]
 
 
-def default_skew(platform: str) -> str:
-    """The shift's form for a platform's lowering ('gather' in interpret mode elsewhere)."""
-    return {'gpu': 'scratch', 'cuda': 'scratch', 'rocm': 'scratch', 'tpu': 'roll'}.get(platform, 'gather')
+def path(impl: str):
+    """`span_attention`'s platform options for config field `attention_impl`, or None where the
+    reference path runs: 'auto' fuses on GPUs only (TPU: designed for, tested in interpret mode,
+    not yet run on one)."""
+    platform = jax.devices()[0].platform
+    if impl == 'reference' or (impl == 'auto' and platform != 'gpu'):
+        return None
+    return {'skew': 'roll' if platform == 'tpu' else 'scratch', 'interpret': platform not in ('gpu', 'tpu')}
 
 
 def tiles_for(head_dim: int) -> tuple[int, int]:
     """(block_q, block_k): 64 x 64 keeps a tile's operands in registers and shared memory at head
     dims up to 128; wider heads halve the key tile."""
     return (64, 64) if head_dim <= 128 else (64, 32)
-

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from memjax.kernels import cpu as cpu_kernels
+from memjax.kernels import relative_attention as fused_attention
 from memjax.kernels import softmax as softmax_lib
 from memjax.model.config import ModelConfig
 from memjax.model import stochastic
@@ -543,12 +544,26 @@ class RelativeAttention(nn.Module):
         # (memjax/kernels/cpu.py): one contiguous span's scores in one pass, other blocks term by term.
         position, mask = _scores_and_mask(position_query, pos_key, blocks, qlen, cfg.same_length,
                                           ctx.window, shifted_pos_key)
-        key_valid = None
-        if pos_key is not None and pos_key.shape[0] == key.shape[1] and not cfg.same_length:
-            key_valid = _span_key_validity(blocks, query.shape[0], qlen)
+        span_valid = None  # [B, K]: the keys are one contiguous span whose validity is per key.
+        if pos_key is not None and pos_key.shape[0] == key.shape[1]:
+            span_valid = _span_key_validity(blocks, query.shape[0], qlen)
+        key_valid = None if cfg.same_length else span_valid
+        fused = fused_attention.path(cfg.attention_impl)
         attention_dropout = Dropout(cfg.dropatt)
         probs = None
-        if key_valid is not None and deterministic and not self.is_mutable_collection('intermediates'):
+        if fused is not None and span_valid is not None and not self.is_mutable_collection('intermediates'):
+            # The tiled kernel: the scores never exist whole; dropout's mask is redrawn in the
+            # backward pass from the seed (nothing reads the weights here).
+            rate, seed = 0.0, None
+            if cfg.dropatt > 0 and not deterministic:
+                rate = cfg.dropatt
+                seed = jax.random.randint(self.make_rng('dropout'), (), 0, jnp.iinfo(jnp.int32).max)
+            block_q, block_k = fused_attention.tiles_for(cfg.d_head)
+            attended, log_norm = fused_attention.span_attention(
+                content_query, position_query, key, value, pos_key, span_valid, scale=cfg.d_head ** -0.5,
+                window=ctx.window if cfg.same_length else 0, dropout_rate=rate, dropout_seed=seed,
+                block_q=block_q, block_k=block_k, **fused)
+        elif key_valid is not None and deterministic and not self.is_mutable_collection('intermediates'):
             # Evaluation, where nothing reads the weights: scores to weighted values in one pass
             # per head, the memory's keys and values not concatenated with the segment's.
             attended, log_norm = cpu_kernels.span_attention(

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 
 _COMPUTE_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 _MEMORY_STARTS = ('empty', 'zeros')
+ATTENTION_IMPLS = ('auto', 'reference', 'fused')
 # config.eval.model.clamp_len=-2: clamp at the longest distance the trained model ever scored.
 CLAMP_TRAINED = -2
 # Fields of every memory kind that shape no parameter: evaluation may override them
 # (config.eval.model), together with the kind's own `run_time_fields`.
 # compute_dtype among them: a float32-trained run evaluates in bfloat16 (docs/mixed_precision.md).
-RUN_TIME_FIELDS = ('clamp_len', 'same_length', 'compute_dtype')
+RUN_TIME_FIELDS = ('clamp_len', 'same_length', 'compute_dtype', 'attention_impl')
 # Fields that act in training only (Skip-Retain, cross-head attention): evaluation runs with their
 # defaults, which switch them off.
 TRAINING_FIELDS = ('skip_rule', 'skip_p', 'skip_until', 'sch_beta')
@@ -157,6 +158,11 @@ class ModelConfig:
     # Rematerialise each layer in the backward pass: 'none', 'full' (keep only the layer
     # inputs) or 'dots_saveable' (keep matmul outputs, recompute the cheap element-wise ops).
     remat: str = 'none'
+    # The attention's path (memjax/kernels/relative_attention.py): 'auto' runs the fused kernel on
+    # GPUs wherever it applies (the keys are one contiguous span, validity per key) and the
+    # reference elsewhere; 'reference' never runs it (debugging, comparisons); 'fused' runs it
+    # wherever it applies: in Pallas's interpret mode on a CPU (the tests), and on a TPU.
+    attention_impl: str = 'auto'
 
     def __init__(self, **values: Any):
         known = _field_defaults()
@@ -271,6 +277,8 @@ class ModelConfig:
         need(self.compute_dtype in _COMPUTE_DTYPES,
              f'compute_dtype={self.compute_dtype!r} must be one of {tuple(_COMPUTE_DTYPES)}.')
         need(self.n_positions >= 1, f'n_positions={self.n_positions} must be >= 1.')
+        need(self.attention_impl in ATTENTION_IMPLS,
+             f'attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS}.')
         for check in _CHECKS:
             problems.extend(check(self))
         bounds = self.cluster_bounds if sized else (0,) + self.cutoffs

@@ -1,0 +1,197 @@
+"""The fused relative attention (memjax/kernels/relative_attention.py) in Pallas's interpret mode:
+forward and gradients against a naive attention written from Transformer-XL's score (every
+query-key pair's distance looked up directly, no shift, no tiles), and the model with the fused
+path forced on against the reference path for every memory kind."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from memjax.kernels import relative_attention as fused
+from memjax.model import ModelConfig, build_model, init_memory, init_params, lm_loss
+from memjax.model.positions import relative_sinusoid_table
+
+
+def naive_attention(cq, pq, k, v, pos_key, valid, scale, window=0, rate=0.0, seed=0):
+    """Query i (key index K - T + i) against key j at distance d = K - T + i - j, whose encoding is
+    row K - 1 - d of `pos_key`; masked where d < 0, the key is invalid or (same_length) d >= window."""
+    batch, t, heads, _ = cq.shape
+    k_len = k.shape[1]
+    i, j = np.arange(t)[:, None], np.arange(k_len)[None, :]
+    distance = k_len - t + i - j
+    rows = np.clip(k_len - 1 - distance, 0, k_len - 1)
+    scores = jnp.einsum('bthd,bkhd->bhtk', cq, k) + jnp.einsum('bthd,tkhd->bhtk', pq, pos_key[rows])
+    visible = (distance >= 0)[None, None] & valid[:, None, None, :]
+    if window:
+        visible &= (distance < window)[None, None]
+    scores = jnp.where(visible, scores * scale, -jnp.inf)
+    log_norm = jax.nn.logsumexp(scores, axis=-1)
+    probs = jnp.exp(scores - log_norm[..., None])
+    if rate:
+        keep = fused.dropout_keep(seed, np.arange(batch)[:, None, None, None], np.arange(heads)[None, :, None, None],
+                                  i[None, None], j[None, None], rate)
+        probs = jnp.where(keep, probs / (1 - rate), 0.0)
+    return jnp.einsum('bhtk,bkhd->bthd', probs, v), log_norm
+
+
+def inputs(batch, t, mem, heads, dims, dtype=jnp.float32, clamp_len=-1, masked=3):
+    k_len = mem + t
+    keys = jax.random.split(jax.random.key(t * 1000 + mem * 10 + dims), 5)
+    cq, pq = (jax.random.normal(keys[n], (batch, t, heads, dims), dtype) for n in (0, 1))
+    k, v = (jax.random.normal(keys[n], (batch, k_len, heads, dims), dtype) for n in (2, 3))
+    # Positional keys from the model's own clamped table, through a random map per head.
+    table = relative_sinusoid_table(k_len, 32, clamp_len)
+    pos_key = jnp.einsum('re,ehd->rhd', table, jax.random.normal(keys[4], (32, heads, dims))).astype(dtype)
+    valid = jnp.ones((batch, k_len), bool).at[0, :min(masked, mem)].set(False)  # An unfilled memory's rows.
+    return cq, pq, k, v, pos_key, valid
+
+
+def check(batch, t, mem, heads, dims, *, window=0, rate=0.0, skew='scratch', clamp_len=-1, tiles=(16, 16),
+          dtype=jnp.float32, tolerance=1e-5):
+    cq, pq, k, v, pos_key, valid = inputs(batch, t, mem, heads, dims, dtype, clamp_len)
+    scale = dims ** -0.5
+    run = functools.partial(fused.span_attention, scale=scale, window=window, dropout_rate=rate,
+                            dropout_seed=jnp.int32(11), block_q=tiles[0], block_k=tiles[1], skew=skew, interpret=True)
+    upcast = lambda xs: [x.astype(jnp.float32) for x in xs]
+    reference = lambda *xs: naive_attention(*upcast(xs), valid, scale, window, rate, 11)
+    out, log_norm = run(cq, pq, k, v, pos_key, valid)
+    want_out, want_log_norm = reference(cq, pq, k, v, pos_key)
+    np.testing.assert_allclose(out.astype(jnp.float32), want_out, atol=tolerance, rtol=tolerance)
+    np.testing.assert_allclose(log_norm, want_log_norm, atol=tolerance, rtol=tolerance)
+    # A loss that weighs every output and the log-normaliser (the memory kinds read it).
+    weights = jax.random.normal(jax.random.key(5), out.shape)
+    norm_weights = jax.random.normal(jax.random.key(6), log_norm.shape)
+    loss = lambda f: lambda *xs: ((f(*xs)[0].astype(jnp.float32) * weights).sum() + (f(*xs)[1] * norm_weights).sum())
+    got = jax.grad(loss(lambda *xs: run(*xs, valid)), argnums=range(5))(cq, pq, k, v, pos_key)
+    want = jax.grad(loss(reference), argnums=range(5))(cq, pq, k, v, pos_key)
+    for name, g, w in zip(('content query', 'position query', 'key', 'value', 'distance rows'), got, want):
+        np.testing.assert_allclose(g.astype(jnp.float32), w, atol=tolerance * float(jnp.abs(w).max()), rtol=tolerance,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize('skew', fused.SKEWS)
+@pytest.mark.parametrize('t,mem', [(20, 13), (16, 40)])
+def test_both_lowerings_forms_of_the_shift_match_the_naive_attention(skew, t, mem):
+    """A memory shorter and longer than the segment; lengths no tile divides; a head dim of 41."""
+    check(2, t, mem, 2, 41, skew=skew)
+
+
+@pytest.mark.parametrize('t,mem,heads,dims', [(16, 16, 3, 64), (8, 24, 1, 128), (40, 0, 2, 8)])
+def test_memory_equal_to_the_segment_wide_heads_and_no_memory(t, mem, heads, dims):
+    check(2, t, mem, heads, dims)
+
+
+def test_same_length_and_clamped_distances():
+    check(2, 16, 40, 2, 8, window=24, clamp_len=10)
+
+
+def test_dropout_draws_one_mask_for_the_forward_and_the_backward_pass():
+    """The gradients equal those of the naive attention with the same mask: the backward pass
+    redraws exactly the forward's."""
+    check(2, 12, 20, 2, 8, window=14, rate=0.3)
+
+
+def test_dropout_keeps_one_minus_rate_independently_per_batch_row_and_head():
+    rate = 0.25
+    i, j = np.arange(64)[:, None], np.arange(512)[None, :]
+    masks = np.stack([np.asarray(fused.dropout_keep(3, b, h, i, j, rate)) for b in range(2) for h in range(2)])
+    n = masks[0].size
+    for mask in masks:  # Binomial count: 6 standard deviations.
+        assert abs(mask.sum() - n * (1 - rate)) < 6 * np.sqrt(n * rate * (1 - rate))
+    # Rows of different (batch, head) and different seeds agree only by chance: P = r^2 + (1-r)^2.
+    chance = rate ** 2 + (1 - rate) ** 2
+    other_seed = np.asarray(fused.dropout_keep(4, 0, 0, i, j, rate))
+    for a, b in [(masks[0], masks[1]), (masks[0], masks[2]), (masks[0], other_seed)]:
+        assert abs((a == b).mean() - chance) < 6 * np.sqrt(chance * (1 - chance) / n)
+
+
+def test_bfloat16_within_bfloat16_tolerance():
+    check(2, 16, 16, 2, 64, dtype=jnp.bfloat16, tolerance=3e-2)
+
+
+def test_the_triton_form_lowers_for_cuda_forward_and_backward():
+    """Triton's rules (power-of-two blocks, no gather of values) are checked where the kernel is
+    lowered, which needs no GPU: the training step's attention at tgt = mem = 384, bf16."""
+    cq = jax.ShapeDtypeStruct((3, 384, 2, 41), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((3, 768, 2, 41), jnp.bfloat16)
+    pos_key = jax.ShapeDtypeStruct((768, 2, 41), jnp.bfloat16)
+    valid = jax.ShapeDtypeStruct((3, 768), jnp.bool_)
+    run = functools.partial(fused.span_attention, scale=0.125, window=500, dropout_rate=0.1,
+                            dropout_seed=jnp.int32(1), skew='scratch')
+    loss = lambda *xs: run(*xs)[0].astype(jnp.float32).sum()
+    step = jax.grad(loss, argnums=range(5))
+    exported = jax.export.export(jax.jit(step), platforms=['cuda'], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call('__gpu$xla.gpu.triton')])(cq, cq, k, k, pos_key, valid)
+    text = exported.mlir_module()
+    # One forward and two backward kernels, each a Triton call.
+    assert text.count('__gpu$xla.gpu.triton') == 3
+
+
+# --- The model with the fused path forced on ---------------------------------------------------
+
+TINY = dict(vocab_size=40, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, dropout=0.0, dropatt=0.0,
+            segment_len=8)
+KINDS = [dict(memory='none'), dict(memory='xl', mem_len=12), dict(memory='xl', mem_len=12, same_length=True, clamp_len=7),
+         dict(memory='xl_cached', mem_len=12), dict(memory='lamemo', mem_len=12),
+         dict(memory='infinity', mem_len=12, ltm_basis=8), dict(memory='trams', mem_len=12, trams_select=10, trams_remain=6)]
+
+
+def segments_loss(cfg, params, tokens, deterministic=True, key=None):
+    """Mean loss over three segments, carrying the memory."""
+    model = build_model(cfg)
+    memory, losses = init_memory(cfg, tokens.shape[0]), []
+    for n, start in enumerate(range(0, tokens.shape[1] - 1, 8)):
+        rngs = None if key is None else {'dropout': jax.random.fold_in(key, n)}
+        out, memory = model.apply({'params': params}, tokens[:, start:start + 8], memory,
+                                  targets=tokens[:, start + 1:start + 9], deterministic=deterministic, rngs=rngs)
+        losses.append(lm_loss(out.target_logprobs))
+    return jnp.mean(jnp.stack(losses))
+
+
+@pytest.mark.parametrize('kind', KINDS, ids=lambda k: '-'.join(f'{v}' for v in k.values()))
+def test_every_kind_computes_the_same_loss_and_gradients_with_the_fused_path(kind):
+    reference = ModelConfig(**TINY, **kind, attention_impl='reference')
+    forced = ModelConfig(**TINY, **kind, attention_impl='fused')
+    params = init_params(reference, jax.random.key(0))
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    params = tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    tokens = jax.random.randint(jax.random.key(2), (2, 25), 0, 40)
+    want, want_grads = jax.value_and_grad(segments_loss, argnums=1)(reference, params, tokens)
+    got, grads = jax.value_and_grad(segments_loss, argnums=1)(forced, params, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, atol=1e-5 * max(1.0, float(jnp.abs(w).max())), rtol=1e-5)
+
+
+def fused_calls(cfg, tokens):
+    jaxpr = jax.make_jaxpr(lambda p: segments_loss(cfg, p, tokens))(init_params(cfg, jax.random.key(0)))
+    return str(jaxpr).count('pallas_call')
+
+
+def test_the_fused_path_runs_where_it_applies_and_the_config_can_refuse_it():
+    tokens = jnp.zeros((2, 17), jnp.int32)
+    xl = dict(TINY, memory='xl', mem_len=12)
+    assert fused_calls(ModelConfig(**xl, attention_impl='fused'), tokens) > 0
+    assert fused_calls(ModelConfig(**xl, attention_impl='reference'), tokens) == 0
+    assert fused_calls(ModelConfig(**xl, attention_impl='auto'), tokens) == 0  # A CPU: the reference.
+    with pytest.raises(ValueError, match='attention_impl'):
+        ModelConfig(**xl, attention_impl='flash')
+
+
+def test_attention_dropout_in_training_varies_with_the_key_centres_on_the_clean_loss_and_has_gradients():
+    """In training the fused path drops weights with its own mask: the loss averaged over dropout
+    seeds approaches the loss without dropout, as the reference's does."""
+    cfg = ModelConfig(**dict(TINY, dropatt=0.3), memory='xl', mem_len=12, attention_impl='fused')
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 40)
+    loss = jax.jit(lambda key: segments_loss(cfg, params, tokens, deterministic=False, key=key))
+    draws = np.array([loss(jax.random.key(n)) for n in range(12)])
+    assert np.std(draws) > 0  # The masks differ between keys.
+    clean = segments_loss(cfg, params, tokens)
+    assert abs(draws.mean() - clean) < 4 * draws.std() / np.sqrt(len(draws)) + 1e-3
+    grads = jax.grad(lambda p: segments_loss(cfg, p, tokens, deterministic=False, key=jax.random.key(0)))(params)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
