@@ -92,9 +92,10 @@ run_suite() {
       git rev-parse HEAD 2>/dev/null || echo 'no git metadata'
     } >"$MEMJAX_OUT/machine.txt" 2>&1
   fi
-  # By weight, each leaving time to the ones after it: the training steps against the chip, the
-  # PyTorch peer (in a process of its own: a fresh JAX allocator beside PyTorch's), the rest.
-  bench accel '' 300 --parts=peak,train 2> >(tee "$logs/accel.log" >&2)
+  # By weight, each leaving time to the ones after it: the fused attention and the training
+  # steps against the chip, the PyTorch peer (in a process of its own: a fresh JAX allocator
+  # beside PyTorch's), the rest.
+  bench accel '' 300 --parts=peak,fused,train 2> >(tee "$logs/accel.log" >&2)
   bench accel_peer '' 120 --parts=peer 2> >(tee "$logs/accel_peer.log" >&2)
   bench accel_more '' 0 --parts=eval,methods,attention,choices 2> >(tee "$logs/accel_more.log" >&2)
   IFS=';' read -r -a probes <<<"=;$MEMJAX_PROBES"

@@ -102,6 +102,25 @@ def test_attention_variants_compute_the_same_attention_before_their_timing(repor
         assert r['ratio'] == pytest.approx(r['step_ms'] / attention['memjax relative']['step_ms'])
 
 
+def test_fused_rows_compute_xlas_attention_and_compare_each_path_in_the_steps(report):
+    fused = rows(report, 'fused')
+    alone = [r for r in fused if r['case'].startswith(('xla ', 'fused '))]
+    lengths = accel.SETUPS['tiny']['fused_lengths']
+    assert len(alone) == 4 * len(lengths)
+    by_case = {r['case']: r for r in alone}
+    for length in lengths:
+        for mode in ('forward', 'forward+backward'):
+            xla, kernel = by_case[f'xla {mode} tgt = mem = {length}'], by_case[f'fused {mode} tgt = mem = {length}']
+            assert kernel['max_abs_diff_vs_xla'] < 0.05  # bf16 rounding of outputs of size ~1.
+            assert kernel['ratio'] == pytest.approx(kernel['step_ms'] / xla['step_ms'])
+            assert kernel['memory_ratio'] == pytest.approx(kernel['step_memory_gib'] / xla['step_memory_gib'])
+    steps = [r for r in fused if r not in alone]
+    impls = [workload.model_config(None, **r['model']).attention_impl for r in steps]
+    assert impls == ['reference', 'fused'] * (len(steps) // 2) and len(steps) == 4  # A train step, the evaluation.
+    for reference, kernel in zip(steps[::2], steps[1::2]):
+        assert kernel['ratio'] == pytest.approx(kernel['step_ms'] / reference['step_ms'])
+
+
 def test_choices_are_per_token_ratios_against_the_train_row(report):
     base = next(r for r in rows(report, 'train') if r['dtype'] == 'bfloat16')
     choices = rows(report, 'choices')

@@ -17,6 +17,11 @@ One command for a time-limited allocation of an accelerator (`launch/accel_bench
   against cuDNN's fused attention (`jax.nn.dot_product_attention`) given Transformer-XL's
   positional term as a materialised bias, and without the term (plain causal attention: what a
   fused kernel of the term must approach).
+- fused: the fused relative attention (memjax/kernels/relative_attention.py) against XLA's path
+  (the reference: scores, softmax and weighted values as XLA ops), one layer's attention at
+  wt103-large's heads in bf16 with tgt = mem = 384, 768 and 1600, forward and forward plus
+  backward: time and XLA's memory for the call; then the training steps (wt103-large,
+  enwik8-large, bf16) and the evaluation with each path (`attention_impl`).
 - choices: at wt103-large bf16 (`largest`), the step unrolled (`scan_layers=False`), without donation, and
   with `remat='dots_saveable'`, each against the train part's row.
 - probe: the wt103-large bf16 row alone, for A/B runs of XLA flags in separate processes.
@@ -45,12 +50,13 @@ from memjax.bench import workload
 from memjax.bench.suites import eval_speed
 from memjax.bench.suites import peak
 from memjax.bench.suites import peer
+from memjax.kernels import relative_attention
 from memjax.kernels import softmax as softmax_lib
 from memjax.model import memories
 from memjax.model.attention import span_scores_masked
 from memjax.model.positions import position_scores, rel_shift
 
-PARTS = ('peak', 'peer', 'train', 'eval', 'methods', 'attention', 'choices', 'probe')
+PARTS = ('peak', 'peer', 'train', 'eval', 'methods', 'attention', 'fused', 'choices', 'probe')
 DEFAULT_PARTS = PARTS[:-1]
 # PyTorch allocates on the same chip in the peer part: JAX takes memory as it needs it instead of
 # 75 % of it up front. Read once, when JAX starts its backend (after this module is imported).
@@ -91,15 +97,15 @@ SETUPS = {
         methods=Step('wt103-base', WT103_BASE, 32, 150),
         peer=peer.Shape(n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048, tgt_len=512, mem_len=512,
                         batch_size=22),
-        peer_vocab=peer.Vocab('enwik8 bytes', 204, (), 1), aligned_d_head=48),
+        peer_vocab=peer.Vocab('enwik8 bytes', 204, (), 1), aligned_d_head=48, fused_lengths=(384, 768, 1600)),
     'tiny': dict(
         train=(Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8),), largest=Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8),
         eval=Step('1x32', TINY_MODEL, 2, 4), eval_model=dict(mem_len=12, clamp_len=6, same_length=True),
         methods=Step('1x32', TINY_MODEL, 2, 8),
-        peer=peer.SHAPES['tiny'], peer_vocab=peer.VOCABS['tiny'][0], aligned_d_head=24),
+        peer=peer.SHAPES['tiny'], peer_vocab=peer.VOCABS['tiny'][0], aligned_d_head=24, fused_lengths=(8, 20)),
 }
 COLUMNS = ('part', 'case', 'dtype', 'batch', 'tgt_len', 'mem_len', 'compile_s', 'step_ms', 'tokens_per_s',
-           'tflops_per_s', 'mfu_datasheet_percent', 'mfu_percent', 'step_memory_gib', 'vs', 'ratio', 'flops_ratio')
+           'tflops_per_s', 'mfu_datasheet_percent', 'mfu_percent', 'step_memory_gib', 'vs', 'ratio', 'memory_ratio', 'flops_ratio')
 GIB = 2.0 ** 30
 # Largest |difference| between memjax's attention outputs and a fused variant's that computes the
 # same attention: bf16 rounding of values ~1 (seen: < 0.02 on CPU); a wrong bias gives ~1.
@@ -207,21 +213,31 @@ class Suite:
             for dtype in ('bfloat16', 'float32'):
                 self.train_row('train', step, dtype)
 
-    def evaluation(self) -> None:
+    def evaluation(self, impls=('auto',), part: str = 'eval') -> None:
         step = self.setup['eval']
-        for dtype in ('bfloat16', 'float32'):
-            trained = workload.model_config(self.ctx.config, mem_len=step.tgt_len, compute_dtype=dtype,
-                                            dropout=0.0, dropatt=0.0, scan_layers=True, **step.model)
-            mcfg = memories.evaluation_config(trained, self.setup['eval_model'], segment_len=step.tgt_len)
-            self.ctx.log(f'accel: eval {step.name} {dtype} ({mcfg.memory}, mem {mcfg.mem_len}, batch {step.batch})')
-            params = model_lib.init_params(trained, jax.random.PRNGKey(0))
-            tokens = jax.random.randint(jax.random.PRNGKey(1), (step.batch, step.tgt_len + 1), 0, trained.vocab_size)
-            compiled, loop = eval_speed.compile_eval(mcfg, params, eval_speed.eval_batch(tokens[:, :-1], tokens[:, 1:]))
-            timing = harness.time_fn(loop, warmup=self.ctx.warmup, repeats=self.ctx.repeats)
-            model_flops = sum(flops.forward_flops(mcfg, step.batch, step.tgt_len).values())
-            self.add(self.throughput('eval', f'{step.name} {mcfg.memory} clamp {mcfg.clamp_len} same_length',
-                                     mcfg, step.batch, step.tgt_len, timing.median_s, model_flops, compiled,
-                                     timing=timing.as_dict()))
+        for dtype in ('bfloat16', 'float32') if part == 'eval' else ('bfloat16',):
+            base = None
+            for impl in impls:
+                trained = workload.model_config(self.ctx.config, mem_len=step.tgt_len, compute_dtype=dtype,
+                                                dropout=0.0, dropatt=0.0, scan_layers=True, attention_impl=impl,
+                                                **step.model)
+                mcfg = memories.evaluation_config(trained, self.setup['eval_model'], segment_len=step.tgt_len)
+                self.ctx.log(f'accel: {part} {step.name} {dtype} ({mcfg.memory}, mem {mcfg.mem_len}, batch '
+                             f'{step.batch}, attention {impl})')
+                params = model_lib.init_params(trained, jax.random.PRNGKey(0))
+                tokens = jax.random.randint(jax.random.PRNGKey(1), (step.batch, step.tgt_len + 1), 0, trained.vocab_size)
+                compiled, loop = eval_speed.compile_eval(mcfg, params,
+                                                         eval_speed.eval_batch(tokens[:, :-1], tokens[:, 1:]))
+                timing = harness.time_fn(loop, warmup=self.ctx.warmup, repeats=self.ctx.repeats)
+                model_flops = sum(flops.forward_flops(mcfg, step.batch, step.tgt_len).values())
+                impl_name = '' if impl == 'auto' else f' attention_impl={impl}'
+                row = self.throughput(part, f'{step.name} {mcfg.memory} clamp {mcfg.clamp_len} same_length{impl_name}',
+                                      mcfg, step.batch, step.tgt_len, timing.median_s, model_flops, compiled,
+                                      timing=timing.as_dict())
+                if base is not None:
+                    row.update(vs=base['case'], ratio=row['step_ms'] / base['step_ms'])
+                base = base or row
+                self.add(row)
 
     def methods(self) -> None:
         """LaMemo and the infinity-former against XL, timed round-robin at one shape and batch."""
@@ -315,6 +331,70 @@ class Suite:
             row.update(vs=base['case'], ratio=row['step_ms'] / base['step_ms'])
             self.add(row)
 
+    def fused(self) -> None:
+        """The fused attention against XLA's path alone, then in the training and evaluation steps."""
+        self.fused_attention()
+        for step in self.setup['train'][1:] or self.setup['train']:
+            xla = self.train_row('fused', step, 'bfloat16', attention_impl='reference')
+            self.train_row('fused', step, 'bfloat16', vs=xla, attention_impl='fused')
+        self.evaluation(impls=('reference', 'fused'), part='fused')
+
+    def fused_attention(self) -> None:
+        """One layer's attention at tgt = mem = L (K = 2L keys, the same tokens per call at every
+        L): the fused kernel against XLA's path, forward and forward plus backward (queries, keys,
+        values and distance rows take gradients)."""
+        step = self.setup['largest']
+        heads, dim = step.model['n_head'], step.model['d_head']
+        scale = dim ** -0.5
+        options = relative_attention.path('fused')
+        block_q, block_k = relative_attention.tiles_for(dim)
+        for length in self.setup['fused_lengths']:
+            batch, klen = max(1, step.batch * step.tgt_len // length), 2 * length
+            keys = jax.random.split(jax.random.PRNGKey(length), 5)
+            normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+            operands = (normal(keys[0], (batch, length, heads, dim)), normal(keys[1], (batch, klen, heads, dim)),
+                        normal(keys[2], (batch, klen, heads, dim)), normal(keys[3], (klen, heads, dim)))
+            cotangent = normal(keys[4], (batch, length, heads, dim))
+            valid = jnp.ones((batch, klen), bool)
+
+            def xla(q, k, v, r):
+                probs, _ = softmax_lib.softmax_with_log_norm(span_scores_masked(scale, q, k, q, r, valid), jnp.bfloat16)
+                return jnp.einsum('bhtk,bkhd->bthd', probs, v)
+
+            def fused(q, k, v, r):
+                return relative_attention.span_attention(q, q, k, v, r, valid, scale=scale, block_q=block_q,
+                                                         block_k=block_k, **options)[0]
+
+            reference = jax.jit(xla)(*operands).astype(jnp.float32)
+            difference = float(jnp.abs(jax.jit(fused)(*operands).astype(jnp.float32) - reference).max())
+            forward = 2.0 * batch * heads * length * klen * dim  # One of the three products.
+            base = {}
+            for name, fn in (('xla', xla), ('fused', fused)):
+                for mode, call, products in (('forward', fn, 3), ('forward+backward', None, 9)):
+                    call = call or (lambda *x, fn=fn: jax.vjp(fn, *x)[1](cotangent))
+                    case = f'{name} {mode} tgt = mem = {length}'
+                    self.ctx.log(f'accel: fused {case}, batch {batch}')
+                    try:
+                        compiled = harness.compile_fn(call, *operands)
+                        timing = harness.time_fn(compiled.executable, *operands, warmup=self.ctx.warmup,
+                                                 repeats=self.ctx.repeats)
+                    except Exception as error:  # pylint: disable=broad-except
+                        if not _out_of_memory(error):
+                            raise
+                        self.add({'part': 'fused', 'case': case, 'dtype': 'bfloat16', 'batch': batch,
+                                  'error': f'out of device memory: {str(error)[:200]}'})
+                        continue
+                    mcfg = workload.model_config(self.ctx.config, mem_len=length, compute_dtype='bfloat16',
+                                                 **step.model)
+                    row = self.throughput('fused', case, mcfg, batch, length, timing.median_s, products * forward,
+                                          compiled, max_abs_diff_vs_xla=difference, timing=timing.as_dict())
+                    if mode in base:
+                        row.update(vs=base[mode]['case'], ratio=row['step_ms'] / base[mode]['step_ms'],
+                                   memory_ratio=row['step_memory_gib'] / base[mode]['step_memory_gib'])
+                    else:
+                        base[mode] = row
+                    self.add(row)
+
     def probe(self) -> None:
         self.train_row('probe', self.setup['largest'], 'bfloat16')
 
@@ -382,7 +462,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     # Compile seconds are figures here: a compilation served from a persistent cache is not one.
     jax.config.update('jax_enable_compilation_cache', False)
     try:
-        if 'peak' in parts or set(parts) & {'train', 'eval', 'methods', 'attention', 'choices', 'probe'}:
+        if 'peak' in parts or set(parts) & {'train', 'eval', 'methods', 'attention', 'fused', 'choices', 'probe'}:
             suite.measure_peak()  # Every MFU's denominator: measured first, in the same process.
         for part in parts:
             if part != 'peak':
@@ -401,7 +481,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     for row in suite.rows:
         if row['part'] in ('train', 'eval') and 'mfu_datasheet_percent' in row:
             figures[f"{row['part']} {row['case']} {row['dtype']} mfu_datasheet_percent"] = row['mfu_datasheet_percent']
-        if row['part'] in ('methods', 'peer', 'choices') and row.get('ratio') is not None and row['ratio'] != 1.0:
+        if row['part'] in ('methods', 'peer', 'choices', 'fused') and row.get('ratio') is not None and row['ratio'] != 1.0:
             figures[f"{row['case']} ratio"] = row['ratio']
     return harness.SuiteResult(
         rows=suite.rows, columns=COLUMNS, figures=figures,
