@@ -144,15 +144,23 @@ def segments_loss(cfg, params, tokens, deterministic=True, key=None):
     model = build_model(cfg)
     memory, losses = init_memory(cfg, tokens.shape[0]), []
     for n, start in enumerate(range(0, tokens.shape[1] - 1, 8)):
-        rngs = None if key is None else {'dropout': jax.random.fold_in(key, n)}
+        rngs = None if key is None else {name: jax.random.fold_in(jax.random.fold_in(key, n), i)
+                                         for i, name in enumerate(('dropout', 'cross_head', 'skip', 'sticky'))}
         out, memory = model.apply({'params': params}, tokens[:, start:start + 8], memory,
                                   targets=tokens[:, start + 1:start + 9], deterministic=deterministic, rngs=rngs)
         losses.append(lm_loss(out.target_logprobs))
     return jnp.mean(jnp.stack(losses))
 
 
-@pytest.mark.parametrize('kind', KINDS, ids=lambda k: '-'.join(f'{v}' for v in k.values()))
-def test_every_kind_computes_the_same_loss_and_gradients_with_the_fused_path(kind):
+TRAINING = [dict(memory='xl', mem_len=12, sch_beta=1.0), dict(memory='xl', mem_len=12, skip_rule='uniform', skip_p=0.5),
+            dict(memory='infinity', mem_len=12, ltm_basis=8, ltm_sticky=True)]
+
+
+@pytest.mark.parametrize('kind,training', [(k, False) for k in KINDS] + [(k, True) for k in TRAINING],
+                         ids=lambda k: '-'.join(f'{v}' for v in k.values()) if isinstance(k, dict) else f'training={k}')
+def test_every_kind_computes_the_same_loss_and_gradients_with_the_fused_path(kind, training):
+    """In evaluation, and in training with the skeleton's random choices drawn from the same keys
+    (cross-head permutations, skipped layers whose memory lags, sticky samples; dropout off)."""
     reference = ModelConfig(**TINY, **kind, attention_impl='reference')
     forced = ModelConfig(**TINY, **kind, attention_impl='fused')
     params = init_params(reference, jax.random.key(0))
@@ -160,8 +168,9 @@ def test_every_kind_computes_the_same_loss_and_gradients_with_the_fused_path(kin
     keys = jax.random.split(jax.random.key(1), len(leaves))
     params = tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
     tokens = jax.random.randint(jax.random.key(2), (2, 25), 0, 40)
-    want, want_grads = jax.value_and_grad(segments_loss, argnums=1)(reference, params, tokens)
-    got, grads = jax.value_and_grad(segments_loss, argnums=1)(forced, params, tokens)
+    run = functools.partial(segments_loss, deterministic=not training, key=jax.random.key(3) if training else None)
+    want, want_grads = jax.value_and_grad(run, argnums=1)(reference, params, tokens)
+    got, grads = jax.value_and_grad(run, argnums=1)(forced, params, tokens)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(g, w, atol=1e-5 * max(1.0, float(jnp.abs(w).max())), rtol=1e-5)

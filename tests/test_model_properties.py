@@ -43,7 +43,8 @@ def random_tokens(seed, shape):
 
 
 @pytest.mark.parametrize('overrides', [dict(mem_len=8), dict(mem_len=8, pre_lnorm=True, untie_r=True),
-                                       dict(mem_len=4, same_length=True, clamp_len=3)])
+                                       dict(mem_len=4, same_length=True, clamp_len=3),
+                                       dict(mem_len=4, same_length=True, clamp_len=3, attention_impl='fused')])
 def test_causality_within_and_across_segments(overrides):
     cfg, model, params = setup(**overrides)
     tokens = random_tokens(0, (2, 12))
@@ -54,7 +55,8 @@ def test_causality_within_and_across_segments(overrides):
     assert not np.allclose(h_orig[:, 6:], h_changed[:, 6:])  # the change is visible downstream
 
 
-@pytest.mark.parametrize('overrides', [dict(), dict(pre_lnorm=True), dict(cutoffs=(20, 35), div_val=2)])
+@pytest.mark.parametrize('overrides', [dict(), dict(pre_lnorm=True), dict(cutoffs=(20, 35), div_val=2),
+                                       dict(attention_impl='fused')])
 def test_memory_carry_equals_one_long_pass(overrides):
     """A memory that holds everything seen makes segment-wise scoring equal to one long pass."""
     length, seg_len = 12, 4
@@ -65,9 +67,10 @@ def test_memory_carry_equals_one_long_pass(overrides):
     np.testing.assert_allclose(segmented, whole, atol=2e-5)
 
 
-def test_same_length_segments_equal_one_pass_with_the_same_window():
+@pytest.mark.parametrize('attention_impl', ['reference', 'fused'])
+def test_same_length_segments_equal_one_pass_with_the_same_window(attention_impl):
     """With same_length every query sees the last mem_len keys, whether they sit in memory or not."""
-    cfg, model, params = setup(mem_len=5, same_length=True, clamp_len=4)
+    cfg, model, params = setup(mem_len=5, same_length=True, clamp_len=4, attention_impl=attention_impl)
     tokens, targets = random_tokens(4, (2, 12)), random_tokens(5, (2, 12))
     _, segmented = run_segments(cfg, model, params, tokens, 3, targets)
     _, whole = run_segments(cfg, model, params, tokens, 12, targets)

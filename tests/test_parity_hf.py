@@ -89,10 +89,11 @@ def run_memjax(config, params, tokens):
     return results
 
 
+@pytest.mark.parametrize('attention_impl', ['reference', 'fused'])  # fused: the Pallas kernel, interpreted.
 @pytest.mark.parametrize('case', sorted(CASES))
-def test_target_logprobs_match_hf_over_three_segments(case):
+def test_target_logprobs_match_hf_over_three_segments(case, attention_impl):
     hf_model = make_hf_model(case)
-    config = convert.model_config_from_hf(hf_model.config)
+    config = convert.model_config_from_hf(hf_model.config).replace(attention_impl=attention_impl)
     params = convert.params_from_hf_state_dict(hf_model.state_dict(), config)
     vocab = CASES[case]['vocab_size']
     tokens = np.random.RandomState(1).randint(0, vocab, (BATCH, SEGMENTS * TGT_LEN + 1))
