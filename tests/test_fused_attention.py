@@ -94,6 +94,14 @@ def test_dropout_draws_one_mask_for_the_forward_and_the_backward_pass():
     check(2, 12, 20, 2, 8, window=14, rate=0.3)
 
 
+@pytest.mark.parametrize('groups', [1, 2])
+def test_batch_rows_summed_in_one_program_give_the_same_gradients(monkeypatch, groups):
+    """The query-gradient kernel sums the distance rows' gradient over a group of batch rows
+    (one row per group at test sizes unless told otherwise); dropout's mask stays per row."""
+    monkeypatch.setattr(fused, 'batch_groups', lambda batch, programs: groups)
+    check(4, 12, 20, 2, 8, rate=0.2)
+
+
 def test_dropout_keeps_one_minus_rate_independently_per_batch_row_and_head():
     rate = 0.25
     i, j = np.arange(64)[:, None], np.arange(512)[None, :]

@@ -208,10 +208,11 @@ def _forward_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table_re
 
 def _query_grad_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table_ref, valid_ref, do_ref, lse_ref,
                        delta_ref, glse_ref, dcq_ref, dpq_ref, dtable_ref, *scratch):
-    """Per (head, query tile), every batch row: the queries' gradients, and this query tile's
-    share of the distance rows' gradient summed over the batch (`dtable_ref`, all rows)."""
+    """Per (head, query tile, group of batch rows), each row of the group in turn: the queries'
+    gradients, and this query tile's share of the distance rows' gradient summed over the group
+    (`dtable_ref`, all rows; the groups' shares are summed afterwards)."""
     scratch_ref = scratch[0] if scratch else None
-    h, qi = pl.program_id(0), pl.program_id(1)
+    h, qi, group = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk, w = spec.block_q, spec.block_k, spec.width
     i0 = qi * bq
     seed = seed_ref[0]
@@ -225,6 +226,7 @@ def _query_grad_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table
     jax.lax.fori_loop(0, dtable_ref.shape[0] // w, clear, 0)
 
     def batch_row(b, _):
+        batch_index = group * cq_ref.shape[0] + b  # Dropout's mask is drawn per batch row.
         content_query, position_query = cq_ref[b], pq_ref[b]
         grad_out, lse = do_ref[b], lse_ref[b]
         bias = glse_ref[b] - delta_ref[b]  # d(lse) - <dO, O> per query.
@@ -237,7 +239,8 @@ def _query_grad_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table
                 spec, i0, j0, content_query, position_query, key, table_ref, valid_ref[b, pl.ds(j0, bk)],
                 scratch_ref)
             probs = jnp.where(visible, jnp.exp(scores - lse[:, None]), 0.0)
-            grad_probs = _dropped(spec, _dot(grad_out, value, trans_b=True), seed, b, h, query, key_index)
+            grad_probs = _dropped(spec, _dot(grad_out, value, trans_b=True), seed, batch_index, h, query,
+                                  key_index)
             grad_scores = probs * (grad_probs + bias[:, None]) * spec.scale
             dcq = dcq + _dot(grad_scores.astype(key.dtype), key)
             grad_window = _unskew(spec, grad_scores, scratch_ref)
@@ -353,18 +356,23 @@ def _attention_backward(spec, residuals, grads):
     grad_lse = grad_lse.astype(jnp.float32)
     args = (seed, cq, pq, k, v, table, valid, grad_out, lse, delta, grad_lse)
 
-    # Per (head, query tile), all batch rows in the block: the table's gradient sums over the batch.
-    by_query = pl.BlockSpec((batch, None, spec.block_q, dims), lambda h, q: (0, h, q, 0))
-    by_query_row = pl.BlockSpec((batch, None, spec.block_q), lambda h, q: (0, h, q))
-    keys_of_head = pl.BlockSpec((batch, None, k_pad, dims), lambda h, q: (0, h, 0, 0))
+    # Per (head, query tile, group of batch rows): the table's gradient sums over a group's rows
+    # inside the kernel, so the programs write disjoint partial sums.
+    groups = batch_groups(batch, heads * n_q)
+    rows_per_group = batch // groups
+    by_query = pl.BlockSpec((rows_per_group, None, spec.block_q, dims), lambda h, q, g: (g, h, q, 0))
+    by_query_row = pl.BlockSpec((rows_per_group, None, spec.block_q), lambda h, q, g: (g, h, q))
+    keys_of_head = pl.BlockSpec((rows_per_group, None, k_pad, dims), lambda h, q, g: (g, h, 0, 0))
     in_specs = [_whole((1,)), by_query, by_query, keys_of_head, keys_of_head,
-                pl.BlockSpec((None, rows, dims), lambda h, q: (h, 0, 0)), _whole((batch, k_pad)),
+                pl.BlockSpec((None, rows, dims), lambda h, q, g: (h, 0, 0)),
+                pl.BlockSpec((rows_per_group, k_pad), lambda h, q, g: (g, 0)),
                 by_query, by_query_row, by_query_row, by_query_row]
     out_shapes = [jax.ShapeDtypeStruct(cq.shape, cq.dtype), jax.ShapeDtypeStruct(pq.shape, pq.dtype),
-                  jax.ShapeDtypeStruct((n_q, heads, rows, dims), jnp.float32)]
-    out_specs = [by_query, by_query, pl.BlockSpec((None, None, rows, dims), lambda h, q: (q, h, 0, 0))]
-    dcq, dpq, dtable = _call(spec, _query_grad_kernel, (heads, n_q), in_specs, out_shapes, out_specs,
-                             (heads, n_q), *args)
+                  jax.ShapeDtypeStruct((groups * n_q, heads, rows, dims), jnp.float32)]
+    out_specs = [by_query, by_query,
+                 pl.BlockSpec((None, None, rows, dims), lambda h, q, g: (g * n_q + q, h, 0, 0))]
+    grid = (heads, n_q, groups)
+    dcq, dpq, dtable = _call(spec, _query_grad_kernel, grid, in_specs, out_shapes, out_specs, grid, *args)
 
     per_key = pl.BlockSpec((None, None, spec.block_k, dims), lambda b, h, j: (b, h, j, 0))
     queries_of_head = pl.BlockSpec((None, None, t_pad, dims), lambda b, h, j: (b, h, 0, 0))
@@ -380,6 +388,14 @@ def _attention_backward(spec, residuals, grads):
 
 
 _attention.defvjp(_attention_forward, _attention_backward)
+
+
+def batch_groups(batch: int, programs: int, target: int = 512) -> int:
+    """Groups the query-gradient kernel splits the batch into: the largest divisor of `batch` that
+    keeps (`programs` per group) x groups within `target` programs, enough to fill a GPU's
+    multiprocessors several times; each group adds one partial sum of the table's gradient."""
+    limit = max(1, target // max(programs, 1))
+    return max(d for d in range(1, batch + 1) if batch % d == 0 and d <= limit)
 
 
 def _round_up(n: int, multiple: int) -> int:
