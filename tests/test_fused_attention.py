@@ -140,7 +140,7 @@ def test_the_triton_form_lowers_for_cuda_forward_and_backward():
 
 # --- The model with the fused path forced on ---------------------------------------------------
 
-TINY = dict(vocab_size=40, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, dropout=0.0, dropatt=0.0,
+TINY = dict(vocab_size=40, d_model=16, n_layer=1, n_head=2, d_head=8, d_inner=32, dropout=0.0, dropatt=0.0,
             segment_len=8)
 KINDS = [dict(memory='none'), dict(memory='xl', mem_len=12), dict(memory='xl', mem_len=12, same_length=True, clamp_len=7),
          dict(memory='xl_cached', mem_len=12), dict(memory='lamemo', mem_len=12),
@@ -148,7 +148,7 @@ KINDS = [dict(memory='none'), dict(memory='xl', mem_len=12), dict(memory='xl', m
 
 
 def segments_loss(cfg, params, tokens, deterministic=True, key=None):
-    """Mean loss over three segments, carrying the memory."""
+    """Mean loss over the segments of 8 tokens, carrying the memory."""
     model = build_model(cfg)
     memory, losses = init_memory(cfg, tokens.shape[0]), []
     for n, start in enumerate(range(0, tokens.shape[1] - 1, 8)):
@@ -175,7 +175,7 @@ def test_every_kind_computes_the_same_loss_and_gradients_with_the_fused_path(kin
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
     params = tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-    tokens = jax.random.randint(jax.random.key(2), (2, 25), 0, 40)
+    tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 40)  # Two segments: the memory carried once.
     run = functools.partial(segments_loss, deterministic=not training, key=jax.random.key(3) if training else None)
     want, want_grads = jax.value_and_grad(run, argnums=1)(reference, params, tokens)
     got, grads = jax.value_and_grad(run, argnums=1)(forced, params, tokens)

@@ -102,7 +102,7 @@ SETUPS = {
         train=(Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8),), largest=Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8),
         eval=Step('1x32', TINY_MODEL, 2, 4), eval_model=dict(mem_len=12, clamp_len=6, same_length=True),
         methods=Step('1x32', TINY_MODEL, 2, 8),
-        peer=peer.SHAPES['tiny'], peer_vocab=peer.VOCABS['tiny'][0], aligned_d_head=24, fused_lengths=(8, 20)),
+        peer=peer.SHAPES['tiny'], peer_vocab=peer.VOCABS['tiny'][0], aligned_d_head=24, fused_lengths=(12,)),
 }
 COLUMNS = ('part', 'case', 'dtype', 'batch', 'tgt_len', 'mem_len', 'compile_s', 'step_ms', 'tokens_per_s',
            'tflops_per_s', 'mfu_datasheet_percent', 'mfu_percent', 'step_memory_gib', 'vs', 'ratio', 'memory_ratio', 'flops_ratio')
