@@ -136,7 +136,8 @@ def cross_mesh_resume(workdir: str, experiments: dict, batches: list) -> dict:
 # The test-only kind in its skipping phase, LaMemo, and XL with Skip-Retain (layers skipped at
 # random, memories aging) and a head permutation in every layer and step (heads split over tensor).
 MEMORY_KINDS = {'every_other': dict(memory='every_other'), 'lamemo': dict(memory='lamemo'),
-                'skip_cross_head': dict(skip_rule='uniform', skip_p=0.5, sch_beta=1.0)}
+                'skip_cross_head': dict(skip_rule='uniform', skip_p=0.5, sch_beta=1.0),
+                'fused_attention': dict(attention_impl='fused')}
 
 
 def memory_kind(corpus: str, workdir: str, batches: list, memory: str) -> dict:

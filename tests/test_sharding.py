@@ -61,12 +61,13 @@ def test_mesh_gives_one_device_losses_and_gradient_norms(driver, mesh):
     assert len(set(np.round(one['loss'], 4))) == 4
 
 
-@pytest.mark.parametrize('memory', ['every_other', 'lamemo', 'skip_cross_head'])
+@pytest.mark.parametrize('memory', ['every_other', 'lamemo', 'skip_cross_head', 'fused_attention'])
 def test_other_memory_kinds_shard_without_changing_losses(driver, memory):
     """tests/toy_memory.py, a kind memjax does not know (explicit distances, a leaf without a batch
-    axis, layer skips under lax.cond), LaMemo (stack rows, float32 log-denominators) and XL with
+    axis, layer skips under lax.cond), LaMemo (stack rows, float32 log-denominators), XL with
     Skip-Retain and cross-head attention (aging memories, head permutations across the tensor
-    axis) on data=2 x tensor=4 against one device."""
+    axis), and XL's attention as the fused kernel (run per shard of batch and heads) on data=2 x
+    tensor=4 against one device."""
     runs = driver[memory]
     np.testing.assert_allclose(runs['data2_tensor4']['loss'], runs['one_device']['loss'], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(runs['data2_tensor4']['grad_norm'], runs['one_device']['grad_norm'],

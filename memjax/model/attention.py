@@ -417,6 +417,30 @@ def span_attention(scale: float, content_query, memory_key, segment_key, positio
     return cpu_kernels.attend(probs, value, causal=True), log_norm
 
 
+def _on_mesh(attention: Callable) -> Callable:
+    """`attention(cq, pq, key, value, pos_key, key_valid, dropout_seed=)` run per shard of the mesh
+    in scope, split as the activations are (batch and heads; a Pallas call has no sharding rule of
+    its own, so XLA would otherwise gather its operands on every device). Each shard draws
+    dropout from its own seed: the kernel's mask hashes local batch and head indices."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return lambda *xs: attention(*xs[:-1], dropout_seed=xs[-1])
+    bthk = nn.logical_to_mesh_axes(BTHK)
+    batch, _, heads, _ = bthk
+    shard_axes = tuple(a for axes in (batch, heads) if axes for a in ((axes,) if isinstance(axes, str) else axes))
+
+    def per_shard(*xs):
+        seed = xs[-1]
+        if shard_axes:
+            seed = seed + jax.lax.axis_index(shard_axes).astype(jnp.int32) * jnp.int32(0x3C6EF35F)
+        return attention(*xs[:-1], dropout_seed=seed)
+
+    rows = jax.sharding.PartitionSpec(None, heads, None)
+    in_specs = (bthk, bthk, bthk, bthk, rows, jax.sharding.PartitionSpec(batch, None), jax.sharding.PartitionSpec())
+    out_specs = (bthk, jax.sharding.PartitionSpec(batch, heads, None))
+    return jax.shard_map(per_shard, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
 def _before_segment(blocks: Sequence[jax.Array], segment: jax.Array) -> jax.Array:
     """The blocks before the segment as one [B, N, H, D] (N = 0 without any)."""
     return jnp.concatenate(blocks, axis=1) if blocks else segment[:, :0]
@@ -554,15 +578,15 @@ class RelativeAttention(nn.Module):
         if fused is not None and span_valid is not None and not self.is_mutable_collection('intermediates'):
             # The tiled kernel: the scores never exist whole; dropout's mask is redrawn in the
             # backward pass from the seed (nothing reads the weights here).
-            rate, seed = 0.0, None
+            rate, seed = 0.0, jnp.zeros((), jnp.int32)
             if cfg.dropatt > 0 and not deterministic:
                 rate = cfg.dropatt
                 seed = jax.random.randint(self.make_rng('dropout'), (), 0, jnp.iinfo(jnp.int32).max)
             block_q, block_k = fused_attention.tiles_for(cfg.d_head)
-            attended, log_norm = fused_attention.span_attention(
-                content_query, position_query, key, value, pos_key, span_valid, scale=cfg.d_head ** -0.5,
-                window=ctx.window if cfg.same_length else 0, dropout_rate=rate, dropout_seed=seed,
-                block_q=block_q, block_k=block_k, **fused)
+            attended, log_norm = _on_mesh(functools.partial(
+                fused_attention.span_attention, scale=cfg.d_head ** -0.5, window=ctx.window if cfg.same_length else 0,
+                dropout_rate=rate, block_q=block_q, block_k=block_k, **fused))(
+                    content_query, position_query, key, value, pos_key, span_valid, seed)
         elif key_valid is not None and deterministic and not self.is_mutable_collection('intermediates'):
             # Evaluation, where nothing reads the weights: scores to weighted values in one pass
             # per head, the memory's keys and values not concatenated with the segment's.
