@@ -18,9 +18,9 @@ prepare (on a machine with the package index): downloads into --wheels what the
   check demands, and ml_collections, for --python (the GPU machine's Python).
 run (default; on the GPU machine): installs those wheels under --site (ahead of
   the image's own transformers on PYTHONPATH), records the machine, runs
-  python -m memjax.bench accel in three processes by weight (peak and training
-  steps; the PyTorch peer; evaluation, methods, attention, choices), each
-  leaving time to the next, then --probes (NAME=XLA flags, ';'-separated) each
+  python -m memjax.bench accel in three processes by weight (the peak and the
+  fused attention; the PyTorch peer; training, evaluation, methods, attention,
+  choices on the first process's peak), each leaving time to the next, then --probes (NAME=XLA flags, ';'-separated) each
   in a fresh process while more than --probe-seconds of --seconds are left.
   Everything lands in --out: accel.json, accel_peer.json, accel_more.json (each
   rewritten as its rows are measured, so a run stopped at its limit keeps
@@ -92,12 +92,17 @@ run_suite() {
       git rev-parse HEAD 2>/dev/null || echo 'no git metadata'
     } >"$MEMJAX_OUT/machine.txt" 2>&1
   fi
-  # By weight, each leaving time to the ones after it: the fused attention and the training
-  # steps against the chip, the PyTorch peer (in a process of its own: a fresh JAX allocator
-  # beside PyTorch's), the rest.
-  bench accel '' 300 --parts=peak,fused,train 2> >(tee "$logs/accel.log" >&2)
-  bench accel_peer '' 120 --parts=peer 2> >(tee "$logs/accel_peer.log" >&2)
-  bench accel_more '' 0 --parts=eval,methods,attention,choices 2> >(tee "$logs/accel_more.log" >&2)
+  # By weight, each leaving time to the ones after it: the peak and the fused attention (alone,
+  # then in the training and evaluation steps), the PyTorch peer (in a process of its own: a
+  # fresh JAX allocator beside PyTorch's), the rest, on the first process's peak.
+  bench accel '' 330 --parts=peak,fused 2> >(tee "$logs/accel.log" >&2)
+  local peak_from=()
+  if [[ -s "$MEMJAX_OUT/accel.json" ]]; then
+    peak_from=("--peak_from=$MEMJAX_OUT/accel.json")
+  fi
+  bench accel_peer '' 150 --parts=peer 2> >(tee "$logs/accel_peer.log" >&2)
+  bench accel_more '' 0 --parts=train,eval,methods,attention,choices ${peak_from[@]+"${peak_from[@]}"} \
+    2> >(tee "$logs/accel_more.log" >&2)
   IFS=';' read -r -a probes <<<"=;$MEMJAX_PROBES"
   for probe in "${probes[@]}"; do
     name=${probe%%=*}

@@ -200,3 +200,26 @@ def test_rows_are_handed_on_as_they_are_measured(tmp_path):
     harness.write_json(str(tmp_path / 'partial.json'), partial)
     assert partial['partial'] and partial['rows'][0]['case'] == report['rows'][0]['case']
     assert partial['machine']['backend'] == 'cpu'
+
+
+def test_a_later_process_takes_the_peak_from_an_earlier_report(tmp_path, report):
+    """`--peak_from`: the MFU of a later process's rows is against the earlier report's best
+    product per dtype, not measured again; a report of another device kind or without peak rows
+    is refused in one line."""
+    path = str(tmp_path / 'accel.json')
+    harness.write_json(path, harness.partial_report('accel', harness.Context(size='tiny'), report['rows'], ['test']))
+    later = harness.run_suite('accel', harness.Context(size='tiny', warmup=0, repeats=1, parts=('eval',), peak_from=path),
+                              command=['test'])
+    assert not rows(later, 'peak')
+    best = max(r['tflops_per_s'] for r in rows(report, 'peak') if r['dtype'] == 'bfloat16')
+    for r in rows(later, 'eval'):
+        if r['dtype'] == 'bfloat16':
+            assert r['mfu_percent'] == pytest.approx(100 * r['tflops_per_s'] / best)
+    harness.write_json(path, {'rows': [], 'machine': {'device_kind': jax.devices()[0].device_kind}})
+    with pytest.raises(harness.BenchError, match='has no peak rows'):
+        peak.from_report(path)
+    other = harness.partial_report('accel', harness.Context(size='tiny'), report['rows'], ['test'])
+    other['machine']['device_kind'] = 'NVIDIA H200'
+    harness.write_json(path, other)
+    with pytest.raises(harness.BenchError, match="measured on 'NVIDIA H200'"):
+        peak.from_report(path)

@@ -29,7 +29,9 @@ _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed runs; the median is repo
 flags.adopt_module_key_flags(cli)  # --host_memory, --verbose in --help.
 _LIST = flags.DEFINE_boolean('list', False, 'Print the available suites and exit.')
 _PARTS = flags.DEFINE_list('parts', [], 'Only these parts of a suite that has parts (accel: peak, peer, train, '
-                           'eval, methods, attention, choices, probe); default: the suite\'s own.')
+                           'eval, methods, attention, fused, choices, probe); default: the suite\'s own.')
+_PEAK_FROM = flags.DEFINE_string('peak_from', None, 'accel: the --out report of an earlier run on this '
+                                 'machine whose peak rows are this run\'s roofline (not measured again).')
 
 
 def main(argv):
@@ -48,7 +50,8 @@ def main(argv):
     ctx = harness.Context(
         size=_SIZE.value, config=cli.load_run(_CONFIG),
         warmup=_WARMUP.value if _WARMUP.value is not None else (1 if tiny else 2),
-        repeats=_REPEATS.value if _REPEATS.value is not None else (2 if tiny else 5), parts=tuple(_PARTS.value))
+        repeats=_REPEATS.value if _REPEATS.value is not None else (2 if tiny else 5), parts=tuple(_PARTS.value),
+        peak_from=_PEAK_FROM.value)
     if _OUT.value:
         ctx = dataclasses.replace(ctx, on_rows=lambda rows: harness.write_json(
             _OUT.value, harness.partial_report(argv[1], ctx, rows, command)))

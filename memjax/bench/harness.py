@@ -95,6 +95,7 @@ class Context:
     warmup: int = 2
     repeats: int = 5
     parts: tuple[str, ...] = ()  # --parts: which parts of a suite that has them (its PARTS); (): its default.
+    peak_from: Optional[str] = None  # --peak_from: a report whose peak rows are the roofline (accel).
     # Called with the rows measured so far by a suite that reports rows as it goes (--out keeps
     # them on disk, for a run stopped at a deadline); None: nobody listens.
     on_rows: Optional[Callable[[list], None]] = None

@@ -162,6 +162,10 @@ class Suite:
     # ------------------------------------------------------------------------------------------
 
     def measure_peak(self) -> None:
+        if self.ctx.peak_from:
+            self.peak = peak.from_report(self.ctx.peak_from)
+            self.notes.append(f'peak: the peak rows of {self.ctx.peak_from}, not measured again')
+            return
         self.peak = peak.measure_peak(self.ctx)
         for row in self.peak['rows']:
             self.add({'part': 'peak', 'case': row['matmul'], 'dtype': row['dtype'],

@@ -13,6 +13,7 @@ runs at ~790), so a peak taken from small shapes would flatter every MFU divided
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
@@ -90,6 +91,29 @@ def measure_peak(ctx: harness.Context) -> dict[str, Any]:
     return {'rows': rows, 'peak_gflops_per_s': best,
             'datasheet_gflops_per_s': {dtype: chip.tflops(dtype) * 1e3 if chip else None for dtype in DTYPES},
             'chip': chip.name if chip else None}
+
+
+def from_report(path: str) -> dict[str, Any]:
+    """`measure_peak`'s roofline from the peak rows of an earlier accel report (`--out`) measured on
+    this device kind: later processes of one allocation need not spend its time again."""
+    try:
+        with open(path, encoding='utf-8') as f:
+            report = json.load(f)
+    except (OSError, ValueError) as error:
+        raise harness.BenchError(f'--peak_from={path} cannot be read ({error}): give the --out report of '
+                                 'an accel run with its peak part.') from None
+    rows = [r for r in report.get('rows', []) if r.get('part') == 'peak' and 'tflops_per_s' in r]
+    missing = sorted(set(DTYPES) - {r.get('dtype') for r in rows})
+    if missing:
+        raise harness.BenchError(f'--peak_from={path} has no peak rows for {missing}: run --parts=peak first.')
+    measured_on, here = report.get('machine', {}).get('device_kind'), jax.devices()[0].device_kind
+    if measured_on != here:
+        raise harness.BenchError(f'--peak_from={path} was measured on {measured_on!r}, not this {here!r}: '
+                                 'measure the peak here (leave out --peak_from).')
+    chip = chips.datasheet(here)
+    return {'rows': [], 'chip': chip.name if chip else None,
+            'peak_gflops_per_s': {d: 1e3 * max(r['tflops_per_s'] for r in rows if r['dtype'] == d) for d in DTYPES},
+            'datasheet_gflops_per_s': {d: chip.tflops(d) * 1e3 if chip else None for d in DTYPES}}
 
 
 def mfu_percents(achieved_gflops_per_s: float, dtype: str, peak: dict[str, Any]) -> dict[str, Any]:
