@@ -190,7 +190,12 @@ def fused_calls(cfg, tokens):
 
 
 def test_the_fused_path_runs_where_it_applies_and_the_config_can_refuse_it():
+    """Every kind whose keys are one contiguous span takes the kernel (once per layer and segment);
+    TRAMS's per-head selections keep XLA's path."""
     tokens = jnp.zeros((2, 17), jnp.int32)
+    for kind in KINDS:
+        calls = fused_calls(ModelConfig(**TINY, **kind, attention_impl='fused'), tokens)
+        assert calls == (0 if kind['memory'] == 'trams' else 2), kind
     xl = dict(TINY, memory='xl', mem_len=12)
     assert fused_calls(ModelConfig(**xl, attention_impl='fused'), tokens) > 0
     assert fused_calls(ModelConfig(**xl, attention_impl='reference'), tokens) == 0
