@@ -50,11 +50,12 @@ def inputs(batch, t, mem, heads, dims, dtype=jnp.float32, clamp_len=-1, masked=3
 
 
 def check(batch, t, mem, heads, dims, *, window=0, rate=0.0, skew='scratch', clamp_len=-1, tiles=(16, 16),
-          dtype=jnp.float32, tolerance=1e-5):
+          dtype=jnp.float32, tolerance=1e-5, interpret=True):
     cq, pq, k, v, pos_key, valid = inputs(batch, t, mem, heads, dims, dtype, clamp_len)
     scale = dims ** -0.5
     run = functools.partial(fused.span_attention, scale=scale, window=window, dropout_rate=rate,
-                            dropout_seed=jnp.int32(11), block_q=tiles[0], block_k=tiles[1], skew=skew, interpret=True)
+                            dropout_seed=jnp.int32(11), block_q=tiles[0], block_k=tiles[1], skew=skew,
+                            interpret=interpret)
     upcast = lambda xs: [x.astype(jnp.float32) for x in xs]
     reference = lambda *xs: naive_attention(*upcast(xs), valid, scale, window, rate, 11)
     out, log_norm = run(cq, pq, k, v, pos_key, valid)
@@ -82,6 +83,13 @@ def test_both_lowerings_forms_of_the_shift_match_the_naive_attention(skew, t, me
 @pytest.mark.parametrize('t,mem,heads,dims', [(16, 16, 3, 64), (8, 24, 1, 128), (40, 0, 2, 8)])
 def test_memory_equal_to_the_segment_wide_heads_and_no_memory(t, mem, heads, dims):
     check(2, t, mem, heads, dims)
+
+
+@pytest.mark.parametrize('t,mem,tiles', [(24, 30, (32, 16)), (20, 13, (16, 64)), (1, 40, (16, 32))])
+def test_unequal_tiles_and_a_single_query(t, mem, tiles):
+    """A window of bq + bk - 1 rows rounded up to a power of two (wide heads take 64 x 32 tiles,
+    short segments a smaller query tile); one query attending a long memory."""
+    check(2, t, mem, 2, 8, tiles=tiles)
 
 
 def test_same_length_and_clamped_distances():
@@ -120,15 +128,18 @@ def test_bfloat16_within_bfloat16_tolerance():
     check(2, 16, 16, 2, 64, dtype=jnp.bfloat16, tolerance=3e-2)
 
 
-def test_the_triton_form_lowers_for_cuda_forward_and_backward():
+@pytest.mark.parametrize('t,mem,dims', [(384, 384, 41), (20, 13, 64), (128, 1600, 256)])
+def test_the_triton_form_lowers_for_cuda_forward_and_backward(t, mem, dims):
     """Triton's rules (power-of-two blocks, no gather of values) are checked where the kernel is
-    lowered, which needs no GPU: the training step's attention at tgt = mem = 384, bf16."""
-    cq = jax.ShapeDtypeStruct((3, 384, 2, 41), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((3, 768, 2, 41), jnp.bfloat16)
-    pos_key = jax.ShapeDtypeStruct((768, 2, 41), jnp.bfloat16)
-    valid = jax.ShapeDtypeStruct((3, 768), jnp.bool_)
+    lowered, which needs no GPU: a training step's attention at tgt = mem = 384 (bf16), a short
+    segment (smaller query tiles) and heads of 256 (64 x 32 tiles) at the evaluation's memory."""
+    cq = jax.ShapeDtypeStruct((3, t, 2, dims), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((3, t + mem, 2, dims), jnp.bfloat16)
+    pos_key = jax.ShapeDtypeStruct((t + mem, 2, dims), jnp.bfloat16)
+    valid = jax.ShapeDtypeStruct((3, t + mem), jnp.bool_)
+    block_q, block_k = fused.tiles_for(dims)
     run = functools.partial(fused.span_attention, scale=0.125, window=500, dropout_rate=0.1,
-                            dropout_seed=jnp.int32(1), skew='scratch')
+                            dropout_seed=jnp.int32(1), skew='scratch', block_q=block_q, block_k=block_k)
     loss = lambda *xs: run(*xs)[0].astype(jnp.float32).sum()
     step = jax.grad(loss, argnums=range(5))
     exported = jax.export.export(jax.jit(step), platforms=['cuda'], disabled_checks=[
@@ -136,6 +147,22 @@ def test_the_triton_form_lowers_for_cuda_forward_and_backward():
     text = exported.mlir_module()
     # One forward and two backward kernels, each a Triton call.
     assert text.count('__gpu$xla.gpu.triton') == 3
+
+
+ON_A_GPU = pytest.mark.skipif(jax.default_backend() != 'gpu', reason=(
+    'compiles the kernel with Triton: needs a GPU (run there: pytest tests/test_fused_attention.py -k on_a_gpu)'))
+
+
+@ON_A_GPU
+@pytest.mark.parametrize('t,mem,window,rate,dtype,tolerance', [
+    (128, 128, 0, 0.0, jnp.float32, 1e-5), (100, 300, 256, 0.0, jnp.float32, 1e-5),
+    (128, 256, 0, 0.2, jnp.float32, 1e-5), (384, 384, 0, 0.0, jnp.bfloat16, 3e-2)])
+def test_on_a_gpu_the_compiled_kernel_matches_the_naive_attention(t, mem, window, rate, dtype, tolerance):
+    """What interpret mode cannot show: Triton's compilation (its pipelining, the barriers around
+    the shift's scratch). float32 at the highest matmul precision on both sides."""
+    with jax.default_matmul_precision('highest'):
+        check(2, t, mem, 2, 64, window=window, rate=rate, tiles=(64, 64), dtype=dtype, tolerance=tolerance,
+              interpret=False)
 
 
 # --- The model with the fused path forced on ---------------------------------------------------

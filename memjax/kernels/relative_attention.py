@@ -53,8 +53,9 @@ class Spec:
 
     @property
     def width(self) -> int:
-        """Distance rows one tile pair reads: bq + bk (a power of two for Triton; one row unused)."""
-        return self.block_q + self.block_k
+        """Distance rows one tile pair reads: bq + bk - 1 are needed; Triton's blocks are powers of
+        two, so the next one up (the extra rows' scores are never read)."""
+        return 1 << (self.block_q + self.block_k - 1).bit_length()
 
     @property
     def front(self) -> int:
@@ -299,7 +300,10 @@ def _compiler_params(spec: Spec):
     if spec.interpret or spec.skew != 'scratch':
         return None
     from jax.experimental.pallas import triton as plgpu
-    return plgpu.CompilerParams(num_warps=4, num_stages=2)
+    # No software pipelining: Triton's pipeliner issues a loop's loads ahead of the stores before
+    # them, and the shift's loads read what the same iteration stored (with num_stages=2 an H200
+    # gave NaN gradients while the forward matched the reference).
+    return plgpu.CompilerParams(num_warps=4, num_stages=1)
 
 
 def _call(spec: Spec, kernel, grid, in_specs, out_shapes, out_specs, scratch_shape, *args):
@@ -436,7 +440,8 @@ def span_attention(content_query, position_query, key, value, pos_key, key_valid
                 block_q=block_q, block_k=block_k, skew=skew, interpret=interpret)
     dims_pad = padded_head_dim(dims, skew)
     t_pad, k_pad = _round_up(t, block_q), _round_up(k, block_k)
-    rows = _round_up(spec.front + k_pad + t, spec.width)
+    # The last tile pair's window ends at row front + k_pad + t + (width - bq - bk) - 1.
+    rows = _round_up(spec.front + k_pad + t + spec.width - block_q - block_k, spec.width)
 
     def head_major(x, length):  # [B, N, H, D] -> [B, H, N_pad, D_pad]
         x = x.transpose(0, 2, 1, 3)
@@ -450,12 +455,16 @@ def span_attention(content_query, position_query, key, value, pos_key, key_valid
     return out[:, :, :t, :dims].transpose(0, 2, 1, 3), lse[:, :, :t]
 
 
+# Platforms where `attention_impl='auto'` fuses: none until a GPU run has checked the backward pass
+# against the reference (the forward matched it on an H200; docs/performance.md, "Status").
+FUSED_BY_DEFAULT: tuple[str, ...] = ()
+
+
 def path(impl: str):
     """`span_attention`'s platform options for config field `attention_impl`, or None where the
-    reference path runs: 'auto' fuses on GPUs only (TPU: designed for, tested in interpret mode,
-    not yet run on one)."""
+    reference path runs: 'fused' wherever asked, 'auto' on the platforms of FUSED_BY_DEFAULT."""
     platform = jax.devices()[0].platform
-    if impl == 'reference' or (impl == 'auto' and platform != 'gpu'):
+    if impl == 'reference' or (impl == 'auto' and platform not in FUSED_BY_DEFAULT):
         return None
     return {'skew': 'roll' if platform == 'tpu' else 'scratch', 'interpret': platform not in ('gpu', 'tpu')}
 

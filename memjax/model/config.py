@@ -158,10 +158,10 @@ class ModelConfig:
     # Rematerialise each layer in the backward pass: 'none', 'full' (keep only the layer
     # inputs) or 'dots_saveable' (keep matmul outputs, recompute the cheap element-wise ops).
     remat: str = 'none'
-    # The attention's path (memjax/kernels/relative_attention.py): 'auto' runs the fused kernel on
-    # GPUs wherever it applies (the keys are one contiguous span, validity per key) and the
-    # reference elsewhere; 'reference' never runs it (debugging, comparisons); 'fused' runs it
-    # wherever it applies: in Pallas's interpret mode on a CPU (the tests), and on a TPU.
+    # The attention's path (memjax/kernels/relative_attention.py): 'fused' runs the tiled kernel
+    # wherever it applies (the keys are one contiguous span, validity per key; in Pallas's
+    # interpret mode on a CPU); 'reference' never does (debugging, comparisons); 'auto' fuses on
+    # the platforms where the kernel has been checked on the chip (none yet: FUSED_BY_DEFAULT).
     attention_impl: str = 'auto'
 
     def __init__(self, **values: Any):
