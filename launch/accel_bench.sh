@@ -18,6 +18,7 @@ prepare (on a machine with the package index): downloads into --wheels what the
   check demands, and ml_collections, for --python (the GPU machine's Python).
 run (default; on the GPU machine): installs those wheels under --site (ahead of
   the image's own transformers on PYTHONPATH), records the machine, runs
+  tests/test_fused_attention.py's GPU check (--check-seconds), then
   python -m memjax.bench accel in three processes by weight (the peak and the
   fused attention; the PyTorch peer; training, evaluation, methods, attention,
   choices on the first process's peak), each leaving time to the next, then --probes (NAME=XLA flags, ';'-separated) each
@@ -39,6 +40,7 @@ define_flag wheels .wheels 'Folder of the carried wheels (git-ignored).'
 define_flag site /tmp/memjax-site 'Where the wheels are installed on the GPU machine.'
 define_flag python 3.12 'Python version of the GPU machine (prepare downloads wheels for it).'
 define_flag seconds 570 'Time budget of the whole run, from its start (a 600 s call less copying back).'
+define_flag check-seconds 180 "Seconds for the fused kernel's forward and gradient check on the GPU, first (0: none)."
 define_flag probe-seconds 75 'Seconds a probe needs (start, compile, time); none starts with less left.'
 define_flag probes 'latency_hiding=--xla_gpu_enable_latency_hiding_scheduler=true;no_triton_gemm=--xla_gpu_enable_triton_gemm=false;autotune_4=--xla_gpu_autotune_level=4;command_buffers_off=--xla_gpu_enable_command_buffer=' \
   'XLA flag variants of the probe, NAME=FLAGS separated by ";" (a baseline probe without flags runs first).'
@@ -75,6 +77,8 @@ bench() {
 run_suite() {
   local probe name flags wheels=() logs=$MEMJAX_OUT
   require_int seconds probe-seconds
+  [[ $MEMJAX_CHECK_SECONDS =~ ^[0-9]+$ ]] ||
+    die "--check-seconds must be a whole number of seconds (0: no check), got '$MEMJAX_CHECK_SECONDS'"
   shopt -s nullglob
   wheels=("$MEMJAX_WHEELS"/*.whl)
   ((${#wheels[@]})) || die "no wheels in $MEMJAX_WHEELS: run launch/accel_bench.sh prepare where the package index is reachable"
@@ -91,6 +95,13 @@ run_suite() {
       python3 -c 'import jax, flax, torch, transformers; print(jax.__version__, jax.devices(), flax.__version__, torch.__version__, torch.version.cuda, transformers.__version__)' || true
       git rev-parse HEAD 2>/dev/null || echo 'no git metadata'
     } >"$MEMJAX_OUT/machine.txt" 2>&1
+  fi
+  # The fused attention's correctness on this chip (interpret mode cannot show Triton's
+  # compilation): its log says which cases passed; a failure is reported and the suite goes on.
+  if ((MEMJAX_CHECK_SECONDS > 0)); then
+    run timeout -k 5 "$MEMJAX_CHECK_SECONDS" python3 -m pytest -q -x -p no:cacheprovider \
+      tests/test_fused_attention.py -k on_a_gpu >"$logs/fused_gpu_check.log" 2>&1 ||
+      log "the fused attention's GPU check failed or stopped (exit $?): see fused_gpu_check.log"
   fi
   # By weight, each leaving time to the ones after it: the peak and the fused attention (alone,
   # then in the training and evaluation steps), the PyTorch peer (in a process of its own: a

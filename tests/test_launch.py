@@ -655,8 +655,11 @@ def test_accel_bench_installs_the_carried_wheels_then_runs_the_suite_and_probes_
     assert all(c[2].split(':')[0] == '/s' for c in calls[1:])  # The carried transformers come first.
     assert {p.name for p in out.iterdir()} >= {'accel.json', 'accel_peer.json', 'accel_more.json', 'machine.txt',
                                               'accel.log', 'accel_peer.log', 'probe_baseline.json'}
+    # First the fused kernel's check on the GPU, under its own limit.
+    check = next(i for i, c in enumerate(calls) if c[3:5] == ['-m', 'pytest'])
+    assert calls[check][-3:] == ['tests/test_fused_attention.py', '-k', 'on_a_gpu'] and check < len(calls) - len(benches)
     # Each run's limit leaves the later ones their time: 570 s less 10 and 330 / 150 / 0 reserved.
-    assert timeout_limits(fake)[:3] == pytest.approx([230, 410, 560], abs=2)
+    assert timeout_limits(fake)[:4] == pytest.approx([180, 230, 410, 560], abs=2)
 
 
 def test_accel_bench_starts_no_probe_without_the_time_for_one(fake):
@@ -664,10 +667,12 @@ def test_accel_bench_starts_no_probe_without_the_time_for_one(fake):
     _write_executable(fake.root / 'bin' / 'timeout', FAKE_TIMEOUT)
     (fake.root / 'wheels').mkdir()
     (fake.root / 'wheels' / 'w.whl').touch()
-    proc = fake.run('accel_bench.sh', f'--wheels={fake.root}/wheels', f'--out={fake.root}/out', '--seconds=60', 'run')
+    proc = fake.run('accel_bench.sh', f'--wheels={fake.root}/wheels', f'--out={fake.root}/out', '--seconds=60',
+                    '--check-seconds=0', 'run')
     assert [c[-1] for c in fake.calls() if c[3:5] == ['-m', 'memjax.bench']] == [
         f'--out={fake.root}/out/{name}.json' for name in ('accel', 'accel_peer', 'accel_more')]
     assert timeout_limits(fake) == pytest.approx([50, 50, 50], abs=2)  # No reserve leaves a run none.
+    assert not [c for c in fake.calls() if c[3:5] == ['-m', 'pytest']]  # --check-seconds=0: no GPU check.
     assert 'skipped probe baseline' in proc.stderr
 
 
