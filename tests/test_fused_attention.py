@@ -149,6 +149,27 @@ def test_the_triton_form_lowers_for_cuda_forward_and_backward(t, mem, dims):
     assert text.count('__gpu$xla.gpu.triton') == 3
 
 
+@pytest.mark.parametrize('t,mem,dims,window', [(384, 384, 64, 0), (100, 300, 41, 256)])
+def test_the_tpu_form_lowers_to_mosaic_forward_and_backward(monkeypatch, t, mem, dims, window):
+    """Pallas's TPU rules (block shapes tiled by 8 x 128 or whole, scalars in SMEM, no integer
+    indexing of vectors) are checked where the kernel is lowered to Mosaic; lowering asks for the
+    chip, which a CPU has not: a TPU v5e is named for it. Mosaic's compilation itself needs a TPU."""
+    tpu_info = pytest.importorskip('jax._src.pallas.mosaic.tpu_info', reason='this jax has no Pallas TPU info')
+    if not hasattr(tpu_info, 'get_device_kind'):
+        pytest.skip('this jax asks the chip for Pallas TPU lowering otherwise: tpu_info.get_device_kind is gone')
+    monkeypatch.setattr(tpu_info, 'get_device_kind', lambda: 'TPU v5e')
+    monkeypatch.setattr(tpu_info, 'get_num_device_cores', lambda: 1)
+    cq = jax.ShapeDtypeStruct((2, t, 4, dims), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, t + mem, 4, dims), jnp.bfloat16)
+    pos_key = jax.ShapeDtypeStruct((t + mem, 4, dims), jnp.bfloat16)
+    valid = jax.ShapeDtypeStruct((2, t + mem), jnp.bool_)
+    run = functools.partial(fused.span_attention, scale=0.125, window=window, dropout_rate=0.1,
+                            dropout_seed=jnp.int32(1), skew='roll', block_q=128, block_k=128)
+    step = jax.grad(lambda *xs: run(*xs)[0].astype(jnp.float32).sum(), argnums=range(5))
+    text = jax.export.export(jax.jit(step), platforms=['tpu'])(cq, cq, k, k, pos_key, valid).mlir_module()
+    assert text.count('tpu_custom_call') == 3
+
+
 ON_A_GPU = pytest.mark.skipif(jax.default_backend() != 'gpu', reason=(
     'compiles the kernel with Triton: needs a GPU (run there: pytest tests/test_fused_attention.py -k on_a_gpu)'))
 

@@ -59,8 +59,9 @@ class Spec:
 
     @property
     def front(self) -> int:
-        """Zero rows before the table, so that every tile's window starts at row >= 0."""
-        return self.block_q
+        """Zero rows before the table: every tile's window starts at row >= 0, and at a multiple of
+        16 (TPU's sublane tiling for bf16), since j0 - i0 is one."""
+        return self.block_q + (-self.queries) % 16
 
 
 def dropout_keep(seed, batch, head, query, key, rate: float):
@@ -142,7 +143,7 @@ def _scores(spec: Spec, i0, j0, content_query, position_query, key, table_ref, v
     query = i0 + _iota((bq, bk), 0)
     key_index = j0 + _iota((bq, bk), 1)
     newest = k - t + query  # The query's own key.
-    visible = (key_index <= newest) & (valid[None, :] != 0)
+    visible = (key_index <= newest) & (valid != 0)  # valid: [1, bk]
     if spec.window:
         visible &= key_index > newest - spec.window
     return jnp.where(visible, scores * spec.scale, MIN), visible, query, key_index, table
@@ -190,7 +191,7 @@ def _forward_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table_re
         j0 = kt * bk
         key, value = k_ref[pl.ds(j0, bk), :], v_ref[pl.ds(j0, bk), :]
         scores, _, query, key_index, _ = _scores(spec, i0, j0, content_query, position_query, key, table_ref,
-                                                 valid_ref[pl.ds(j0, bk)], scratch_ref)
+                                                 valid_ref[:, pl.ds(j0, bk)], scratch_ref)
         m_new = jnp.maximum(m, scores.max(axis=1))
         probs = jnp.exp(scores - m_new[:, None])
         alpha = jnp.exp(m - m_new)
@@ -204,7 +205,7 @@ def _forward_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table_re
     m, l, acc = jax.lax.fori_loop(lo, hi, step, init)
     l = jnp.where(l == 0.0, 1.0, l)  # Padded queries that see no tile: finite, and never read.
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = m + jnp.log(l)
+    lse_ref[...] = (m + jnp.log(l))[:, None]
 
 
 def _query_grad_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table_ref, valid_ref, do_ref, lse_ref,
@@ -230,19 +231,19 @@ def _query_grad_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table
         batch_index = group * cq_ref.shape[0] + b  # Dropout's mask is drawn per batch row.
         content_query, position_query = cq_ref[b], pq_ref[b]
         grad_out, lse = do_ref[b], lse_ref[b]
-        bias = glse_ref[b] - delta_ref[b]  # d(lse) - <dO, O> per query.
+        bias = glse_ref[b] - delta_ref[b]  # [bq, 1]: d(lse) - <dO, O> per query.
 
         def step(kt, carry):
             dcq, dpq = carry
             j0 = kt * bk
             key, value = k_ref[b, pl.ds(j0, bk), :], v_ref[b, pl.ds(j0, bk), :]
             scores, visible, query, key_index, table = _scores(
-                spec, i0, j0, content_query, position_query, key, table_ref, valid_ref[b, pl.ds(j0, bk)],
+                spec, i0, j0, content_query, position_query, key, table_ref, valid_ref[b, :, pl.ds(j0, bk)],
                 scratch_ref)
-            probs = jnp.where(visible, jnp.exp(scores - lse[:, None]), 0.0)
+            probs = jnp.where(visible, jnp.exp(scores - lse), 0.0)
             grad_probs = _dropped(spec, _dot(grad_out, value, trans_b=True), seed, batch_index, h, query,
                                   key_index)
-            grad_scores = probs * (grad_probs + bias[:, None]) * spec.scale
+            grad_scores = probs * (grad_probs + bias) * spec.scale
             dcq = dcq + _dot(grad_scores.astype(key.dtype), key)
             grad_window = _unskew(spec, grad_scores, scratch_ref)
             dpq = dpq + _dot(grad_window.astype(table.dtype), table)
@@ -271,7 +272,7 @@ def _key_grad_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table_r
     j0 = kt * bk
     seed = seed_ref[0]
     key, value = k_ref[...], v_ref[...]
-    valid = valid_ref[pl.ds(j0, bk)]
+    valid = valid_ref[:, pl.ds(j0, bk)]
     lo, hi = _query_tiles(spec, j0, cq_ref.shape[0] // bq)
 
     def step(qt, carry):
@@ -279,14 +280,14 @@ def _key_grad_kernel(spec: Spec, seed_ref, cq_ref, pq_ref, k_ref, v_ref, table_r
         i0 = qt * bq
         rows = pl.ds(i0, bq)
         content_query, position_query = cq_ref[rows, :], pq_ref[rows, :]
-        grad_out, lse = do_ref[rows, :], lse_ref[rows]
+        grad_out, lse = do_ref[rows, :], lse_ref[rows, :]
         scores, visible, query, key_index, _ = _scores(spec, i0, j0, content_query, position_query, key,
                                                        table_ref, valid, scratch_ref)
-        probs = jnp.where(visible, jnp.exp(scores - lse[:, None]), 0.0)
+        probs = jnp.where(visible, jnp.exp(scores - lse), 0.0)
         kept = _dropped(spec, probs, seed, b, h, query, key_index)
         dv = dv + _dot(kept.astype(grad_out.dtype), grad_out, trans_a=True)
         grad_probs = _dropped(spec, _dot(grad_out, value, trans_b=True), seed, b, h, query, key_index)
-        grad_scores = probs * (grad_probs + (glse_ref[rows] - delta_ref[rows])[:, None]) * spec.scale
+        grad_scores = probs * (grad_probs + glse_ref[rows, :] - delta_ref[rows, :]) * spec.scale
         dk = dk + _dot(grad_scores.astype(content_query.dtype), content_query, trans_a=True)
         return dk, dv
 
@@ -324,16 +325,27 @@ def _whole(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
+def _seed_spec(spec: Spec):
+    """The dropout seed: a scalar in TPU's scalar memory, a one-element block for Triton."""
+    if spec.skew == 'roll':
+        from jax.experimental.pallas import tpu as pltpu
+        return pl.BlockSpec(memory_space=pltpu.SMEM)
+    return _whole((1,))
+
+
 def _forward(spec: Spec, seed, cq, pq, k, v, table, valid):
     batch, heads, t_pad, dims = cq.shape
     k_pad, rows = k.shape[2], table.shape[1]
     per_query = pl.BlockSpec((None, None, spec.block_q, dims), lambda b, h, q: (b, h, q, 0))
     per_head_keys = pl.BlockSpec((None, None, k_pad, dims), lambda b, h, q: (b, h, 0, 0))
-    in_specs = [_whole((1,)), per_query, per_query, per_head_keys, per_head_keys,
+    # Per-key validity [B, 1, K] and per-query log-normalisers [B, H, T, 1]: a row vector and a
+    # column, the shapes TPU's (sublane, lane) tiling takes whole.
+    in_specs = [_seed_spec(spec), per_query, per_query, per_head_keys, per_head_keys,
                 pl.BlockSpec((None, rows, dims), lambda b, h, q: (h, 0, 0)),
-                pl.BlockSpec((None, k_pad), lambda b, h, q: (b, 0))]
-    out_shapes = [jax.ShapeDtypeStruct(cq.shape, v.dtype), jax.ShapeDtypeStruct((batch, heads, t_pad), jnp.float32)]
-    out_specs = [per_query, pl.BlockSpec((None, None, spec.block_q), lambda b, h, q: (b, h, q))]
+                pl.BlockSpec((None, 1, k_pad), lambda b, h, q: (b, 0, 0))]
+    out_shapes = [jax.ShapeDtypeStruct(cq.shape, v.dtype),
+                  jax.ShapeDtypeStruct((batch, heads, t_pad, 1), jnp.float32)]
+    out_specs = [per_query, pl.BlockSpec((None, None, spec.block_q, 1), lambda b, h, q: (b, h, q, 0))]
     grid = (batch, heads, t_pad // spec.block_q)
     return _call(spec, _forward_kernel, grid, in_specs, out_shapes, out_specs, grid, seed, cq, pq, k, v, table,
                  valid)
@@ -355,21 +367,22 @@ def _attention_backward(spec, residuals, grads):
     batch, heads, t_pad, dims = cq.shape
     k_pad, rows = k.shape[2], table.shape[1]
     n_q, n_k = t_pad // spec.block_q, k_pad // spec.block_k
-    delta = jnp.sum(grad_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    delta = jnp.sum(grad_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
     grad_out = grad_out.astype(v.dtype)
-    grad_lse = grad_lse.astype(jnp.float32)
+    grad_lse = grad_lse.astype(jnp.float32)  # [B, H, T, 1], as the forward's log-normaliser.
     args = (seed, cq, pq, k, v, table, valid, grad_out, lse, delta, grad_lse)
 
     # Per (head, query tile, group of batch rows): the table's gradient sums over a group's rows
     # inside the kernel, so the programs write disjoint partial sums.
-    groups = batch_groups(batch, heads * n_q)
+    # TPU: one batch row per program, so that a program's keys and values fit its vector memory.
+    groups = batch if spec.skew == 'roll' else batch_groups(batch, heads * n_q)
     rows_per_group = batch // groups
     by_query = pl.BlockSpec((rows_per_group, None, spec.block_q, dims), lambda h, q, g: (g, h, q, 0))
-    by_query_row = pl.BlockSpec((rows_per_group, None, spec.block_q), lambda h, q, g: (g, h, q))
+    by_query_row = pl.BlockSpec((rows_per_group, None, spec.block_q, 1), lambda h, q, g: (g, h, q, 0))
     keys_of_head = pl.BlockSpec((rows_per_group, None, k_pad, dims), lambda h, q, g: (g, h, 0, 0))
-    in_specs = [_whole((1,)), by_query, by_query, keys_of_head, keys_of_head,
+    in_specs = [_seed_spec(spec), by_query, by_query, keys_of_head, keys_of_head,
                 pl.BlockSpec((None, rows, dims), lambda h, q, g: (h, 0, 0)),
-                pl.BlockSpec((rows_per_group, k_pad), lambda h, q, g: (g, 0)),
+                pl.BlockSpec((rows_per_group, 1, k_pad), lambda h, q, g: (g, 0, 0)),
                 by_query, by_query_row, by_query_row, by_query_row]
     out_shapes = [jax.ShapeDtypeStruct(cq.shape, cq.dtype), jax.ShapeDtypeStruct(pq.shape, pq.dtype),
                   jax.ShapeDtypeStruct((groups * n_q, heads, rows, dims), jnp.float32)]
@@ -380,10 +393,10 @@ def _attention_backward(spec, residuals, grads):
 
     per_key = pl.BlockSpec((None, None, spec.block_k, dims), lambda b, h, j: (b, h, j, 0))
     queries_of_head = pl.BlockSpec((None, None, t_pad, dims), lambda b, h, j: (b, h, 0, 0))
-    rows_of_head = pl.BlockSpec((None, None, t_pad), lambda b, h, j: (b, h, 0))
-    in_specs = [_whole((1,)), queries_of_head, queries_of_head, per_key, per_key,
+    rows_of_head = pl.BlockSpec((None, None, t_pad, 1), lambda b, h, j: (b, h, 0, 0))
+    in_specs = [_seed_spec(spec), queries_of_head, queries_of_head, per_key, per_key,
                 pl.BlockSpec((None, rows, dims), lambda b, h, j: (h, 0, 0)),
-                pl.BlockSpec((None, k_pad), lambda b, h, j: (b, 0)),
+                pl.BlockSpec((None, 1, k_pad), lambda b, h, j: (b, 0, 0)),
                 queries_of_head, rows_of_head, rows_of_head, rows_of_head]
     out_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     dk, dv = _call(spec, _key_grad_kernel, (batch, heads, n_k), in_specs, out_shapes, [per_key, per_key],
@@ -448,11 +461,11 @@ def span_attention(content_query, position_query, key, value, pos_key, key_valid
         return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, dims_pad - dims)))
 
     table = jnp.pad(pos_key.transpose(1, 0, 2), ((0, 0), (spec.front, rows - spec.front - k), (0, dims_pad - dims)))
-    valid = jnp.pad(key_valid.astype(jnp.int32), ((0, 0), (0, k_pad - k)))
+    valid = jnp.pad(key_valid.astype(jnp.int32), ((0, 0), (0, k_pad - k)))[:, None, :]
     seed = jnp.zeros((1,), jnp.int32) if dropout_seed is None else jnp.reshape(dropout_seed, (1,)).astype(jnp.int32)
     out, lse = _attention(spec, seed, head_major(content_query, t_pad), head_major(position_query, t_pad),
                           head_major(key, k_pad), head_major(value, k_pad), table.astype(pos_key.dtype), valid)
-    return out[:, :, :t, :dims].transpose(0, 2, 1, 3), lse[:, :, :t]
+    return out[:, :, :t, :dims].transpose(0, 2, 1, 3), lse[:, :, :t, 0]
 
 
 # Platforms where `attention_impl='auto'` fuses: none until a GPU run has checked the backward pass
