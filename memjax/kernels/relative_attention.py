@@ -321,16 +321,12 @@ def _call(spec: Spec, kernel, grid, in_specs, out_shapes, out_specs, scratch_sha
     return outs[:len(outs) - (spec.skew == 'scratch')]
 
 
-def _whole(shape):
-    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
 def _seed_spec(spec: Spec):
     """The dropout seed: a scalar in TPU's scalar memory, a one-element block for Triton."""
     if spec.skew == 'roll':
         from jax.experimental.pallas import tpu as pltpu
         return pl.BlockSpec(memory_space=pltpu.SMEM)
-    return _whole((1,))
+    return pl.BlockSpec((1,), lambda *_: (0,))
 
 
 def _forward(spec: Spec, seed, cq, pq, k, v, table, valid):

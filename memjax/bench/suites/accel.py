@@ -286,18 +286,9 @@ class Suite:
         heads, dim = step.model['n_head'], step.model['d_head']
         batch, qlen, klen = step.batch, step.tgt_len, 2 * step.tgt_len
         scale = dim ** -0.5
-        keys = jax.random.split(jax.random.PRNGKey(0), 5)
-        normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
-        operands = (normal(keys[0], (batch, qlen, heads, dim)), normal(keys[1], (batch, klen, heads, dim)),
-                    normal(keys[2], (batch, klen, heads, dim)), normal(keys[3], (klen, heads, dim)))
-        cotangent = normal(keys[4], (batch, qlen, heads, dim))
-        valid = jnp.ones((batch, klen), bool)
+        operands, cotangent, memjax_attention = _one_layer_attention(step, batch, qlen, seed=0)
         visible = jnp.arange(klen)[None, :] <= klen - qlen + jnp.arange(qlen)[:, None]  # [T, K]
         fused = 'cudnn' if jax.default_backend() == 'gpu' else None  # XLA's elsewhere (the code path only).
-
-        def memjax_attention(q, k, v, r):
-            probs, _ = softmax_lib.softmax_with_log_norm(span_scores_masked(scale, q, k, q, r, valid), jnp.bfloat16)
-            return jnp.einsum('bhtk,bkhd->bthd', probs, v)
 
         def fused_with_position_bias(q, k, v, r):
             bias = (rel_shift(position_scores(q, r)) * scale).astype(jnp.bfloat16)  # The kernel scales q.k only.
@@ -338,6 +329,7 @@ class Suite:
     def fused(self) -> None:
         """The fused attention against XLA's path alone, then in the training and evaluation steps."""
         self.fused_attention()
+        # The large configs (of the full size's enwik8-base, wt103-large, enwik8-large); tiny has one.
         for step in self.setup['train'][1:] or self.setup['train']:
             xla = self.train_row('fused', step, 'bfloat16', attention_impl='reference')
             self.train_row('fused', step, 'bfloat16', vs=xla, attention_impl='fused')
@@ -354,16 +346,8 @@ class Suite:
         block_q, block_k = relative_attention.tiles_for(dim)
         for length in self.setup['fused_lengths']:
             batch, klen = max(1, step.batch * step.tgt_len // length), 2 * length
-            keys = jax.random.split(jax.random.PRNGKey(length), 5)
-            normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
-            operands = (normal(keys[0], (batch, length, heads, dim)), normal(keys[1], (batch, klen, heads, dim)),
-                        normal(keys[2], (batch, klen, heads, dim)), normal(keys[3], (klen, heads, dim)))
-            cotangent = normal(keys[4], (batch, length, heads, dim))
+            operands, cotangent, xla = _one_layer_attention(step, batch, length, seed=length)
             valid = jnp.ones((batch, klen), bool)
-
-            def xla(q, k, v, r):
-                probs, _ = softmax_lib.softmax_with_log_norm(span_scores_masked(scale, q, k, q, r, valid), jnp.bfloat16)
-                return jnp.einsum('bhtk,bkhd->bthd', probs, v)
 
             def fused(q, k, v, r):
                 return relative_attention.span_attention(q, q, k, v, r, valid, scale=scale, block_q=block_q,
@@ -448,6 +432,24 @@ class Suite:
         if device == 'cuda':
             gc.collect()
             torch.cuda.empty_cache()  # Back to the large steps' allocator.
+
+
+def _one_layer_attention(step: Step, batch: int, qlen: int, seed: int):
+    """(operands (q, k, v, distance rows) in bf16 with K = 2 qlen keys, a cotangent of the output,
+    memjax's XLA attention over them: scores, softmax and weighted values as the model runs them)."""
+    heads, dim, klen = step.model['n_head'], step.model['d_head'], 2 * qlen
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+    operands = (normal(keys[0], (batch, qlen, heads, dim)), normal(keys[1], (batch, klen, heads, dim)),
+                normal(keys[2], (batch, klen, heads, dim)), normal(keys[3], (klen, heads, dim)))
+    valid = jnp.ones((batch, klen), bool)
+
+    def attention(q, k, v, r):
+        scores = span_scores_masked(dim ** -0.5, q, k, q, r, valid)
+        probs, _ = softmax_lib.softmax_with_log_norm(scores, jnp.bfloat16)
+        return jnp.einsum('bhtk,bkhd->bthd', probs, v)
+
+    return operands, normal(keys[4], (batch, qlen, heads, dim)), attention
 
 
 def _parts(ctx: harness.Context) -> tuple[str, ...]:
