@@ -1,34 +1,62 @@
-"""Suite-wide settings: one persistent JAX compilation cache for the whole run.
+"""Suite-wide settings: XLA:CPU compiling for speed of compilation, and one persistent JAX
+compilation cache for the whole run.
 
 Many tests compile the same small programs (the tiny config's train and eval steps, in this
 process, in the other pytest-xdist worker and in the command-line subprocesses): the first
 compilation is written to the cache and the others load it. The folder is made once per run by
-the first process that imports this file and handed to the others through the environment, so
-it never outlives the run nor leaks compiled code between runs.
+the first process that imports this file and handed to every other process (workers, commands,
+notebook kernels) through JAX's own environment variables, so it never outlives the run nor
+leaks compiled code between runs.
 """
 
 import os
 import shutil
 import tempfile
 
-# Most of a small program's XLA:CPU compile time is LLVM optimising the generated code, and the
-# suite checks results, not speed (numerics are the same: no fast-math either way). Set before
-# JAX starts its backend; subprocesses inherit it (notebooks, which train for minutes, drop it).
-FAST_COMPILE_FLAG = '--xla_backend_optimization_level=0'
-if FAST_COMPILE_FLAG not in os.environ.get('XLA_FLAGS', ''):
-    os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAG}".strip()
+# The suite's programs are small and run for milliseconds: most of their time is XLA:CPU
+# compiling them, and it checks results, not speed (no flag here allows fast-math: the values
+# are IEEE's either way). Measured on the tiny config's train step: compile time about 0.6x of
+# `--xla_backend_optimization_level=0` alone. Set before JAX starts its backend; subprocesses
+# inherit them (notebooks, which train for a minute, drop them).
+FAST_COMPILE_FLAGS = (
+    '--xla_backend_optimization_level=0',  # LLVM's optimisation passes.
+    '--xla_llvm_disable_expensive_passes=true',
+    '--xla_cpu_use_fusion_emitters=false',  # The elemental emitters: no MLIR pipeline per fusion.
+    '--xla_cpu_use_xnnpack=false',  # No XNNPACK graph to build per dot.
+    '--xla_cpu_parallel_codegen_split_count=1',  # Two cores are busy with two workers already.
+)
+
+
+def with_fast_compile(flags: str) -> str:
+    """`flags` (an XLA_FLAGS value) with FAST_COMPILE_FLAGS added where missing."""
+    present = flags.split()
+    return ' '.join(present + [flag for flag in FAST_COMPILE_FLAGS if flag not in present])
+
+
+def without_fast_compile(flags: str) -> str:
+    return ' '.join(flag for flag in flags.split() if flag not in FAST_COMPILE_FLAGS)
+
+
+os.environ['XLA_FLAGS'] = with_fast_compile(os.environ.get('XLA_FLAGS', ''))
+
+CACHE_VARIABLE = 'MEMJAX_TEST_COMPILATION_CACHE'
+_MADE_HERE = CACHE_VARIABLE not in os.environ
+if _MADE_HERE:
+    os.environ[CACHE_VARIABLE] = tempfile.mkdtemp(prefix='memjax-test-jax-cache-')
+COMPILATION_CACHE = os.environ[CACHE_VARIABLE]
+# JAX reads these when it is imported, here and in every process started from the tests.
+os.environ.update(JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE,
+                  # Every program, however small or fast to compile: the suite's are all small.
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest
 
 import training_fixtures
 
-CACHE_VARIABLE = 'MEMJAX_TEST_COMPILATION_CACHE'
-_MADE_HERE = CACHE_VARIABLE not in os.environ
-COMPILATION_CACHE = os.environ.setdefault(CACHE_VARIABLE, tempfile.mkdtemp(prefix='memjax-test-jax-cache-'))
-
+# In case a plugin imported JAX before the variables were set.
 jax.config.update('jax_compilation_cache_dir', COMPILATION_CACHE)
-# Every program, however small or fast to compile: the suite's are all small.
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
@@ -43,4 +71,3 @@ def corpus(tmp_path_factory):
     """A generated train/valid/test text corpus (`training_fixtures.write_text_corpus`), one per
     test module."""
     return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
-

@@ -282,14 +282,22 @@ CHECKS = {'trams': _check_trams, 'infinity': _check_infinity, 'lamemo': _check_l
           'memory': _check_memory, 'devices': _check_devices, 'programs': _check_programs}
 
 
-@pytest.mark.parametrize('suite', sorted(CHECKS))
-def test_suite_runs_tiny_from_the_command_line(suite, tmp_path):
-    out = tmp_path / f'{suite}.json'
+@pytest.fixture(scope='module')
+def command_line_reports(tmp_path_factory):
+    """Every suite of CHECKS at --size=tiny from one command line (one process: JAX starts once)."""
+    out = tmp_path_factory.mktemp('bench')
     proc = subprocess.run(
-        [sys.executable, '-m', 'memjax.bench', suite, '--size=tiny', '--warmup=0', '--repeats=1',
-         f'--out={out}'], cwd=REPO, capture_output=True, text=True, check=False)
+        [sys.executable, '-m', 'memjax.bench', *sorted(CHECKS), '--size=tiny', '--warmup=0', '--repeats=1',
+         f'--out={out}/{{suite}}.json'], cwd=REPO, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f'## {suite} (tiny)' in proc.stdout
+    return proc.stdout, out
+
+
+@pytest.mark.parametrize('suite', sorted(CHECKS))
+def test_suite_runs_tiny_from_the_command_line(suite, command_line_reports):
+    stdout, out = command_line_reports
+    assert f'## {suite} (tiny)' in stdout
+    out = out / f'{suite}.json'
     report = json.loads(out.read_text())
     assert report['suite'] == suite and report['size'] == 'tiny'
     machine = report['machine']

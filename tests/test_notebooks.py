@@ -33,7 +33,7 @@ def test_notebook_runs_and_shows_its_plots(path):
     client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name='python3',
                                      resources={'metadata': {'path': os.path.dirname(path)}})
     # The notebooks train for minutes, so their kernel compiles optimised code, as a user's would.
-    env = dict(os.environ, XLA_FLAGS=os.environ.get('XLA_FLAGS', '').replace(conftest.FAST_COMPILE_FLAG, '').strip())
+    env = dict(os.environ, XLA_FLAGS=conftest.without_fast_compile(os.environ.get('XLA_FLAGS', '')))
     client.execute(env=env)  # Raises CellExecutionError, with the cell and its traceback, on any error.
     images = [output for cell in notebook.cells if cell.cell_type == 'code' for output in cell.outputs
               if 'image/png' in output.get('data', {})]

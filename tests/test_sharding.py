@@ -29,7 +29,7 @@ BATCH_AXES = ('data', 'fsdp')
 def driver(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp('sharding'))
     env = dict(os.environ, PYTHONPATH=training_fixtures.REPO)
-    env['XLA_FLAGS'] = conftest.FAST_COMPILE_FLAG  # The driver adds its 8 devices.
+    env['XLA_FLAGS'] = conftest.with_fast_compile('')  # The driver adds its 8 devices.
     script = os.path.join(training_fixtures.REPO, 'tests', 'sharding_driver.py')
     done = subprocess.run([sys.executable, script, workdir], env=env, capture_output=True,
                           text=True, timeout=600, cwd=training_fixtures.REPO)

@@ -86,6 +86,8 @@ def test_a_bench_report_that_cannot_be_written_is_refused_before_measuring(env, 
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, f'{a_file} is a file, not a folder')
     code, stderr = run(bench + [f'--out={tmp_path}'], env)
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, f'{tmp_path} is a folder')
+    code, stderr = run(bench + ['peak', f'--out={tmp_path}/report.json'], env)  # Two suites, one file.
+    assert_one_line(code, stderr, errors.EXIT_USAGE, 'would hold 2 reports', '{suite}')
     assert '[bench]' not in stderr  # Nothing measured.
 
 

@@ -1,7 +1,9 @@
-"""Command line: `python -m memjax.bench <suite> [--config=configs/X.py] [--size=tiny|full] [--out=F.json]`.
+"""Command line: `python -m memjax.bench <suite> [<suite> ...] [--config=configs/X.py] [--size=tiny|full] [--out=F.json]`.
 
-Prints the suite's table (Markdown) on stdout, progress on stderr, and writes the full
-report (machine, versions, config, every figure) as JSON to --out. `--list` names the suites.
+Prints each suite's table (Markdown) on stdout, progress on stderr, and writes the full
+report (machine, versions, config, every figure) as JSON to --out; several suites run one after
+the other in one process (JAX and the kernels start once), each to its own file: `{suite}` in
+--out names it. `--list` names the suites.
 Needs nothing beyond memjax, but `peer` (and `accel`'s peer part), which times PyTorch: the
 `parity` extra (pip install -e '.[parity]').
 """
@@ -22,7 +24,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     'from it (default: each suite\'s own base config).', lock_config=True)
 _SIZE = flags.DEFINE_enum('size', 'full', harness.SIZES,
                           'tiny: seconds-long shapes (CI); full: the real measurement.')
-_OUT = flags.DEFINE_string('out', None, 'Write the JSON report here.')
+_OUT = flags.DEFINE_string('out', None, 'Write the JSON report here; {suite} in it is the suite\'s name '
+                           '(needed with several suites: --out=reports/{suite}.json).')
 _WARMUP = flags.DEFINE_integer('warmup', None, 'Untimed runs before timing (default 2; tiny: 1).')
 _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed runs; the median is reported '
                                 '(default 5; tiny: 2).')
@@ -38,12 +41,17 @@ def main(argv):
     if _LIST.value:
         print('\n'.join(harness.available_suites()))
         return
-    if len(argv) != 2:
-        raise errors.UsageError(f'name exactly one suite (one of {harness.available_suites()}); '
-                             f'got {argv[1:]}.')
-    if _OUT.value:  # Before the measurement, which a bad path would otherwise throw away.
-        workdir_lib.check_writable_file(_OUT.value)
-    harness.prepare_environment(argv[1])
+    suites = argv[1:]
+    if not suites:
+        raise errors.UsageError(f'name a suite (one of {harness.available_suites()}).')
+    if len(suites) > 1 and _OUT.value and '{suite}' not in _OUT.value:
+        raise errors.UsageError(f'--out={_OUT.value} would hold {len(suites)} reports: put {{suite}} in it, '
+                                'e.g. --out=reports/{suite}.json.')
+    outs = {suite: _OUT.value.replace('{suite}', suite) if _OUT.value else None for suite in suites}
+    for suite in suites:  # Unknown names and unwritable reports before anything is measured.
+        harness.prepare_environment(suite)
+        if outs[suite]:
+            workdir_lib.check_writable_file(outs[suite])
     cli.prepare_host_memory()
     tiny = _SIZE.value == 'tiny'
     command = ['python', '-m', 'memjax.bench'] + sys.argv[1:]
@@ -52,14 +60,15 @@ def main(argv):
         warmup=_WARMUP.value if _WARMUP.value is not None else (1 if tiny else 2),
         repeats=_REPEATS.value if _REPEATS.value is not None else (2 if tiny else 5), parts=tuple(_PARTS.value),
         peak_from=_PEAK_FROM.value)
-    if _OUT.value:
-        ctx = dataclasses.replace(ctx, on_rows=lambda rows: harness.write_json(
-            _OUT.value, harness.partial_report(argv[1], ctx, rows, command)))
-    report = harness.run_suite(argv[1], ctx, command=command)
-    print(harness.report_text(report))
-    if _OUT.value:
-        harness.write_json(_OUT.value, report)
-        print(f'[bench] wrote {_OUT.value}', file=sys.stderr)
+    for suite in suites:
+        out = outs[suite]
+        suite_ctx = ctx if not out else dataclasses.replace(ctx, on_rows=lambda rows, suite=suite, out=out: (
+            harness.write_json(out, harness.partial_report(suite, ctx, rows, command))))
+        report = harness.run_suite(suite, suite_ctx, command=command)
+        print(harness.report_text(report), flush=True)
+        if out:
+            harness.write_json(out, report)
+            print(f'[bench] wrote {out}', file=sys.stderr)
 
 
 if __name__ == '__main__':
