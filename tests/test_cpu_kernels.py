@@ -187,28 +187,9 @@ def test_a_failed_build_is_one_log_line_and_no_kernel(caplog, tmp_path, monkeypa
 @needs_kernel
 def test_the_kernel_is_built_for_its_target():
     """The register layout that runs is the one the build targets: 16-float vectors where the
-    target has AVX-512, 8 where it has AVX2 only (x86-64-v3, which the next test builds)."""
+    target has AVX-512, 8 where it has AVX2 only (x86-64-v3, which the last test of this file builds)."""
     avx512 = 'avx512f' in cpu._cpu_flags().split() and os.environ.get(cpu.ARCH, 'native') == 'native'
     assert cpu.vector_lanes() == (16 if avx512 else 8)
-
-
-@needs_kernel
-@pytest.mark.skipif(platform.machine() != 'x86_64' or 'avx2' not in cpu._cpu_flags().split() or
-                    os.environ.get(cpu.ARCH, 'native') != 'native',
-                    reason='builds the AVX2 form of the kernel: needs an x86-64 CPU with AVX2 (and a native build here)')
-def test_the_avx2_form_passes_these_tests(tmp_path):
-    """An AVX-512 machine never runs the kernel's AVX2 form (8-float vectors, 6-row blocks), which
-    AVX2-only machines do: this file's kernel tests, in a process whose kernel is built for
-    x86-64-v3. The model-level tests (which path a model's step takes, its log-probabilities) call
-    the same kernels at shapes the kernel tests cover, so the child leaves them out."""
-    env = {**os.environ, cpu.ARCH: 'x86-64-v3', 'XDG_CACHE_HOME': str(tmp_path)}
-    child = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__,
-                            '-k', ' and '.join(f'not {name}' for name in MODEL_LEVEL)],
-                           env=env, capture_output=True, text=True, check=False)
-    summary = child.stdout.strip().splitlines()[-1] if child.stdout.strip() else child.stderr[-2000:]
-    assert child.returncode == 0 and 'failed' not in summary, child.stdout[-4000:]
-    # Every kernel test ran: the only skip is this one, in the child.
-    assert summary.startswith(tuple(f'{n} passed, 1 skipped, 7 deselected' for n in range(10, 100))), summary
 
 
 def _naive_span_scores(cq, k, pq, r, valid, scale):
@@ -449,3 +430,24 @@ def test_evaluation_scores_targets_by_the_cluster_kernel_as_training_does(overri
     grads = [jax.jit(jax.grad(lambda p, f=f: jnp.sum(f(p) * weight)))(params) for f in (evaluation, training)]
     for got, expected in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+# Last in the file: by the time it runs, the workers have compiled the other tests' programs into
+# the run's compilation cache, and the child loads them (the kernel is found by name at run time).
+@needs_kernel
+@pytest.mark.skipif(platform.machine() != 'x86_64' or 'avx2' not in cpu._cpu_flags().split() or
+                    os.environ.get(cpu.ARCH, 'native') != 'native',
+                    reason='builds the AVX2 form of the kernel: needs an x86-64 CPU with AVX2 (and a native build here)')
+def test_the_avx2_form_passes_these_tests(tmp_path):
+    """An AVX-512 machine never runs the kernel's AVX2 form (8-float vectors, 6-row blocks), which
+    AVX2-only machines do: this file's kernel tests, in a process whose kernel is built for
+    x86-64-v3. The model-level tests (which path a model's step takes, its log-probabilities) call
+    the same kernels at shapes the kernel tests cover, so the child leaves them out."""
+    env = {**os.environ, cpu.ARCH: 'x86-64-v3', 'XDG_CACHE_HOME': str(tmp_path)}
+    child = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', __file__,
+                            '-k', ' and '.join(f'not {name}' for name in MODEL_LEVEL)],
+                           env=env, capture_output=True, text=True, check=False)
+    summary = child.stdout.strip().splitlines()[-1] if child.stdout.strip() else child.stderr[-2000:]
+    assert child.returncode == 0 and 'failed' not in summary, child.stdout[-4000:]
+    # Every kernel test ran: the only skip is this one, in the child.
+    assert summary.startswith(tuple(f'{n} passed, 1 skipped, 7 deselected' for n in range(10, 100))), summary
