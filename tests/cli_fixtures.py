@@ -29,9 +29,7 @@ def cpu_env(device_count: int, compilation_cache: Optional[str] = None) -> dict:
            if not k.startswith(('MEMJAX_', 'JAX_', 'SLURM_', 'OMPI_'))}
     env.update(JAX_PLATFORMS='cpu', PYTHONPATH=training_fixtures.REPO, PYTHONUNBUFFERED='1',
                XLA_FLAGS=conftest.with_fast_compile(f'--xla_force_host_platform_device_count={device_count}'),
-               JAX_COMPILATION_CACHE_DIR=compilation_cache,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+               **conftest.cache_environment(compilation_cache))
     return env
 
 

@@ -15,8 +15,8 @@ import tempfile
 
 # The suite's programs are small and run for milliseconds: most of their time is XLA:CPU
 # compiling them, and it checks results, not speed (no flag here allows fast-math: the values
-# are IEEE's either way). Measured on the tiny config's train step: compile time about 0.6x of
-# `--xla_backend_optimization_level=0` alone. Set before JAX starts its backend; subprocesses
+# are IEEE's either way). `bench compile --size=tiny`: 0.40-0.65x the compile time of
+# `--xla_backend_optimization_level=0` alone (BENCHMARKS.md). Set before JAX starts its backend; subprocesses
 # inherit them (notebooks, which train for a minute, drop them).
 FAST_COMPILE_FLAGS = (
     '--xla_backend_optimization_level=0',  # LLVM's optimisation passes.
@@ -44,21 +44,24 @@ _MADE_HERE = CACHE_VARIABLE not in os.environ
 if _MADE_HERE:
     os.environ[CACHE_VARIABLE] = tempfile.mkdtemp(prefix='memjax-test-jax-cache-')
 COMPILATION_CACHE = os.environ[CACHE_VARIABLE]
-# JAX reads these when it is imported, here and in every process started from the tests.
-os.environ.update(JAX_COMPILATION_CACHE_DIR=COMPILATION_CACHE,
-                  # Every program, however small or fast to compile: the suite's are all small.
-                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0')
+
+
+def cache_environment(folder: str) -> dict:
+    """JAX's variables for a persistent compilation cache in `folder` that keeps every program,
+    however small or fast to compile: the suite's are all small."""
+    return {'JAX_COMPILATION_CACHE_DIR': folder, 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+            'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '0'}
+
+
+# JAX reads them when it is imported, here and in every process started from the tests.
+os.environ.update(cache_environment(COMPILATION_CACHE))
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest
 
 import training_fixtures
 
-# In case a plugin imported JAX before the variables were set.
-jax.config.update('jax_compilation_cache_dir', COMPILATION_CACHE)
-jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
-jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+assert jax.config.jax_compilation_cache_dir == COMPILATION_CACHE, 'JAX was imported before tests/conftest.py'
 
 
 def pytest_unconfigure(config):  # pylint: disable=unused-argument
