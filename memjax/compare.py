@@ -26,9 +26,11 @@ per method and clamp, bars over the seeds' range; needs matplotlib).
 from __future__ import annotations
 
 from memjax import early_sigterm
+from memjax.runtime import host_memory
 
 if __name__ == '__main__':  # The command, not a test that imports this module.
     early_sigterm.install()  # Before the imports below, which take seconds.
+    host_memory.keep_host_buffers_first()  # Before them too: it may re-execute the command.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses

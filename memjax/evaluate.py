@@ -9,6 +9,12 @@ evaluation overrides of config.eval (tgt_len, mem_len, clamp_len, same_length; a
 on the trained parameters, such as `--config.eval.model.memory=trams`, and its fields).
 """
 
+from memjax.runtime import host_memory
+
+if __name__ == '__main__':  # The command (other modules import this one's pieces).
+    host_memory.keep_host_buffers_first()  # Before the imports below: it may re-execute the command.
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import json
 import os
 

@@ -11,6 +11,12 @@ newest checkpoint, with `config.eval`'s overrides such as a longer memory); `--c
 with `--config.a.b=v` overrides replaces it. From Python: `memjax.generation.sample`.
 """
 
+from memjax.runtime import host_memory
+
+if __name__ == '__main__':  # The command (other modules import this one's pieces).
+    host_memory.keep_host_buffers_first()  # Before the imports below: it may re-execute the command.
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 import time
 

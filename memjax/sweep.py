@@ -19,6 +19,12 @@ Transformer-XL attending the newest m (the table's baseline at the same attended
 
 from __future__ import annotations
 
+from memjax.runtime import host_memory
+
+if __name__ == '__main__':  # The command (other modules import this one's pieces).
+    host_memory.keep_host_buffers_first()  # Before the imports below: it may re-execute the command.
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
 import json
 import os

@@ -11,8 +11,10 @@ nothing on a Cloud TPU VM): see memjax/runtime/distributed.py.
 """
 
 from memjax import early_sigterm
+from memjax.runtime import host_memory
 
 early_sigterm.install()  # Before the imports below, which take seconds.
+host_memory.keep_host_buffers_first()  # Before them too: it may re-execute the command.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys

@@ -71,3 +71,35 @@ def test_auto_stays_off_when_an_accelerator_is_requested(monkeypatch):
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match='not one of'):
         host_memory.keep_host_buffers('always')
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != 'glibc', reason='the tunable is a glibc malloc option')
+@pytest.mark.parametrize('host_flag,reexecuted', [([], True), (['--host_memory=off'], False),
+                                                   (['--host_memory', 'reuse'], False)])
+def test_a_command_re_executes_before_it_imports_jax(tmp_path, host_flag, reexecuted):
+    """The re-execution for huge pages is a command's first statement, so JAX and the libraries
+    are imported once (after it), not twice; a run that asks for no huge pages is not re-executed."""
+    env = {k: v for k, v in os.environ.items() if k not in ('GLIBC_TUNABLES', host_memory._REEXECUTED)}
+    proc = subprocess.run(
+        [sys.executable, '-X', 'importtime', '-m', 'memjax.evaluate', '--config=configs/tiny.py',
+         f'--workdir={tmp_path}/missing', *host_flag], capture_output=True, text=True,
+        env={**env, 'JAX_PLATFORMS': 'cpu'}, cwd=os.path.join(os.path.dirname(__file__), '..'))
+    lines = proc.stderr.splitlines()
+    # -X importtime prints a line per module a process imports: the first process imports site
+    # and host_memory only, then the re-executed one everything.
+    imported = [line.split('|')[-1].strip() for line in lines if line.startswith('import time:')]
+    assert imported.count('site') == (2 if reexecuted else 1), proc.stderr[-2000:]
+    assert imported.count('jax') == 1, proc.stderr[-2000:]
+    assert 'missing does not exist' in lines[-1] and proc.returncode != 0, proc.stderr[-2000:]
+
+
+def test_the_mode_is_read_from_the_command_line_before_the_flags_are_parsed(monkeypatch):
+    modes = []
+    monkeypatch.setattr(host_memory, 'keep_host_buffers', modes.append)
+    for argv, mode in [([], 'auto'), (['--host_memory=off'], 'off'), (['-host_memory=reuse'], 'reuse'),
+                       (['--workdir=w', '--host_memory', 'on', 'x'], 'on'), (['--host_memory=always'], None),
+                       (['--host_memory'], None), (['--flagfile=f', '--host_memory=off'], None)]:
+        modes.clear()
+        monkeypatch.setattr(sys, 'argv', ['memjax.train', *argv])
+        host_memory.keep_host_buffers_first()
+        assert modes == ([mode] if mode else []), argv

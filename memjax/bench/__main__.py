@@ -8,6 +8,12 @@ Needs nothing beyond memjax, but `peer` (and `accel`'s peer part), which times P
 `parity` extra (pip install -e '.[parity]').
 """
 
+from memjax.runtime import host_memory
+
+if __name__ == '__main__':  # The command (other modules import this one's pieces).
+    host_memory.keep_host_buffers_first()  # Before the imports below: it may re-execute the command.
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
 import sys
 

@@ -8,6 +8,7 @@ Transformer + relative-position baseline.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import flax.linen as nn
@@ -212,10 +213,22 @@ def init_params(config: ModelConfig, key: jax.Array) -> dict:
     return nn.meta.unbox(_init_variables(config, key)['params'])
 
 
+@functools.lru_cache(maxsize=32)
+def _abstract_variables(config: ModelConfig) -> dict:
+    """init's variables as shapes, dtypes and logical-axis boxes, traced once per config: a run
+    asks for them several times (shardings, restore targets, the memory check), and each trace of
+    the model's init costs as much as a tenth of a small run's start-up."""
+    return jax.eval_shape(lambda: _init_variables(config, jax.random.key(0)))
+
+
+def abstract_params(config: ModelConfig) -> dict:
+    """init_params' tree as jax.ShapeDtypeStructs."""
+    return nn.meta.unbox(_abstract_variables(config)['params'])
+
+
 def param_logical_axes(config: ModelConfig) -> dict:
     """PartitionSpecs of logical axis names ('embed', 'heads', ...) mirroring init_params' tree."""
-    abstract = jax.eval_shape(lambda: _init_variables(config, jax.random.key(0)))
-    return nn.get_partition_spec(abstract)['params']
+    return nn.get_partition_spec(_abstract_variables(config))['params']
 
 
 def memory_logical_axes(config: ModelConfig) -> memories.MemoryState:

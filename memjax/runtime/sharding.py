@@ -78,10 +78,6 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = No
                          devices=devices)
 
 
-def _abstract_params(mcfg: model_lib.ModelConfig) -> Any:
-    return jax.eval_shape(lambda: model_lib.init_params(mcfg, jax.random.PRNGKey(0)))
-
-
 def _spec_leaf(x: Any) -> bool:
     return isinstance(x, P)
 
@@ -137,7 +133,7 @@ class Partitioner:
         return shardings
 
     def params(self, mcfg: model_lib.ModelConfig) -> Any:
-        return self._checked('params', _abstract_params(mcfg), model_lib.param_logical_axes(mcfg))
+        return self._checked('params', model_lib.abstract_params(mcfg), model_lib.param_logical_axes(mcfg))
 
     def memory(self, mcfg: model_lib.ModelConfig, batch_size: int) -> Any:
         """Shardings of the global memory of `batch_size` streams."""
@@ -148,7 +144,7 @@ class Partitioner:
         """Shardings of the params and of `tx`'s state: moments are sharded exactly like their params."""
         params = self.params(mcfg)
         opt_state = optax.tree_map_params(
-            tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, _abstract_params(mcfg)),
+            tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, model_lib.abstract_params(mcfg)),
             params,
             transform_non_params=lambda _: self.replicated)
         return params, opt_state

@@ -223,7 +223,7 @@ def abstract_state(exp: Experiment) -> tuple[Any, Any]:
 
     Restoring into these re-shards a checkpoint saved on any other mesh onto this one.
     """
-    shapes = jax.eval_shape(lambda: init_state(exp))
+    shapes = jax.eval_shape(lambda params: init_state(exp, params), model_lib.abstract_params(exp.mcfg))
     shardings = (exp.state_sharding, exp.memory_sharding)
     return jax.tree_util.tree_map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)

@@ -3,6 +3,7 @@
 import math
 import os
 import struct
+import sys
 from typing import Mapping, Optional
 
 from absl import logging
@@ -41,16 +42,28 @@ def progress_line(step: int, num_steps: int, scalars: Mapping[str, float], unit:
             f'gnorm {scalars["grad_norm"]:.3f} | eta {eta}')
 
 
+def _tensorboardx():
+    """tensorboardX, imported without torch. Its writer imports torch where it is installed (the
+    parity extra, most PyTorch users) only to accept torch tensors; memjax writes floats, and torch's
+    import is about 2 s of every run's start-up (2 cores of an AMD EPYC). Imported on first use:
+    processes other than 0 write nothing."""
+    if 'tensorboardX' not in sys.modules and 'torch' not in sys.modules:
+        sys.modules['torch'] = None  # Python's way to make `import torch` fail (ImportError).
+        try:
+            import tensorboardX  # pylint: disable=g-import-not-at-top,unused-import
+        finally:
+            del sys.modules['torch']
+    import tensorboardX.proto.event_pb2  # pylint: disable=g-import-not-at-top
+    return tensorboardX
+
+
 class MetricWriter:
     """TensorBoard event files under `<workdir>/tensorboard`, scalars grouped by prefix."""
 
     def __init__(self, workdir: str, enabled: bool = True):
         self._writer = None
         if enabled:
-            # Imported here: tensorboardX pulls in torch when it is installed (seconds of
-            # start-up that processes other than 0, which write nothing, do not need).
-            import tensorboardX  # pylint: disable=g-import-not-at-top
-            self._writer = tensorboardX.SummaryWriter(os.path.join(workdir, 'tensorboard'))
+            self._writer = _tensorboardx().SummaryWriter(os.path.join(workdir, 'tensorboard'))
 
     def write_scalars(self, step: int, prefix: str, scalars: Mapping[str, float]) -> None:
         if self._writer is None:
@@ -71,7 +84,7 @@ def read_scalars(workdir: str) -> dict[str, dict[int, float]]:
     scripts and tests can compare runs exactly. Files are read oldest first, so a resumed
     run's values replace those of the run it continued.
     """
-    from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+    event_pb2 = _tensorboardx().proto.event_pb2
     scalars: dict[str, dict[int, float]] = {}
     # Named events.out.tfevents.<start time in s>.<host>: oldest first by that time.
     files = storage.path(workdir).joinpath('tensorboard').glob('events.out.tfevents.*')
