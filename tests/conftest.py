@@ -17,7 +17,7 @@ import tempfile
 # compiling them, and it checks results, not speed (no flag here allows fast-math: the values
 # are IEEE's either way). `bench compile --size=tiny`: 0.40-0.65x the compile time of
 # `--xla_backend_optimization_level=0` alone (BENCHMARKS.md). Set before JAX starts its backend; subprocesses
-# inherit them (notebooks, which train for a minute, drop them).
+# inherit them (commands, notebook kernels).
 FAST_COMPILE_FLAGS = (
     '--xla_backend_optimization_level=0',  # LLVM's optimisation passes.
     '--xla_llvm_disable_expensive_passes=true',
@@ -31,10 +31,6 @@ def with_fast_compile(flags: str) -> str:
     """`flags` (an XLA_FLAGS value) with FAST_COMPILE_FLAGS added where missing."""
     present = flags.split()
     return ' '.join(present + [flag for flag in FAST_COMPILE_FLAGS if flag not in present])
-
-
-def without_fast_compile(flags: str) -> str:
-    return ' '.join(flag for flag in flags.split() if flag not in FAST_COMPILE_FLAGS)
 
 
 os.environ['XLA_FLAGS'] = with_fast_compile(os.environ.get('XLA_FLAGS', ''))
