@@ -14,7 +14,8 @@ from memjax import early_sigterm
 from memjax.runtime import host_memory
 
 early_sigterm.install()  # Before the imports below, which take seconds.
-host_memory.keep_host_buffers_first()  # Before them too: it may re-execute the command.
+if __name__ == '__main__':  # The command: importing this module must not re-execute a process.
+    host_memory.keep_host_buffers_first()  # Before the imports too: it may re-execute the command.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
