@@ -11,7 +11,7 @@ on the trained parameters, such as `--config.eval.model.memory=trams`, and its f
 
 from memjax.runtime import host_memory
 
-if __name__ == '__main__':  # The command (other modules import this one's pieces).
+if __name__ == '__main__':  # The command: importing this module must not re-execute a process.
     host_memory.keep_host_buffers_first()  # Before the imports below: it may re-execute the command.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position

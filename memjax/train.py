@@ -15,7 +15,7 @@ from memjax.runtime import host_memory
 
 early_sigterm.install()  # Before the imports below, which take seconds.
 if __name__ == '__main__':  # The command: importing this module must not re-execute a process.
-    host_memory.keep_host_buffers_first()  # Before the imports too: it may re-execute the command.
+    host_memory.keep_host_buffers_first()  # Before the imports below: it may re-execute the command.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys

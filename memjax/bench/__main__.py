@@ -10,7 +10,7 @@ Needs nothing beyond memjax, but `peer` (and `accel`'s peer part), which times P
 
 from memjax.runtime import host_memory
 
-if __name__ == '__main__':  # The command (other modules import this one's pieces).
+if __name__ == '__main__':  # The command: importing this module must not re-execute a process.
     host_memory.keep_host_buffers_first()  # Before the imports below: it may re-execute the command.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
