@@ -13,6 +13,7 @@ import pytest
 from memjax.kernels import relative_attention as fused
 from memjax.model import ModelConfig, build_model, init_memory, init_params, lm_loss
 from memjax.model.positions import relative_sinusoid_table
+import training_fixtures
 
 
 def naive_attention(cq, pq, k, v, pos_key, valid, scale, window=0, rate=0.0, seed=0):
@@ -38,15 +39,18 @@ def naive_attention(cq, pq, k, v, pos_key, valid, scale, window=0, rate=0.0, see
 
 
 def inputs(batch, t, mem, heads, dims, dtype=jnp.float32, clamp_len=-1, masked=3):
+    """Drawn by NumPy: JAX would compile each draw for each case's shapes."""
     k_len = mem + t
-    keys = jax.random.split(jax.random.key(t * 1000 + mem * 10 + dims), 5)
-    cq, pq = (jax.random.normal(keys[n], (batch, t, heads, dims), dtype) for n in (0, 1))
-    k, v = (jax.random.normal(keys[n], (batch, k_len, heads, dims), dtype) for n in (2, 3))
+    rng = np.random.default_rng(t * 1000 + mem * 10 + dims)
+    normal = lambda *shape: rng.standard_normal(shape, np.float32)
+    cq, pq = normal(batch, t, heads, dims), normal(batch, t, heads, dims)
+    k, v = normal(batch, k_len, heads, dims), normal(batch, k_len, heads, dims)
     # Positional keys from the model's own clamped table, through a random map per head.
-    table = relative_sinusoid_table(k_len, 32, clamp_len)
-    pos_key = jnp.einsum('re,ehd->rhd', table, jax.random.normal(keys[4], (32, heads, dims))).astype(dtype)
-    valid = jnp.ones((batch, k_len), bool).at[0, :min(masked, mem)].set(False)  # An unfilled memory's rows.
-    return cq, pq, k, v, pos_key, valid
+    table = np.asarray(relative_sinusoid_table(k_len, 32, clamp_len))
+    pos_key = np.einsum('re,ehd->rhd', table, normal(32, heads, dims))
+    valid = np.ones((batch, k_len), bool)
+    valid[0, :min(masked, mem)] = False  # An unfilled memory's rows.
+    return (*(jnp.asarray(x, dtype) for x in (cq, pq, k, v, pos_key)), jnp.asarray(valid))
 
 
 def check(batch, t, mem, heads, dims, *, window=0, rate=0.0, skew='scratch', clamp_len=-1, tiles=(16, 16),
@@ -58,16 +62,17 @@ def check(batch, t, mem, heads, dims, *, window=0, rate=0.0, skew='scratch', cla
                             interpret=interpret)
     upcast = lambda xs: [x.astype(jnp.float32) for x in xs]
     reference = lambda *xs: naive_attention(*upcast(xs), valid, scale, window, rate, 11)
-    out, log_norm = run(cq, pq, k, v, pos_key, valid)
-    want_out, want_log_norm = reference(cq, pq, k, v, pos_key)
+    # A loss that weighs every output and the log-normaliser (the memory kinds read it).
+    weights = jax.random.normal(jax.random.key(5), cq.shape)
+    norm_weights = jax.random.normal(jax.random.key(6), (batch, heads, t))
+    loss = lambda f: lambda *xs: ((f(*xs)[0].astype(jnp.float32) * weights).sum() + (f(*xs)[1] * norm_weights).sum())
+    # The outputs and gradients in one program per attention: compiled op by op, they would cost
+    # the test many times its arithmetic.
+    outputs_and_gradients = lambda f: jax.jit(lambda *xs: (f(*xs), jax.grad(loss(f), argnums=range(5))(*xs)))
+    (out, log_norm), got = outputs_and_gradients(lambda *xs: run(*xs, valid))(cq, pq, k, v, pos_key)
+    (want_out, want_log_norm), want = outputs_and_gradients(reference)(cq, pq, k, v, pos_key)
     np.testing.assert_allclose(out.astype(jnp.float32), want_out, atol=tolerance, rtol=tolerance)
     np.testing.assert_allclose(log_norm, want_log_norm, atol=tolerance, rtol=tolerance)
-    # A loss that weighs every output and the log-normaliser (the memory kinds read it).
-    weights = jax.random.normal(jax.random.key(5), out.shape)
-    norm_weights = jax.random.normal(jax.random.key(6), log_norm.shape)
-    loss = lambda f: lambda *xs: ((f(*xs)[0].astype(jnp.float32) * weights).sum() + (f(*xs)[1] * norm_weights).sum())
-    got = jax.grad(loss(lambda *xs: run(*xs, valid)), argnums=range(5))(cq, pq, k, v, pos_key)
-    want = jax.grad(loss(reference), argnums=range(5))(cq, pq, k, v, pos_key)
     for name, g, w in zip(('content query', 'position query', 'key', 'value', 'distance rows'), got, want):
         np.testing.assert_allclose(g.astype(jnp.float32), w, atol=tolerance * float(jnp.abs(w).max()), rtol=tolerance,
                                    err_msg=name)
@@ -219,14 +224,13 @@ def test_every_kind_computes_the_same_loss_and_gradients_with_the_fused_path(kin
     (cross-head permutations, skipped layers whose memory lags, sticky samples; dropout off)."""
     reference = ModelConfig(**TINY, **kind, attention_impl='reference')
     forced = ModelConfig(**TINY, **kind, attention_impl='fused')
-    params = init_params(reference, jax.random.key(0))
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    params = tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    params = training_fixtures.perturbed_params(reference)
     tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 40)  # Two segments: the memory carried once.
-    run = functools.partial(segments_loss, deterministic=not training, key=jax.random.key(3) if training else None)
-    want, want_grads = jax.value_and_grad(run, argnums=1)(reference, params, tokens)
-    got, grads = jax.value_and_grad(run, argnums=1)(forced, params, tokens)
+    key = jax.random.key(3) if training else None
+    loss_and_grads = lambda cfg: jax.jit(jax.value_and_grad(
+        lambda p: segments_loss(cfg, p, tokens, deterministic=not training, key=key)))
+    want, want_grads = loss_and_grads(reference)(params)
+    got, grads = loss_and_grads(forced)(params)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(g, w, atol=1e-5 * max(1.0, float(jnp.abs(w).max())), rtol=1e-5)
@@ -261,7 +265,7 @@ def test_attention_dropout_in_training_varies_with_the_key_centres_on_the_clean_
     loss = jax.jit(lambda key: segments_loss(cfg, params, tokens, deterministic=False, key=key))
     draws = np.array([loss(jax.random.key(n)) for n in range(12)])
     assert np.std(draws) > 0  # The masks differ between keys.
-    clean = segments_loss(cfg, params, tokens)
+    clean = jax.jit(lambda: segments_loss(cfg, params, tokens))()
     assert abs(draws.mean() - clean) < 4 * draws.std() / np.sqrt(len(draws)) + 1e-3
-    grads = jax.grad(lambda p: segments_loss(cfg, p, tokens, deterministic=False, key=jax.random.key(0)))(params)
+    grads = jax.jit(jax.grad(lambda p: segments_loss(cfg, p, tokens, deterministic=False, key=jax.random.key(0))))(params)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))

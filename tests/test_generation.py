@@ -56,11 +56,13 @@ def scored_segment_by_segment(model, params, text, seed):
     padded = np.zeros((batch, -(-n // SEG) * SEG + 1), np.int32)
     padded[:, :n] = text
     streams_key = jax.random.split(jax.random.key(seed))[0]
+    # One program for every segment: op by op, the model's ops would each compile.
+    score = jax.jit(lambda params, inputs, memory, targets, key: model.apply(
+        {'params': params}, inputs, memory, targets=targets, rngs=stream_keys(key, model.kind, 0)))
     memory, scores = lm.init_memory(model.config, batch), []
     for s in range((padded.shape[1] - 1) // SEG):
-        out, memory = model.apply({'params': params}, padded[:, s * SEG:(s + 1) * SEG], memory,
-                                  targets=padded[:, s * SEG + 1:(s + 1) * SEG + 1],
-                                  rngs=stream_keys(jax.random.fold_in(streams_key, s), model.kind, 0))
+        out, memory = score(params, padded[:, s * SEG:(s + 1) * SEG], memory, padded[:, s * SEG + 1:(s + 1) * SEG + 1],
+                            jax.random.fold_in(streams_key, s))
         scores.append(np.asarray(out.target_logprobs))
     return np.concatenate(scores, axis=1)[:, :n - 1]
 
@@ -92,10 +94,15 @@ def scored_best(model, params, text):
     batch, n = text.shape
     padded = np.zeros((batch, -(-n // SEG) * SEG), np.int32)
     padded[:, :n] = text
+    @jax.jit
+    def best_next(params, inputs, memory):
+        out, memory = model.apply({'params': params}, inputs, memory)
+        return model.apply({'params': params}, out.hidden, method=model.logprobs).argmax(-1), memory
+
     memory, best = lm.init_memory(model.config, batch), []
     for s in range(padded.shape[1] // SEG):
-        out, memory = model.apply({'params': params}, padded[:, s * SEG:(s + 1) * SEG], memory)
-        best.append(np.asarray(model.apply({'params': params}, out.hidden, method=model.logprobs)).argmax(-1))
+        tokens, memory = best_next(params, padded[:, s * SEG:(s + 1) * SEG], memory)
+        best.append(np.asarray(tokens))
     return np.concatenate(best, axis=1)[:, :n - 1]
 
 

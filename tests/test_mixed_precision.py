@@ -34,15 +34,6 @@ TRAINED_KINDS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def perturbed_params(cfg: ModelConfig):
-    """Random parameters with the zero-initialised ones perturbed, so every term carries signal."""
-    params = model_lib.init_params(cfg, jax.random.key(0))
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    return tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-
-
 def tokens(seed: int = 2) -> jax.Array:
     return jax.random.randint(jax.random.key(seed), (2, SEGMENTS * SEG + 1), 0, VOCAB)
 
@@ -77,7 +68,7 @@ def relative_error(got, want) -> float:
 @pytest.mark.parametrize('kind', sorted(TRAINED_KINDS))
 def test_bf16_step_gives_float32_loss_and_gradients_to_bf16_accuracy(kind):
     cfg = ModelConfig(**{**BASE, **TRAINED_KINDS[kind]})
-    params = perturbed_params(cfg)
+    params = training_fixtures.perturbed_params(cfg)
     loss32, grads32, _ = last_segment_loss_and_grads(cfg, params, tokens())
     bf16 = cfg.replace(compute_dtype='bfloat16')
     loss16, grads16, memory16 = last_segment_loss_and_grads(bf16, params, tokens())
@@ -106,7 +97,7 @@ def test_bf16_evaluation_kinds_follow_float32(evaluated):
     """The evaluation-only kinds on float32-trained XL parameters: log-probs over segments (the
     pool and its TRAMS ranking carried) agree to bf16 accuracy."""
     trained = ModelConfig(**{**BASE, 'mem_len': 12})
-    params = perturbed_params(trained)
+    params = training_fixtures.perturbed_params(trained)
     seq = tokens(seed=4)
     results = {}
     for dtype in ('float32', 'bfloat16'):
@@ -131,7 +122,7 @@ def test_lamemo_bf16_accumulation_does_not_overflow_or_drift_at_a_long_memory():
     distance from float32's does not grow with the segments (each interpolation is rounded to bf16
     once; alpha < 1 contracts the older roundings instead of adding them up)."""
     cfg = ModelConfig(**{**BASE, 'memory': 'lamemo', 'mem_len': 1024, 'd_model': 16, 'd_head': 8, 'd_inner': 32})
-    params = jax.tree.map(lambda x: 4.0 * x, perturbed_params(cfg))  # Larger logits: a harder test.
+    params = jax.tree.map(lambda x: 4.0 * x, training_fixtures.perturbed_params(cfg))  # Larger logits: a harder test.
     seq = jax.random.randint(jax.random.key(5), (1, 40 * SEG + 1), 0, VOCAB)
 
     def run(dtype):

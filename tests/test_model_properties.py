@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from memjax.model import ModelConfig, MemoryLM, build_model, adaptive, init_memory, init_params, lm_loss
+from memjax.model import ModelConfig, MemoryLM, build_model, adaptive, init_memory, lm_loss
+import training_fixtures
 
 VOCAB = 50
 BASE = dict(vocab_size=VOCAB, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, dropout=0.0)
@@ -17,12 +18,7 @@ BASE = dict(vocab_size=VOCAB, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner
 def setup(**overrides):
     """Random model with its zero-initialised parameters perturbed so that every term matters."""
     cfg = ModelConfig(**{**BASE, **overrides})
-    model = build_model(cfg)
-    params = init_params(cfg, jax.random.key(0))
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    params = tree.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-    return cfg, model, params
+    return cfg, build_model(cfg), training_fixtures.perturbed_params(cfg)
 
 
 def run_segments(cfg, model, params, tokens, seg_len, targets=None):
@@ -126,8 +122,8 @@ def test_tail_clusters_scored_in_chunks_match_the_full_softmax_with_gradients(mo
         picked = jnp.take_along_axis(full, targets[..., None], -1)[..., 0]
         return picked.sum(), picked
 
-    (_, got), got_grads = jax.value_and_grad(chunked_loss, has_aux=True)(params)
-    (_, expected), expected_grads = jax.value_and_grad(full_loss, has_aux=True)(params)
+    (_, got), got_grads = jax.jit(jax.value_and_grad(chunked_loss, has_aux=True))(params)
+    (_, expected), expected_grads = jax.jit(jax.value_and_grad(full_loss, has_aux=True))(params)
     np.testing.assert_allclose(got, expected, atol=1e-5)
     for g, e in zip(jax.tree.leaves(got_grads), jax.tree.leaves(expected_grads)):
         np.testing.assert_allclose(g, e, atol=1e-5)
@@ -239,13 +235,13 @@ def test_bfloat16_compute_tracks_float32_and_keeps_float32_gradients():
     cfg, model, params = setup(mem_len=4, cutoffs=(20, 35), div_val=2)
     bf16 = cfg.replace(compute_dtype='bfloat16')
     tokens, targets = random_tokens(14, (2, 6)), random_tokens(15, (2, 6))
-    out32, _ = model.apply({'params': params}, tokens, init_memory(cfg, 2), targets=targets)
+    out32, _ = jax.jit(model.apply)({'params': params}, tokens, init_memory(cfg, 2), targets=targets)
 
     def loss(p):
         out, memory = build_model(bf16).apply({'params': p}, tokens, init_memory(bf16, 2), targets=targets)
         return lm_loss(out.target_logprobs), (out, memory)
 
-    grads, (out16, memory) = jax.grad(loss, has_aux=True)(params)
+    grads, (out16, memory) = jax.jit(jax.grad(loss, has_aux=True))(params)
     assert memory.layers['hidden'].dtype == jnp.bfloat16 and out16.target_logprobs.dtype == jnp.float32
     assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype('float32')}
     np.testing.assert_allclose(out16.target_logprobs, out32.target_logprobs, atol=0.05)

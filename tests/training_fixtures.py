@@ -4,21 +4,35 @@ A generated text corpus keeps these tests independent of any downloaded data and
 enough that a full validation pass takes a fraction of a second.
 """
 
+import functools
 import os
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
 from memjax.training import checkpoints as checkpointing
 from memjax import config_lib
+from memjax import model as model_lib
 from memjax.training import metrics as metrics_lib
 from memjax.training import loop as trainer
 from memjax.training import step as train_step_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, 'configs', 'tiny.py')
+
+
+@functools.lru_cache(maxsize=None)
+def perturbed_params(cfg):
+    """A ModelConfig's random parameters with the zero-initialised ones perturbed, so that every
+    term of the model carries signal. NumPy draws the perturbations: JAX would compile a draw for
+    each shape."""
+    params = model_lib.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + 0.05 * rng.standard_normal(x.shape, np.float32), x.dtype),
+                        params)
 
 
 def write_text_corpus(folder: str, seed: int = 0) -> str:
