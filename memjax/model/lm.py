@@ -208,8 +208,14 @@ def _init_variables(config: ModelConfig, key: jax.Array):
     return build_model(config).init(rngs, tokens, init_memory(config, 1))
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_params(config: ModelConfig, key: jax.Array) -> dict:
-    """Float32 parameters as plain arrays (the logical-axis boxes stripped; see param_logical_axes)."""
+    """Float32 parameters as plain arrays (the logical-axis boxes stripped; see param_logical_axes).
+
+    Compiled: init runs the model on one token, and XLA drops that forward from the program
+    (only the initialisers reach the parameters), where op by op every one of its operations
+    would run, each compiled for its shape. Also the numbers training's own jitted init gives.
+    """
     return nn.meta.unbox(_init_variables(config, key)['params'])
 
 
