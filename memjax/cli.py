@@ -21,6 +21,7 @@ from memjax.runtime import distributed
 from memjax import errors
 from memjax.runtime import host_memory
 from memjax.runtime import logs
+from memjax.runtime import peer_watch
 
 _HOST_MEMORY = flags.DEFINE_enum(
     'host_memory', 'auto', host_memory.MODES,
@@ -33,11 +34,9 @@ _VERBOSE = flags.DEFINE_boolean(
 
 
 def _exit_now(exit_code: int) -> NoReturn:
-    """Exits without waiting for other threads: after a failed save, orbax's signalling
-    threads wait forever, and a process that never exits holds its cluster allocation."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)  # pylint: disable=protected-access
+    """Tells the other processes of a multi-process run that this one ends, then exits at once."""
+    peer_watch.ended(exit_code)
+    errors.exit_now(exit_code)
 
 
 def fail(error: BaseException, label: str, exit_code: int) -> NoReturn:
@@ -183,4 +182,6 @@ def run(job: Callable[[], Any]) -> Any:
     distributed.initialize_from_flags()
     distributed.set_log_verbosity()
     with distributed.peer_failures_end_the_run():
-        return job()
+        result = job()
+    peer_watch.ended(0)
+    return result

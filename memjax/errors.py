@@ -5,6 +5,11 @@ exit status tells a scheduler or a script which kind of problem ended the run: a
 usage error will fail again on a retry, a runtime error may not.
 """
 
+import os
+import sys
+from typing import NoReturn
+
+
 def failed(*checks: tuple[bool, str]) -> list[str]:
     """The messages of the (ok, message) checks that fail: a config section lists them all at once."""
     return [message for ok, message in checks if not ok]
@@ -12,6 +17,15 @@ def failed(*checks: tuple[bool, str]) -> list[str]:
 
 EXIT_USAGE = 2  # The command line or the config: fix it and run again.
 EXIT_RUNTIME = 3  # Data, workdir, checkpoints, diverged training: the message says what to do.
+
+
+def exit_now(exit_code: int) -> NoReturn:
+    """Exits without waiting for other threads: after a failed save orbax's signalling threads
+    wait forever, a lost peer leaves the main thread inside a collective, and a process that
+    never exits holds its cluster allocation."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)  # pylint: disable=protected-access
 
 
 class UserError(Exception):

@@ -86,18 +86,35 @@ def progress(log: str) -> dict:
 
 
 # The default mesh puts all 8 devices on 'data': 8 streams, one per device. Validation
-# every 16 steps runs across processes too; only the preemption and final checkpoints.
+# every 16 steps runs across processes too; checkpoints every 8 steps and at the preemption.
 NUM_STEPS = 32
 TRAIN = ('--config.train.batch_size=8', '--config.eval.batch_size=8',
          f'--config.train.num_steps={NUM_STEPS}', '--config.train.eval_every=16',
-         '--config.train.checkpoint_every=0')
+         '--config.train.checkpoint_every=8')
 SIGNAL_AFTER = f'step 4/{NUM_STEPS}'
+KILL_AFTER = f'step 20/{NUM_STEPS}'
+# A lost process is noticed after HEARTBEAT_S without its heartbeat; the survivor is gone within
+# LOSS_BOUND_S of the kill (the watch's period, the lock's release and a loaded machine's slack).
+HEARTBEAT_S = 10
+LOSS_BOUND_S = HEARTBEAT_S + 20
+
+
+def _appears(folder, name: str, run: cli_fixtures.Run) -> list[str]:
+    """Waits (polling every 2 ms) until `folder` holds `name`; returns the listing then."""
+    deadline = time.time() + cli_fixtures.RUN_TIMEOUT_S
+    while time.time() < deadline and run.process.poll() is None:
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        if name in names:
+            return names
+        time.sleep(0.002)
+    raise AssertionError(f'no {name} in {folder}:\n{run.log()[-3000:]}')
 
 
 @pytest.fixture(scope='module')
 def two_process_run(corpus, tmp_path_factory):
-    """configs/tiny.py on 2 processes x 4 CPU devices, preempted by a SIGTERM to process 1 and
-    restarted; and uninterrupted on 1 process x 8 devices (running alongside)."""
+    """configs/tiny.py on 2 processes x 4 CPU devices: preempted by a SIGTERM to process 1 and
+    restarted; process 1 then killed with SIGKILL (a host lost) and restarted again; and
+    uninterrupted on 1 process x 8 devices (running alongside)."""
     root = tmp_path_factory.mktemp('multihost')
     cache = str(root / 'jax_cache')
     single = cli_fixtures.Run(
@@ -111,7 +128,8 @@ def two_process_run(corpus, tmp_path_factory):
         return [cli_fixtures.Run(
             cli_fixtures.tiny_command(str(root / 'two'), corpus, str(root / 'data_two'), *TRAIN,
                                        f'--coordinator_address={address}', '--num_processes=2',
-                                       f'--process_id={i}', '--verbosity=0', module=module),
+                                       f'--process_id={i}', '--verbosity=0', f'--heartbeat_timeout={HEARTBEAT_S}',
+                                       module=module),
             cli_fixtures.cpu_env(4, cache), str(root / f'{phase}_process{i}.log'))
             for i in range(2)]
 
@@ -119,19 +137,40 @@ def two_process_run(corpus, tmp_path_factory):
     first[0].wait_for_text(SIGNAL_AFTER)
     first[1].process.send_signal(signal.SIGTERM)  # The notice reaches one process only.
     first_logs = [cli_fixtures.checked(run) for run in first]
-    preempted_checkpoints = sorted(os.listdir(root / 'two' / 'checkpoints'))
-    resumed_logs = [cli_fixtures.checked(run) for run in launch('resumed')]
+    preempted_checkpoints = sorted(os.listdir(root / 'two' / 'checkpoints'), key=int)
+    resumed = launch('resumed')
+    resumed[0].wait_for_text(KILL_AFTER)
+    resumed[1].process.kill()
+    killed_at = time.time()
+    survivor_log = cli_fixtures.checked(resumed[0], expected_code=3)
+    survivor_s = time.time() - killed_at
+    resumed[1].wait()
+    before_restart = dict(checkpoints=sorted(os.listdir(root / 'two' / 'checkpoints')),
+                          lock=os.path.exists(root / 'two' / '.memjax.lock'),
+                          scalars=metrics_lib.read_scalars(str(root / 'two')))
+    # Killed again while step 24's checkpoint is being written (orbax's temporary folder exists).
+    restarted = launch('restarted')
+    saving = _appears(root / 'two' / 'checkpoints', '24.orbax-checkpoint-tmp', restarted[0])
+    restarted[1].process.kill()
+    killed_at = time.time()
+    saving_survivor_log = cli_fixtures.checked(restarted[0], expected_code=3)
+    saving_survivor_s = time.time() - killed_at
+    restarted[1].wait()
+    mid_save = dict(seen=saving, checkpoints=sorted(os.listdir(root / 'two' / 'checkpoints')))
+    restarted_logs = [cli_fixtures.checked(run) for run in launch('completed')]
     for run in launch('evaluate', module='memjax.evaluate'):
         cli_fixtures.checked(run)
     cli_fixtures.checked(single)
-    return dict(root=root, first_logs=first_logs, resumed_logs=resumed_logs,
-                preempted_checkpoints=preempted_checkpoints,
+    return dict(root=root, first_logs=first_logs, resumed_logs=[run.log() for run in resumed],
+                restarted_logs=restarted_logs, survivor_log=survivor_log, survivor_s=survivor_s,
+                saving_survivor_log=saving_survivor_log, saving_survivor_s=saving_survivor_s, mid_save=mid_save,
+                before_restart=before_restart, preempted_checkpoints=preempted_checkpoints,
                 two=metrics_lib.read_scalars(str(root / 'two')),
                 one=metrics_lib.read_scalars(str(root / 'one')))
 
 
 def test_sigterm_to_one_process_stops_both_at_the_same_checkpoint(two_process_run):
-    (name,) = two_process_run['preempted_checkpoints']
+    name = two_process_run['preempted_checkpoints'][-1]
     step = int(name)
     assert 4 <= step < NUM_STEPS
     saved = two_process_run['root'] / 'two' / 'checkpoints' / name
@@ -140,12 +179,51 @@ def test_sigterm_to_one_process_stops_both_at_the_same_checkpoint(two_process_ru
         assert f'(step {step})' in resumed  # "Resumed from <dir> (step N)".
 
 
+def test_a_process_killed_without_notice_stops_the_other_within_the_bound_and_a_restart_resumes_exactly(
+        two_process_run):
+    """SIGKILL to process 1 in the middle of training: process 0 is out of its collectives within
+    LOSS_BOUND_S, with one line naming process 1 (exit 3), the workdir's lock released. Only complete
+    checkpoints are left, and the restart continues from the newest one with the same numbers as the
+    killed launch had."""
+    assert_stopped_in_one_line(two_process_run['survivor_log'], two_process_run['survivor_s'])
+    before = two_process_run['before_restart']
+    assert not before['lock']
+    assert all(name.isdigit() for name in before['checkpoints'])  # No half-written step among them.
+    newest = max(map(int, before['checkpoints']))
+    assert 16 <= newest < NUM_STEPS
+    assert f'(step {newest})' in two_process_run['restarted_logs'][0]
+    # The steps after the checkpoint that the killed launch logged, repeated by the restart: bit for bit.
+    killed, final = before['scalars']['train/loss'], two_process_run['two']['train/loss']
+    repeated = [step for step in killed if step > newest]
+    assert repeated
+    assert [killed[step] for step in repeated] == [final[step] for step in repeated]
+
+
+def assert_stopped_in_one_line(log: str, seconds: float) -> None:
+    assert seconds < LOSS_BOUND_S
+    lines = [line for line in log.splitlines() if line.startswith('memjax: ')]
+    assert len(lines) == 1, log[-3000:]
+    assert re.fullmatch(r'memjax: process 1 of 2 has not been heard from for \d+s \(killed, or its host is gone\); '
+                        r'process 0 stops too \(exit 3\)\. Start every process again with the same command to '
+                        r'resume from the newest complete checkpoint\.', lines[0]), lines[0]
+    assert 'Traceback' not in log and 'Fatal Python error' not in log and 'Checkpoint error' not in log
+
+
+def test_a_process_killed_while_a_checkpoint_is_written_leaves_the_previous_one_newest(two_process_run):
+    """The save's own collectives fail at once; the line is still the lost process's (not a disk's),
+    and the half-written step stays orbax's temporary folder, which a restart passes over."""
+    assert_stopped_in_one_line(two_process_run['saving_survivor_log'], two_process_run['saving_survivor_s'])
+    mid_save = two_process_run['mid_save']
+    assert '24' not in mid_save['seen'] and '24' not in mid_save['checkpoints']
+    assert '(step 16)' in two_process_run['restarted_logs'][0]
+
+
 def test_two_processes_agree_and_match_one_process(two_process_run):
-    logs = [first + resumed for first, resumed in zip(two_process_run['first_logs'],
-                                                      two_process_run['resumed_logs'])]
+    logs = [first + resumed + restarted for first, resumed, restarted in zip(
+        two_process_run['first_logs'], two_process_run['resumed_logs'], two_process_run['restarted_logs'])]
     process0, process1 = (progress(log) for log in logs)
     assert sorted(process0) == list(range(2, NUM_STEPS + 1, 2))  # tiny logs every 2 steps.
-    assert process0 == process1
+    assert {step: process0[step] for step in process1} == process1  # Process 1's last lines may be lost to the kill.
     two, one = two_process_run['two'], two_process_run['one']
     for tag in ('train/loss', 'train/grad_norm', 'valid/loss'):
         assert sorted(two[tag]) == sorted(one[tag])
@@ -155,9 +233,9 @@ def test_two_processes_agree_and_match_one_process(two_process_run):
 
 def test_only_process_0_writes_files_but_both_write_the_checkpoints(two_process_run):
     workdir = two_process_run['root'] / 'two'
-    preempted = two_process_run['preempted_checkpoints'][0]
-    assert sorted(os.listdir(workdir / 'checkpoints'), key=int) == [preempted, str(NUM_STEPS)]
-    assert len(os.listdir(workdir / 'tensorboard')) == 2  # One event file per launch.
+    kept = sorted(os.listdir(workdir / 'checkpoints'), key=int)
+    assert kept[-1] == str(NUM_STEPS) and all(int(step) % 8 == 0 for step in kept[:-1])
+    assert len(os.listdir(workdir / 'tensorboard')) == 4  # One event file per training launch.
     assert os.path.exists(workdir / 'config.json')
 
 

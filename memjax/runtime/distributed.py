@@ -8,8 +8,8 @@ MEMJAX_NUM_PROCESSES, MEMJAX_PROCESS_ID (SLURM and Open MPI are also detected by
 under `--distributed=on`).
 
 Every wait is bounded: joining gives up after `--initialization_timeout` seconds with
-an error that says which side is missing, and a peer that stops sending heartbeats for
-`--heartbeat_timeout` seconds makes JAX's coordination service end every process.
+an error that says which side is missing, and a peer not heard from for `--heartbeat_timeout`
+seconds ends every other process with a line that names it (memjax/runtime/peer_watch.py).
 """
 
 import contextlib
@@ -23,18 +23,20 @@ from typing import Iterator, Mapping, Optional
 from absl import flags
 from absl import logging
 import jax
+from jax._src import distributed as jax_distributed  # Its client: the key-value store.
 from jax.experimental import multihost_utils
 import numpy as np
 
 from memjax import early_sigterm
 from memjax import errors
+from memjax.runtime import peer_watch
 
 MODES = ('auto', 'on', 'off')
 ENV_COORDINATOR = 'MEMJAX_COORDINATOR_ADDRESS'
 ENV_NUM_PROCESSES = 'MEMJAX_NUM_PROCESSES'
 ENV_PROCESS_ID = 'MEMJAX_PROCESS_ID'
-# JAX's own deadline is set this much later than ours, so that the clear message below
-# (not JAX's abort, which blames "another task") reports a missed deadline.
+# JAX's own deadlines (joining, heartbeats) are set this much later than memjax's, so that
+# memjax's line, which names the cause, comes before JAX's abort, which blames "another task".
 _JAX_DEADLINE_GRACE_S = 15
 # Environment of TPU VMs and GKE TPU pods that names the workers of a slice.
 _TPU_ENV = ('TPU_WORKER_HOSTNAMES', 'TPU_PROCESS_ADDRESSES', 'MEGASCALE_COORDINATOR_ADDRESS')
@@ -56,8 +58,9 @@ _INIT_TIMEOUT = flags.DEFINE_integer(
     'initialization_timeout', 300,
     'Seconds to wait until every process has joined the coordinator; then the run fails.')
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
-    'heartbeat_timeout', 100,
-    'Seconds of silence after which a process counts as dead and every process is stopped.')
+    'heartbeat_timeout', 30,
+    'Seconds of silence after which a process counts as lost: every other process then stops '
+    'with a line naming it (memjax/runtime/peer_watch.py).')
 _SHUTDOWN_TIMEOUT = flags.DEFINE_integer(
     'shutdown_timeout', 300,
     'Seconds a finishing process waits for the others to finish too.')
@@ -81,7 +84,7 @@ class Settings:
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
     initialization_timeout: int = 300
-    heartbeat_timeout: int = 100
+    heartbeat_timeout: int = 30
     shutdown_timeout: int = 300
 
     @property
@@ -110,7 +113,7 @@ def _check_address(address: str) -> None:
 
 def resolve_settings(mode: str = 'auto', coordinator_address: Optional[str] = None,
                      num_processes: Optional[int] = None, process_id: Optional[int] = None,
-                     initialization_timeout: int = 300, heartbeat_timeout: int = 100,
+                     initialization_timeout: int = 300, heartbeat_timeout: int = 30,
                      shutdown_timeout: int = 300,
                      environ: Optional[Mapping[str, str]] = None) -> Settings:
     """Flag values, each falling back to its MEMJAX_* variable, checked for consistency.
@@ -208,7 +211,7 @@ def initialize(settings: Settings) -> bool:
     if jax.distributed.is_initialized():
         return True
     kwargs = dict(initialization_timeout=settings.initialization_timeout + _JAX_DEADLINE_GRACE_S,
-                  heartbeat_timeout_seconds=settings.heartbeat_timeout,
+                  heartbeat_timeout_seconds=settings.heartbeat_timeout + _JAX_DEADLINE_GRACE_S,
                   shutdown_timeout_seconds=settings.shutdown_timeout)
     if settings.explicit:
         kwargs.update(coordinator_address=settings.coordinator_address,
@@ -233,6 +236,8 @@ def initialize(settings: Settings) -> bool:
                 '--process_id, or use --distributed=auto.') from None
     logging.info('Process %d of %d; %d of %d devices are local.', jax.process_index(),
                  jax.process_count(), jax.local_device_count(), jax.device_count())
+    peer_watch.start(jax_distributed.global_state.client, jax.process_index(), jax.process_count(),
+                     settings.heartbeat_timeout)
     return True
 
 
@@ -313,6 +318,7 @@ def peer_failures_end_the_run() -> Iterator[None]:
     except jax.errors.JaxRuntimeError as error:
         if jax.process_count() == 1:
             raise
+        peer_watch.wait_for_verdict()  # A lost peer: the watch's line names it and ends the process.
         raise PeerFailureError(
             f'process {jax.process_index()} of {jax.process_count()} stops: an operation across '
             f'processes failed ({str(error)[:500]}). Usually another process died or was '

@@ -241,6 +241,8 @@ class Checkpointer:
         try:
             yield
         except Exception as error:  # pylint: disable=broad-except  (disk full, permissions, ...)
+            if isinstance(error, jax.errors.JaxRuntimeError) and jax.process_count() > 1:
+                raise  # The save's collectives failed: a lost process, reported as such by the command.
             kept = [s for s in self.all_steps() if s != step]
             raise errors.CheckpointError(
                 f'saving {"a checkpoint" if step is None else f"step {step}"} in '

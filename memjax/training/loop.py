@@ -28,6 +28,7 @@ from memjax.training import optim
 from memjax.training import preemption
 from memjax.runtime import sharding
 from memjax.runtime import logs
+from memjax.runtime import peer_watch
 from memjax.runtime import storage
 from memjax.training import step as train_step_lib
 from memjax.data import factory as data_factory
@@ -649,7 +650,9 @@ def _train_locked(run: config_lib.RunConfig, workdir: str) -> dict:
                 f'cannot take the lock {storage.join(workdir, workdir_lib.LOCK_FILE)} '
                 f'({error}): check the workdir\'s filesystem.'), None
     release = lock.release if lock is not None else (lambda: None)
-    # A run stopped by SIGTERM before or after the loop leaves the workdir free for its restart.
+    # A run stopped by SIGTERM before or after the loop, or by a lost peer, leaves the workdir
+    # free for its restart.
+    forget = peer_watch.on_loss(release)
     with early_sigterm.cleanup_on_stop(release):
         try:
             if jax.process_count() > 1:
@@ -662,6 +665,7 @@ def _train_locked(run: config_lib.RunConfig, workdir: str) -> dict:
             _adopt_tokenizer(run.train.init_from, workdir)
             return _train(run, workdir)
         finally:
+            forget()
             release()
 
 
