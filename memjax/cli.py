@@ -5,7 +5,6 @@ ends the command with one line on stderr and the error's exit status; `--verbose
 the traceback. Anything else is a bug and keeps its traceback.
 """
 
-import os
 import re
 import sys
 import traceback

@@ -301,3 +301,22 @@ def test_init_from_takes_the_source_tokenizer_and_reads_numbered_workdirs(config
     assert trainer._init_from_dir(str(numbered)) == (str(numbered / 'checkpoints'), None)
     assert trainer._init_from_dir(str(numbered / 'checkpoints' / '8')) == (
         str(numbered / 'checkpoints'), 8)
+
+
+def test_a_failed_background_write_is_reported_as_such_even_when_closing_fails_too(tmp_path):
+    """A full disk under an asynchronous save: the wait names the step and the fix, and orbax's own
+    error from closing (it raises the writer's failure again) does not replace it."""
+    ckpt = checkpointing.Checkpointer(str(tmp_path / 'checkpoints'), keep=1)
+    ckpt.close()  # A real manager, closed; a stand-in then fails as a full disk's would.
+    full = OSError(28, 'No space left on device')
+    ckpt._manager = mock.Mock(wait_until_finished=mock.Mock(side_effect=full),  # pylint: disable=protected-access
+                              close=mock.Mock(side_effect=full), all_steps=mock.Mock(return_value=[4]))
+    ckpt._writing = 8  # pylint: disable=protected-access
+    with pytest.raises(errors.CheckpointError, match='saving step 8 in .* failed .*No space left.* resume from .*4'):
+        try:
+            ckpt.wait()
+        finally:
+            ckpt.close()
+    ckpt._failed = False  # pylint: disable=protected-access
+    with pytest.raises(OSError):  # Without a failure reported first, closing's own error is not hidden.
+        ckpt.close()

@@ -81,24 +81,31 @@ class _Watch:
                 _stop_this_process(f'{verdict}; process {self._me} stops too')
 
     def _verdict(self, now: float) -> Optional[str]:
-        """Why this process has to stop, or None."""
-        of = f'of {self._count}'
-        for process, (status, seen) in sorted(self._ended.items()):
-            if status and now - seen > GRACE_S:
-                return f'process {process} {of} ended with exit status {status} (its log says why)'
-        if self._me != 0 and now - self._answered > self.timeout:
-            return (f'process 0 {of}, the coordinator, has not answered for {now - self._answered:.0f}s '
-                    '(killed, or its host is gone)')
-        for process, moved in sorted(self._moved.items()):
-            if process not in self._ended and now - moved > self.timeout:
-                return f'process {process} {of} has not been heard from for {now - moved:.0f}s (killed, or its host is gone)'
-        return None
+        return verdict(self._me, self._count, self.timeout, now, self._moved, self._answered, self._ended)
 
     def end(self, status: int) -> None:
         """This process ends by itself with `status`: no more judging, and the others are told."""
         self._stop.set()
         _bounded(lambda: self._client.key_value_set(f'{_PREFIX}ended/{self._me}', str(status),
                                                     allow_overwrite=True))
+
+
+def verdict(me: int, count: int, timeout: float, now: float, moved: dict[int, float], answered: float,
+            ended: dict[int, tuple[int, float]]) -> Optional[str]:
+    """Why process `me` of `count` has to stop at `now`, or None. `moved`: when each other process's
+    counter last changed; `answered`: the coordinator's last answer; `ended`: (exit status, when
+    seen) of the processes that said they end."""
+    of = f'of {count}'
+    for process, (status, seen) in sorted(ended.items()):
+        if status and now - seen > GRACE_S:
+            return f'process {process} {of} ended with exit status {status} (its log says why)'
+    if me != 0 and now - answered > timeout:
+        return (f'process 0 {of}, the coordinator, has not answered for {now - answered:.0f}s '
+                '(killed, or its host is gone)')
+    for process, last in sorted(moved.items()):
+        if process not in ended and now - last > timeout:
+            return f'process {process} {of} has not been heard from for {now - last:.0f}s (killed, or its host is gone)'
+    return None
 
 
 def _bounded(fn: Callable[[], None]) -> None:

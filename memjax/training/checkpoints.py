@@ -218,6 +218,7 @@ class Checkpointer:
                 create=not read_only, read_only=read_only, enable_async_checkpointing=True)
             self._manager = _Manager(self.directory, options=options, item_handlers=handlers)
         self._writing: Optional[int] = None  # The step whose asynchronous write may be in flight.
+        self._failed = False  # A failed write was reported (as a CheckpointError) already.
         self.damaged: list[int] = []  # Steps found damaged (and quarantined) by latest_intact.
 
     def save(self, step: int, state: Any, memory: Any, data_state: Any, config: dict,
@@ -241,6 +242,7 @@ class Checkpointer:
         try:
             yield
         except Exception as error:  # pylint: disable=broad-except  (disk full, permissions, ...)
+            self._failed = True
             if isinstance(error, jax.errors.JaxRuntimeError) and jax.process_count() > 1:
                 raise  # The save's collectives failed: a lost process, reported as such by the command.
             kept = [s for s in self.all_steps() if s != step]
@@ -382,4 +384,11 @@ class Checkpointer:
         self._writing = None
 
     def close(self) -> None:
-        self._manager.close()
+        """Closes orbax's manager. After a failed write its error is orbax's again (a full disk):
+        logged, so that it does not replace the CheckpointError that named the step and the fix."""
+        try:
+            self._manager.close()
+        except Exception as error:  # pylint: disable=broad-except
+            if not self._failed:
+                raise
+            logging.warning('Closing the checkpoints after the failed write: %s: %s', type(error).__name__, error)
