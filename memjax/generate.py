@@ -26,7 +26,7 @@ from ml_collections import config_flags
 from memjax import cli
 from memjax import errors
 from memjax.generation import Sampling
-from memjax.generation.text import generate
+from memjax.generation.text import check_settings, generate
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file (default: the workdir\'s '
                                           'saved config).', lock_config=True)
@@ -60,6 +60,7 @@ def main(argv):
     if len(argv) > 1:
         raise errors.UsageError(f'unexpected arguments: {argv[1:]}')
     settings = Sampling(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
+    check_settings(settings, _NUM_SAMPLES.value)  # Before the prompt is echoed.
     if _MAX_NEW_TOKENS.value < 1:
         raise errors.UsageError(f'--max_new_tokens={_MAX_NEW_TOKENS.value} must be >= 1.')
     text = _read_prompt()

@@ -250,8 +250,18 @@ def test_a_truncated_file_a_bare_model_and_a_missing_path_are_one_line_naming_th
         data = f.read()
     truncated = tmp_path / 'truncated.pt'
     truncated.write_bytes(data[:len(data) // 2])
-    with pytest.raises(errors.CheckpointError, match=f'{truncated} .*(truncated or damaged|reads safely)'):
+    with pytest.raises(errors.CheckpointError, match=f'{truncated} could not be read .*: it is truncated or damaged'):
         original.read_model(str(truncated))
+    # A corpus cache cut short, in torch's zip format and in the legacy one of the original code's
+    # torch: damaged, not refused as unsafe.
+    words = ['<eos>', 'the', 'and', '<unk>']
+    for n, zipped in enumerate((True, False)):
+        cache = tmp_path / f'cache{n}.pt'
+        torch.save(original_corpus('wt103', words), cache, _use_new_zipfile_serialization=zipped)
+        for size in (cache.stat().st_size // 2, 10):
+            cache.write_bytes(cache.read_bytes()[:size])
+            with pytest.raises(errors.CheckpointError, match=f'{cache} could not be read .*: it is truncated or damaged'):
+                original.read_vocabulary(str(cache), len(words))
     bare = tmp_path / 'bare.pt'
     torch.save(CLASSES['MemTransformerLM'](), bare)  # The class, none of a trained model's attributes.
     with pytest.raises(errors.CheckpointError, match=f'{bare} holds a MemTransformerLM without the parts'):

@@ -279,9 +279,12 @@ def test_generate_errors_are_one_line(trained, env, tmp_path):
     workdir, _ = trained
     code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt='], env)
     assert_one_line(code, stderr, errors.EXIT_USAGE, 'the prompt is empty')
-    code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt=a',
-                        '--top_k=-1'], env)
-    assert_one_line(code, stderr, errors.EXIT_USAGE, 'top_k=-1 must be >= 0')
+    refused = subprocess.run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt=a prompt',
+                              '--temperature=-1', '--top_k=-1'], env=env, capture_output=True, text=True,
+                             timeout=TIMEOUT_S, cwd=training_fixtures.REPO)
+    assert_one_line(refused.returncode, refused.stderr, errors.EXIT_USAGE, 'temperature=-1.0 must be a finite number',
+                    'top_k=-1 must be >= 0')
+    assert refused.stdout == ''  # Refused before the prompt is echoed.
     code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={tmp_path}', '--prompt=a'], env)
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'no readable checkpoint')
 

@@ -164,6 +164,14 @@ def refusal(error: Exception) -> str:
     return type(error).__name__
 
 
+def damaged(error: Exception) -> bool:
+    """Whether torch's loader failed on a file cut short or corrupted, rather than on what it holds:
+    a truncated zip archive, a legacy file that ends early (the original Transformer-XL's)."""
+    text = str(error)
+    return isinstance(error, (OSError, EOFError)) or any(
+        sign in text for sign in ('failed reading zip archive', 'unexpected EOF', 'corrupted', 'truncated'))
+
+
 def _read_torch_bin(path: str) -> Mapping[str, Any]:
     try:
         import torch  # pylint: disable=g-import-not-at-top  (optional dependency)
@@ -173,9 +181,9 @@ def _read_torch_bin(path: str) -> Mapping[str, Any]:
     try:
         state = torch.load(path, map_location='cpu', weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError, ValueError) as error:
-        advice = ('memjax never runs code from a checkpoint: re-save the weights as safetensors from code you trust'
-                  if isinstance(error, pickle.UnpicklingError) else 'the file is damaged or not torch\'s: download it '
-                  'again')
+        advice = ('the file is truncated or damaged, or not torch\'s: download it again' if damaged(error)
+                  or not isinstance(error, pickle.UnpicklingError)
+                  else 'memjax never runs code from a checkpoint: re-save the weights as safetensors from code you trust')
         raise CheckpointError(f'{path} is not a file of tensors this importer reads safely ({refusal(error)}); '
                               f'{advice}.') from error
     if not isinstance(state, Mapping):

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from memjax.convert import hf_transfo_xl
-from memjax.convert.hf_io import CheckpointError, refusal
+from memjax.convert.hf_io import CheckpointError, damaged, refusal
 from memjax.data.tokenizers import ByteTokenizer, Tokenizer, WordTokenizer
 from memjax.model import ModelConfig
 
@@ -83,10 +83,10 @@ def safe_load(path: str, what: str) -> Any:
         with torch.serialization.safe_globals(_STAND_INS), warnings.catch_warnings():
             warnings.simplefilter('ignore')
             return torch.load(path, map_location='cpu', weights_only=True)
-    except OSError as error:  # A truncated or damaged file reads as an invalid seek or read.
-        raise CheckpointError(f'{path} could not be read as a torch.save file ({error.strerror or error}): it is '
-                              f'truncated or damaged; copy the {what} again.') from error
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, EOFError, ValueError) as error:
+    except (OSError, pickle.UnpicklingError, RuntimeError, AttributeError, EOFError, ValueError) as error:
+        if damaged(error):
+            raise CheckpointError(f'{path} could not be read as a torch.save file ({refusal(error).split(". ")[0]}): '
+                                  f'it is truncated or damaged; copy the {what} again.') from error
         raise CheckpointError(f'{path} is not a {what} this importer reads safely ({refusal(error)}); it only builds '
                               f'the original code\'s own classes, never arbitrary ones.') from error
 

@@ -57,13 +57,18 @@ class TextStream:
             self.shown = text
 
 
+def check_settings(settings: Sampling, num_samples: int) -> None:
+    """Raises a UsageError listing every problem of the sampling settings."""
+    problems = settings.problems() + ([] if num_samples >= 1 else [f'num_samples={num_samples} must be >= 1.'])
+    if problems:
+        raise errors.UsageError(' '.join(problems))
+
+
 def generate(config: Optional[ml_collections.ConfigDict], workdir: str, text: str, max_new_tokens: int,
              settings: Sampling, seed: int = 0, num_samples: int = 1, out: TextIO = sys.stdout) -> list[str]:
     """Continues `text` `num_samples` times with the newest checkpoint of `workdir`; streams the first
     continuation to `out` (or all, one after another, when there are several) and returns them."""
-    problems = settings.problems() + ([] if num_samples >= 1 else [f'num_samples={num_samples} must be >= 1.'])
-    if problems:
-        raise errors.UsageError(' '.join(problems))
+    check_settings(settings, num_samples)
     if config is None:
         config = trainer.saved_config(workdir)
     exp = trainer.setup(config, workdir, training=False)
