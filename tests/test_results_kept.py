@@ -73,6 +73,9 @@ def test_a_failed_write_leaves_the_previous_result_whole(tmp_path):
         kept = str(refused.value).split(' and kept in ')[1].split(';')[0]
         with open(kept) as f:
             assert f.read() == new
+        # The copy that did not fit beside the target left nothing there (an empty file would pass for it).
+        assert [n for n in os.listdir(disk) if n.endswith('.unsaved')] == (
+            [os.path.basename(kept)] if os.path.dirname(kept) == disk else [])
         os.remove(kept)
 
 

@@ -112,7 +112,11 @@ def _keep_beside(target: os.PathLike | str, text: str) -> str:
     kept = path(target).with_name(f'{path(target).name}.unsaved')
     if kept.exists():  # An earlier failure's copy, not yet moved into place: never replaced.
         raise FileExistsError(str(kept))
-    kept.write_text(text)
+    try:
+        kept.write_text(text)
+    except BaseException:
+        kept.unlink(missing_ok=True)  # This call's own empty or partial copy would pass for the result.
+        raise
     return str(kept)
 
 
