@@ -572,7 +572,7 @@ class RelativeAttention(nn.Module):
         if pos_key is not None and pos_key.shape[0] == key.shape[1]:
             span_valid = _span_key_validity(blocks, query.shape[0], qlen)
         key_valid = None if cfg.same_length else span_valid
-        fused = fused_attention.path(cfg.attention_impl)
+        fused = fused_attention.path(cfg.attention_impl, cfg.d_head, cfg.dtype)
         attention_dropout = Dropout(cfg.dropatt)
         probs = None
         if fused is not None and span_valid is not None and not self.is_mutable_collection('intermediates'):

@@ -342,7 +342,7 @@ class Suite:
         step = self.setup['largest']
         heads, dim = step.model['n_head'], step.model['d_head']
         scale = dim ** -0.5
-        options = relative_attention.path('fused')
+        options = relative_attention.path('fused', dim, jnp.bfloat16)
         block_q, block_k = relative_attention.tiles_for(dim)
         for length in self.setup['fused_lengths']:
             batch, klen = max(1, step.batch * step.tgt_len // length), 2 * length
