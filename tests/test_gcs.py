@@ -307,3 +307,43 @@ def test_a_bucket_lost_mid_run_stops_the_run_within_the_bound(corpus, data_dir, 
     assert time.time() - stopped_at < 60, log[-2000:]
     lines = one_error_line(log)
     assert len(lines) == 1 and 'Cloud Storage has not answered' in lines[0] and 'resumes from the newest' in lines[0], log
+
+
+def test_a_lost_bucket_is_said_to_be_silent_since_the_first_unanswered_request(monkeypatch):
+    """A refresh answered at t=60, the endpoint gone at t=100, the next request sent at t=120 and
+    failing after its 60 s of retries: the bucket has not answered for 60 s (not 120, since the last
+    answer). A clock that moves only when the lock waits or a request hangs."""
+    clock = [0.0]
+    calls = []
+
+    class Stop:
+        def wait(self, seconds):
+            clock[0] += seconds
+            return False
+
+        def is_set(self):
+            return False
+
+    class Bucket(workdir_lib._LockObject):  # pylint: disable=protected-access
+        def touch(self, version, text):
+            calls.append(clock[0])
+            if len(calls) == 1:
+                return version
+            clock[0] += 60.0  # The client's bounded retries, then its error.
+            raise ConnectionError('endpoint gone')
+
+    class Lost(Exception):
+        pass
+
+    def lost_after(seconds, error):
+        raise Lost(seconds, error)
+
+    monkeypatch.setattr(workdir_lib.time, 'time', lambda: clock[0])
+    monkeypatch.setattr(workdir_lib, 'HEARTBEAT_S', 60.0)
+    monkeypatch.setattr(storage, 'gcs_timeout_s', lambda: 60.0)
+    lock = workdir_lib.RunLock('gs://bucket/run')
+    lock._store, lock._stop = Bucket('gs://bucket/run/.memjax.lock'), Stop()  # pylint: disable=protected-access
+    monkeypatch.setattr(lock, '_lost', lost_after)
+    with pytest.raises(Lost) as lost:
+        lock._heartbeat()  # pylint: disable=protected-access
+    assert calls == [60.0, 120.0] and lost.value.args[0] == 60.0

@@ -411,17 +411,21 @@ class RunLock:
         # On Cloud Storage it also watches the bucket: every MEMJAX_GCS_TIMEOUT_S at most.
         period = min(HEARTBEAT_S, storage.gcs_timeout_s()) if remote else HEARTBEAT_S
         answered = time.time()
+        unanswered_since = None  # When the first request still without an answer was sent.
         while not self._stop.wait(period):
+            sent = time.time()
             try:
                 self._version = self._store.touch(self._version, self._text)
-                answered = time.time()
+                answered, unanswered_since = time.time(), None
             except Exception as error:  # pylint: disable=broad-except
                 # A filesystem or network hiccup: try again. On Cloud Storage a failed precondition
                 # means another run took the lock over (this run's heartbeat stopped for 10 minutes).
                 logging.warning('Could not refresh the lock %s (%s: %s).', self.path,
                                 type(error).__name__, error)
+                unanswered_since = sent if unanswered_since is None else unanswered_since
                 if remote and time.time() - answered > storage.gcs_timeout_s() and not self._stop.is_set():
-                    self._lost(time.time() - answered, error)
+                    # Not since the last answer: the bucket may have answered until just before the request.
+                    self._lost(time.time() - unanswered_since, error)
 
     def _lost(self, seconds: float, error: Exception) -> None:
         """The bucket stopped answering: whatever the run waits on (a checkpoint's upload, a read)
