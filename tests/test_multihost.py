@@ -158,12 +158,23 @@ def two_process_run(corpus, tmp_path_factory):
     restarted[1].wait()
     mid_save = dict(seen=saving, checkpoints=sorted(os.listdir(root / 'two' / 'checkpoints')))
     restarted_logs = [cli_fixtures.checked(run) for run in launch('completed')]
+    # An evaluation killed after it has read the data (restoring, compiling or scoring).
+    evaluating = launch('evaluate_killed', module='memjax.evaluate')
+    evaluating[0].wait_for_text('Load dataset info')
+    evaluating[1].process.kill()
+    killed_at = time.time()
+    evaluating_survivor_log = cli_fixtures.checked(evaluating[0], expected_code=3)
+    evaluating_survivor_s = time.time() - killed_at
+    evaluating[1].wait()
+    evaluation_left = os.path.exists(root / 'two' / 'eval_validation.json')
     for run in launch('evaluate', module='memjax.evaluate'):
         cli_fixtures.checked(run)
     cli_fixtures.checked(single)
     return dict(root=root, first_logs=first_logs, resumed_logs=[run.log() for run in resumed],
                 restarted_logs=restarted_logs, survivor_log=survivor_log, survivor_s=survivor_s,
                 saving_survivor_log=saving_survivor_log, saving_survivor_s=saving_survivor_s, mid_save=mid_save,
+                evaluating_survivor_log=evaluating_survivor_log, evaluating_survivor_s=evaluating_survivor_s,
+                evaluation_left=evaluation_left,
                 before_restart=before_restart, preempted_checkpoints=preempted_checkpoints,
                 two=metrics_lib.read_scalars(str(root / 'two')),
                 one=metrics_lib.read_scalars(str(root / 'one')))
@@ -216,6 +227,11 @@ def test_a_process_killed_while_a_checkpoint_is_written_leaves_the_previous_one_
     mid_save = two_process_run['mid_save']
     assert '24' not in mid_save['seen'] and '24' not in mid_save['checkpoints']
     assert '(step 16)' in two_process_run['restarted_logs'][0]
+
+
+def test_a_process_killed_during_an_evaluation_stops_the_other_within_the_bound(two_process_run):
+    assert_stopped_in_one_line(two_process_run['evaluating_survivor_log'], two_process_run['evaluating_survivor_s'])
+    assert not two_process_run['evaluation_left']  # No result written by the stopped evaluation.
 
 
 def test_two_processes_agree_and_match_one_process(two_process_run):
