@@ -23,7 +23,6 @@ from typing import Iterator, Mapping, Optional
 from absl import flags
 from absl import logging
 import jax
-from jax._src import distributed as jax_distributed  # Its client: the key-value store.
 from jax.experimental import multihost_utils
 import numpy as np
 
@@ -236,9 +235,21 @@ def initialize(settings: Settings) -> bool:
                 '--process_id, or use --distributed=auto.') from None
     logging.info('Process %d of %d; %d of %d devices are local.', jax.process_index(),
                  jax.process_count(), jax.local_device_count(), jax.device_count())
-    peer_watch.start(jax_distributed.global_state.client, jax.process_index(), jax.process_count(),
-                     settings.heartbeat_timeout)
+    _watch_peers(settings.heartbeat_timeout)
     return True
+
+
+def _watch_peers(timeout: int) -> None:
+    """Starts peer_watch on JAX's coordination client (its key-value store), which JAX keeps in
+    a private module: a JAX that moved it runs without the watch, after a warning."""
+    try:
+        from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+        client = jax_distributed.global_state.client
+    except (ImportError, AttributeError) as error:
+        logging.warning('No watch on the other processes (%s): a lost process is noticed only by JAX, after '
+                        '--heartbeat_timeout plus %ds.', error, _JAX_DEADLINE_GRACE_S)
+        return
+    peer_watch.start(client, jax.process_index(), jax.process_count(), timeout)
 
 
 def settings_from_flags() -> Settings:
