@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from memjax import errors
+from memjax.kernels import fused_choice
 from memjax.kernels import relative_attention as fused
 from memjax.model import ModelConfig, build_model, init_memory, init_params, lm_loss
 from memjax.model.positions import relative_sinusoid_table
@@ -279,17 +280,17 @@ def test_a_kernel_that_does_not_compile_is_one_line_when_asked_for_and_xlas_atte
     """Compiled for a chip instead of interpreted, the kernel does not lower on this CPU, as it would
     not on an untested chip: 'fused' is refused in one line naming the reason, from inside the
     training step's trace too, and 'auto' (where it would fuse) takes XLA's path with one warning."""
-    assert fused.compile_failure('scratch', 16, 'float32') is not None
-    assert fused.compile_failure('scratch', 16, 'float32', interpret=True) is None
+    assert fused_choice.compile_failure('scratch', 16, 'float32') is not None
+    assert fused_choice.compile_failure('scratch', 16, 'float32', interpret=True) is None
     refusal = r"attention_impl='fused': the fused attention does not compile on this gpu for heads of 16 in float32 \(.+\); use"
     with pytest.raises(errors.ConfigError, match=refusal):
-        fused.path('fused', 16, jnp.float32, platform='gpu')
-    monkeypatch.setattr(fused, 'FUSED_BY_DEFAULT', ('gpu',))
+        fused_choice.path('fused', 16, jnp.float32, platform='gpu')
+    monkeypatch.setattr(fused_choice, 'FUSED_BY_DEFAULT', ('gpu',))
     with caplog.at_level(logging.WARNING):
-        assert [fused.path('auto', 16, jnp.float32, platform='gpu') for _ in range(2)] == [None, None]
+        assert [fused_choice.path('auto', 16, jnp.float32, platform='gpu') for _ in range(2)] == [None, None]
     warned = [r.getMessage() for r in caplog.records if 'does not compile' in r.getMessage()]
     assert len(warned) == 1 and '\n' not in warned[0] and "XLA's attention runs instead" in warned[0]
-    monkeypatch.setattr(fused, 'path', functools.partial(fused.path, platform='gpu'))
+    monkeypatch.setattr(fused_choice, 'path', functools.partial(fused_choice.path, platform='gpu'))
     config = training_fixtures.tiny_config(corpus, model__attention_impl='fused', train__num_steps=2)
     with pytest.raises(errors.ConfigError, match="attention_impl='fused': the fused attention does not compile"):
         trainer.train_and_evaluate(config, str(tmp_path / 'run'))

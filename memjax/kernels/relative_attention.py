@@ -27,14 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from memjax import errors
 
 MIN = float(jnp.finfo(jnp.float32).min)
 SKEWS = ('scratch', 'roll')
@@ -466,67 +463,6 @@ def span_attention(content_query, position_query, key, value, pos_key, key_valid
     out, lse = _attention(spec, seed, head_major(content_query, t_pad), head_major(position_query, t_pad),
                           head_major(key, k_pad), head_major(value, k_pad), table.astype(pos_key.dtype), valid)
     return out[:, :, :t, :dims].transpose(0, 2, 1, 3), lse[:, :, :t, 0]
-
-
-# Platforms where `attention_impl='auto'` fuses: none until a GPU run has checked the backward pass
-# against the reference (the forward matched it on an H200; docs/performance.md, "Status").
-FUSED_BY_DEFAULT: tuple[str, ...] = ()
-
-
-def path(impl: str, head_dim: int, dtype: Any, platform: Optional[str] = None) -> Optional[dict]:
-    """`span_attention`'s platform options for config field `attention_impl`, or None where the
-    reference path runs: 'fused' wherever asked, 'auto' on the platforms of FUSED_BY_DEFAULT.
-
-    On a chip the kernel is compiled once per head size and dtype first (compile_failure): where it
-    does not lower or compile (an untested chip, a Pallas or Triton change), 'fused' is a one-line
-    ConfigError and 'auto' takes XLA's path with one warning. Interpret mode is plain JAX: nothing
-    there depends on the chip.
-    """
-    platform = platform or jax.devices()[0].platform
-    if impl == 'reference' or (impl == 'auto' and platform not in FUSED_BY_DEFAULT):
-        return None
-    options = {'skew': 'roll' if platform == 'tpu' else 'scratch', 'interpret': platform not in ('gpu', 'tpu')}
-    failure = None if options['interpret'] else compile_failure(options['skew'], head_dim, jnp.dtype(dtype).name)
-    if failure is None:
-        return options
-    if impl == 'fused':
-        raise errors.ConfigError(
-            f"attention_impl='fused': the fused attention does not compile on this {platform} for heads of "
-            f"{head_dim} in {jnp.dtype(dtype).name} ({failure}); use attention_impl='reference', or 'auto', which "
-            "takes XLA's attention where the kernel does not compile.")
-    _warn_once(platform, failure)
-    return None
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(platform: str, failure: str) -> None:
-    logging.warning("attention_impl='auto': the fused attention does not compile on this %s (%s); XLA's attention "
-                    'runs instead.', platform, failure)
-
-
-@functools.lru_cache(maxsize=None)
-def compile_failure(skew: str, head_dim: int, dtype: str, interpret: bool = False) -> Optional[str]:
-    """Why the kernel's forward and backward (dropout and the log-normaliser's gradient included)
-    do not lower and compile on the default device for heads of `head_dim` in `dtype`: its
-    error's type and first line; None when they do."""
-    block_q, block_k = tiles_for(head_dim)
-    query = jax.ShapeDtypeStruct((1, block_q, 1, head_dim), jnp.dtype(dtype))
-    keys = jax.ShapeDtypeStruct((1, block_q + block_k, 1, head_dim), jnp.dtype(dtype))
-    rows = jax.ShapeDtypeStruct((block_q + block_k, 1, head_dim), jnp.dtype(dtype))
-    valid = jax.ShapeDtypeStruct((1, block_q + block_k), jnp.bool_)
-
-    def loss(*inputs):
-        out, log_norm = span_attention(*inputs, scale=head_dim ** -0.5, dropout_rate=0.1,
-                                       dropout_seed=jnp.int32(1), block_q=block_q, block_k=block_k, skew=skew,
-                                       interpret=interpret)
-        return out.astype(jnp.float32).sum() + log_norm.sum()
-
-    try:
-        jax.jit(jax.grad(loss, argnums=range(5))).lower(query, query, keys, keys, rows, valid).compile()
-    except Exception as error:  # pylint: disable=broad-except  (lowering and compiling raise many kinds)
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        return f'{type(error).__name__}: {lines[0][:300]}' if lines else type(error).__name__
-    return None
 
 
 def tiles_for(head_dim: int) -> tuple[int, int]:

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from memjax.kernels import cpu as cpu_kernels
+from memjax.kernels import fused_choice
 from memjax.kernels import relative_attention as fused_attention
 from memjax.kernels import softmax as softmax_lib
 from memjax.model.config import ModelConfig
@@ -572,7 +573,7 @@ class RelativeAttention(nn.Module):
         if pos_key is not None and pos_key.shape[0] == key.shape[1]:
             span_valid = _span_key_validity(blocks, query.shape[0], qlen)
         key_valid = None if cfg.same_length else span_valid
-        fused = fused_attention.path(cfg.attention_impl, cfg.d_head, cfg.dtype)
+        fused = fused_choice.path(cfg.attention_impl, cfg.d_head, cfg.dtype)
         attention_dropout = Dropout(cfg.dropatt)
         probs = None
         if fused is not None and span_valid is not None and not self.is_mutable_collection('intermediates'):

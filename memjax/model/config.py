@@ -161,7 +161,7 @@ class ModelConfig:
     # The attention's path (memjax/kernels/relative_attention.py): 'fused' runs the tiled kernel
     # wherever it applies (the keys are one contiguous span, validity per key; in Pallas's
     # interpret mode on a CPU); 'reference' never does (debugging, comparisons); 'auto' fuses on
-    # the platforms where the kernel has been checked on the chip (none yet: FUSED_BY_DEFAULT).
+    # the platforms where the kernel has been checked on the chip (none yet: memjax/kernels/fused_choice.py, FUSED_BY_DEFAULT).
     attention_impl: str = 'auto'
 
     def __init__(self, **values: Any):

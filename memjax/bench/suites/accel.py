@@ -50,6 +50,7 @@ from memjax.bench import workload
 from memjax.bench.suites import eval_speed
 from memjax.bench.suites import peak
 from memjax.bench.suites import peer
+from memjax.kernels import fused_choice
 from memjax.kernels import relative_attention
 from memjax.kernels import softmax as softmax_lib
 from memjax.model import memories
@@ -342,7 +343,7 @@ class Suite:
         step = self.setup['largest']
         heads, dim = step.model['n_head'], step.model['d_head']
         scale = dim ** -0.5
-        options = relative_attention.path('fused', dim, jnp.bfloat16)
+        options = fused_choice.path('fused', dim, jnp.bfloat16)
         block_q, block_k = relative_attention.tiles_for(dim)
         for length in self.setup['fused_lengths']:
             batch, klen = max(1, step.batch * step.tgt_len // length), 2 * length
