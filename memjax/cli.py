@@ -5,6 +5,7 @@ ends the command with one line on stderr and the error's exit status; `--verbose
 the traceback. Anything else is a bug and keeps its traceback.
 """
 
+import os
 import re
 import sys
 import traceback
@@ -14,6 +15,7 @@ from absl import app
 from absl import flags
 import jax
 import ml_collections
+from ml_collections import config_flags
 
 from memjax import config_lib
 from memjax.runtime import distributed
@@ -21,6 +23,7 @@ from memjax import errors
 from memjax.runtime import host_memory
 from memjax.runtime import logs
 from memjax.runtime import peer_watch
+from memjax.training import workdir as workdir_lib
 
 _HOST_MEMORY = flags.DEFINE_enum(
     'host_memory', 'auto', host_memory.MODES,
@@ -51,6 +54,8 @@ def fail(error: BaseException, label: str, exit_code: int) -> NoReturn:
 def _parse_flags(argv: Sequence[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
+    except errors.UserError as error:  # The workdir's own config (memjax/workdir_config.py).
+        fail(error, error.label, error.exit_code)
     except flags.Error as error:
         if 'Error whilst parsing config file' in str(error):  # get_config() raised: its own words.
             config_error = _config_error(OSError(str(error).strip()), argv)
@@ -67,8 +72,52 @@ def _parse_flags(argv: Sequence[str]) -> list[str]:
         fail(config_error, config_error.label, config_error.exit_code)
 
 
-def main(command: Callable[[list[str]], Any]) -> None:
-    """`absl.app.run(command)` where a bad flag or a user error ends with one line."""
+# The config file whose get_config(workdir) is a trained workdir's own config.
+WORKDIR_CONFIG_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'workdir_config.py')
+
+
+def define_workdir_flags() -> tuple[flags.FlagHolder, flags.FlagHolder]:
+    """--config and --workdir of a command that reads a trained workdir (evaluate, generate, sweep):
+    --config defaults to the config the workdir's run was trained with; `--config.a.b=v` overrides
+    apply on top of either."""
+    config = config_flags.DEFINE_config_file(
+        'config', None, 'Path to a configs/*.py file; default: the config the workdir\'s run was trained with '
+        '(its config.json), to which --config.a.b=v overrides apply as well.', lock_config=True)
+    workdir = flags.DEFINE_string('workdir', None, 'Training workdir holding checkpoints/.')
+    flags.mark_flag_as_required('workdir')
+    return config, workdir
+
+
+def with_workdir_config(argv: Sequence[str]) -> list[str]:
+    """`argv` with `--config=<WORKDIR_CONFIG_FILE>:<workdir>` first when it names a workdir and no
+    --config (first: config overrides must follow the file they override). A workdir that does
+    not exist or holds no config is refused here, in one line."""
+    argv = list(argv)
+    if any(re.match(r'--?config(=|$)', arg) for arg in argv[1:]):
+        return argv
+    workdir = None
+    for i, arg in enumerate(argv[1:], 1):
+        if re.match(r'--?workdir=', arg):
+            workdir = arg.split('=', 1)[1]
+        elif re.fullmatch(r'--?workdir', arg) and i + 1 < len(argv):
+            workdir = argv[i + 1]
+    if workdir is None:
+        return argv  # absl says that --workdir is required.
+    workdir_lib.check(workdir, create=False)
+    return [argv[0], f'--config={WORKDIR_CONFIG_FILE}:{workdir}', *argv[1:]]
+
+
+def main(command: Callable[[list[str]], Any], config_from_workdir: bool = False) -> None:
+    """`absl.app.run(command)` where a bad flag or a user error ends with one line.
+
+    With `config_from_workdir` (the flags of `define_workdir_flags`), a command given no --config
+    runs with its workdir's own (`with_workdir_config`).
+    """
+    if config_from_workdir:
+        try:
+            sys.argv = with_workdir_config(sys.argv)  # Read by absl and by the config flag's overrides.
+        except errors.UserError as error:
+            fail(error, error.label, error.exit_code)
 
     def guarded(argv: list[str]) -> Any:
         try:

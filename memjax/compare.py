@@ -62,6 +62,7 @@ from memjax.training import metrics as metrics_lib
 from memjax.training import workdir as workdir_lib
 
 flags.adopt_module_key_flags(evaluate)  # --config, --workdir.
+flags.mark_flag_as_required('config')  # A comparison trains: its config is the user's.
 flags.adopt_module_key_flags(cli)
 
 

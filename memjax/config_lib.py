@@ -197,6 +197,15 @@ def base_config() -> ml_collections.ConfigDict:
     return config
 
 
+def from_saved(saved: Mapping[str, Any]) -> ml_collections.ConfigDict:
+    """A config as a workdir saved it (plain JSON) on base_config(): its fields keep their types
+    (tuples, typed placeholders of unset fields), so `--config.a.b=v` parses as it does on a config
+    file's; sections base_config() lacks (a comparison's) come as saved."""
+    config = base_config()
+    config.update(saved)
+    return config
+
+
 def model_defaults() -> dict:
     """config.model's fields and defaults, read from ModelConfig (vocab_size -1: the tokenizer's).
     An optional field unset by default is a typed placeholder, so the command line can set it."""

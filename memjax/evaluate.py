@@ -3,10 +3,12 @@
 Needs a workdir with a checkpoint (written by memjax.train or an import) and the data its config
 names; prints the result as JSON.
 
-`python -m memjax.evaluate --config=configs/X.py --workdir=DIR [--config.eval.split=test]`
-scores every target token of the split once, in order, carrying the memory, with the
-evaluation overrides of config.eval (tgt_len, mem_len, clamp_len, same_length; a kind that runs
-on the trained parameters, such as `--config.eval.model.memory=trams`, and its fields).
+`python -m memjax.evaluate --workdir=DIR [--config.eval.split=test]` scores every target token
+of the split once, in order, carrying the memory, with the config the workdir's run was trained
+with and the evaluation overrides given on top of it (config.eval: tgt_len, batch_size, and in
+config.eval.model mem_len, clamp_len, same_length, or a kind that runs on the trained parameters
+such as `--config.eval.model.memory=trams` with its fields). `--config=configs/X.py` replaces the
+workdir's config.
 """
 
 from memjax.runtime import host_memory
@@ -19,8 +21,8 @@ import json
 import os
 
 from absl import flags
+from absl import logging
 import ml_collections
-from ml_collections import config_flags
 
 from memjax import cli
 from memjax import config_lib
@@ -33,10 +35,7 @@ from memjax.training import loop as trainer
 from memjax.training import workdir as workdir_lib
 
 # Also the flags of memjax.sweep, which evaluates over a grid of settings.
-CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file.',
-                                          lock_config=True)
-WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir holding checkpoints/.')
-flags.mark_flags_as_required(['config', 'workdir'])
+CONFIG, WORKDIR = cli.define_workdir_flags()
 flags.adopt_module_key_flags(cli)
 flags.adopt_module_key_flags(distributed)
 
@@ -58,7 +57,12 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig
     split = exp.run.eval.split
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         streams = evaluation.eval_streams(exp.run, exp.tokenizer, split)
-    result = evaluation.evaluate_streams(trainer.make_eval_step(exp), params, exp.eval_mcfg, streams,
+    logging.info('Evaluating step %d of %s on the %s split: %s target tokens in batches of %d x %d; %s.', step,
+                 workdir, split, f'{int(streams.num_target_tokens):,}', exp.run.eval.batch_size, exp.run.eval.tgt_len,
+                 memories.describe(exp.eval_mcfg))
+    eval_step = trainer.announced(trainer.make_eval_step(exp), 'Compiling the evaluation step: the first batch '
+                                  'includes it.')
+    result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams,
                                          evaluation.local_eval_batch(exp.run), max_batches=max_batches,
                                          partitioner=exp.partitioner, key=evaluation.eval_key(exp.run))
     name = metrics_lib.metric_name(exp.unit)
@@ -88,4 +92,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    cli.main(main)
+    cli.main(main, config_from_workdir=True)

@@ -6,9 +6,9 @@ be text of the kind the model was trained on.
 `python -m memjax.generate --workdir=DIR --prompt="In the beginning" --max_new_tokens=200
 [--temperature=0.8 --top_k=40 --top_p=0.95 --seed=1 --num_samples=4 --prompt_file=F]`
 
-The model, tokenizer and evaluation settings are the workdir's own (the config saved with its
-newest checkpoint, with `config.eval`'s overrides such as a longer memory); `--config=configs/X.py`
-with `--config.a.b=v` overrides replaces it. From Python: `memjax.generation.sample`.
+The model, tokenizer and evaluation settings are the workdir's own (the config its run was trained
+with, `config.eval`'s settings such as a longer memory included); `--config.a.b=v` overrides apply
+on top of it, and `--config=configs/X.py` replaces it. From Python: `memjax.generation.sample`.
 """
 
 from memjax.runtime import host_memory
@@ -21,16 +21,13 @@ import sys
 import time
 
 from absl import flags
-from ml_collections import config_flags
 
 from memjax import cli
 from memjax import errors
 from memjax.generation import Sampling
 from memjax.generation.text import check_settings, generate
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file (default: the workdir\'s '
-                                          'saved config).', lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Training workdir holding checkpoints/.')
+_CONFIG, _WORKDIR = cli.define_workdir_flags()
 _PROMPT = flags.DEFINE_string('prompt', None, 'Text to continue.')
 _PROMPT_FILE = flags.DEFINE_string('prompt_file', None, 'File whose text to continue (UTF-8).')
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 100, 'Tokens to produce.')
@@ -40,7 +37,6 @@ _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sample in the nucleus of this probabi
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed of the draws.')
 _NUM_SAMPLES = flags.DEFINE_integer('num_samples', 1, 'Continuations of the prompt, produced side by side.')
 _ECHO = flags.DEFINE_boolean('echo', True, 'Print the prompt before its continuation (--noecho: the continuation alone).')
-flags.mark_flags_as_required(['workdir'])
 flags.adopt_module_key_flags(cli)
 
 
@@ -60,18 +56,16 @@ def main(argv):
     if len(argv) > 1:
         raise errors.UsageError(f'unexpected arguments: {argv[1:]}')
     settings = Sampling(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
-    check_settings(settings, _NUM_SAMPLES.value)  # Before the prompt is echoed.
+    check_settings(settings, _NUM_SAMPLES.value)  # Before anything is loaded.
     if _MAX_NEW_TOKENS.value < 1:
         raise errors.UsageError(f'--max_new_tokens={_MAX_NEW_TOKENS.value} must be >= 1.')
     text = _read_prompt()
 
     def job():
         # The prompt, then the continuation as it is produced (several samples one after another).
-        if _ECHO.value:
-            print(text, end='' if _NUM_SAMPLES.value == 1 else '\n', flush=True)
         start = time.time()
         generate(cli.load_config(_CONFIG), _WORKDIR.value, text, _MAX_NEW_TOKENS.value, settings, _SEED.value,
-                 _NUM_SAMPLES.value)
+                 _NUM_SAMPLES.value, echo=_ECHO.value)
         produced, seconds = _MAX_NEW_TOKENS.value * _NUM_SAMPLES.value, time.time() - start
         print(f'{produced:,} tokens in {seconds:.1f} s, {produced / seconds:,.1f} tokens/s (loading and compilation '
               'included)', file=sys.stderr)
@@ -80,4 +74,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    cli.main(main)
+    cli.main(main, config_from_workdir=True)

@@ -226,4 +226,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-    cli.main(main)
+    cli.main(main, config_from_workdir=True)

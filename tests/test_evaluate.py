@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -13,6 +15,7 @@ from memjax.training import evaluation
 from memjax import model as model_lib
 from memjax.training import step as train_step_lib
 from memjax.training import loop as trainer
+import cli_fixtures
 import training_fixtures
 
 EVAL_TGT_LEN, EVAL_MEM_LEN, EVAL_CLAMP_LEN = 5, 6, 4
@@ -142,6 +145,20 @@ def test_evaluate_command_scores_test_split_from_checkpoint(corpus, tmp_path):
         ('train_summary.json', trained['valid_loss']), ('first.json', first['loss']),
         ('eval_test.json', summary['loss']), ('eval_test.json', other['loss'])]
     assert history[2]['settings']['mem_len'] == 8 and other['loss'] != summary['loss']
+    # The command without --config: the workdir's own config (its split, test), the override on top.
+    done = subprocess.run([sys.executable, '-m', 'memjax.evaluate', f'--workdir={workdir}',
+                           '--config.eval.model.mem_len=4'], env=cli_fixtures.cpu_env(1), capture_output=True,
+                          text=True, timeout=cli_fixtures.RUN_TIMEOUT_S, cwd=training_fixtures.REPO, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = json.loads(done.stdout)  # Its stdout is the result alone (no library's notes).
+    assert (printed['split'], printed['settings']['mem_len'], printed['num_tokens']) == ('test', 4, other['num_tokens'])
+    assert printed['loss'] == pytest.approx(other['loss'], abs=1e-6)
+    # What it is about to do, then what the first seconds go to, then the result; no TFDS notes.
+    said = [line.split('] ', 1)[-1] for line in done.stderr.splitlines()]
+    starts = [next(i for i, line in enumerate(said) if line.startswith(text)) for text in (
+        f'Evaluating step 2 of {workdir} on the test split: {other["num_tokens"]:,} target tokens',
+        'Compiling the evaluation step', 'eval test at step 2')]
+    assert starts == sorted(starts) and 'dataset_info.py' not in done.stderr
 
 
 def test_evaluation_reads_the_parameters_in_either_layer_layout(corpus, tmp_path):

@@ -111,7 +111,7 @@ def test_sigterm_at_any_moment_of_start_up_compilation_or_training_exits_0_and_l
     del trained
     # Seconds after memjax's first statement (wait_until_sigterm_is_blocked), and once the first
     # updates are done (compiled).
-    moments = (0.0, 2.5, 'First 2 updates')
+    moments = (0.0, 2.5, 'updates, with compilation')
     extra = KINDS[kind] + ('--config.train.num_steps=400', '--config.train.eval_every=0')
     runs = []
     for i, moment in enumerate(moments):  # Side by side: the three moments cost about one run.

@@ -229,6 +229,31 @@ def test_word_prompts_stop_mid_line_and_text_streams_whole_characters():
     assert out.getvalue() == 'né à\n'
 
 
+class _CountedFlushes(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self.tty, self.flushes = tty, 0
+
+    def isatty(self):
+        return self.tty
+
+    def flush(self):
+        self.flushes += 1
+
+
+@pytest.mark.parametrize('tty', [True, False])
+def test_a_terminal_sees_each_token_and_a_notebook_a_flush_per_line(tty):
+    """A notebook keeps each flush as an output of its own: one per byte made hundreds."""
+    out = _CountedFlushes(tty)
+    stream = generation_text.TextStream(ByteTokenizer(), out)
+    text = 'def f(x):\n    return x\n'
+    for byte in text.encode():
+        stream.add([byte])
+    stream.close()
+    assert out.getvalue() == text + '\n'
+    assert out.flushes == (len(text) + 1 if tty else text.count('\n') + 1)
+
+
 @pytest.fixture(scope='module')
 def trained_workdir(tmp_path_factory):
     corpus = training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))

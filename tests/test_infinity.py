@@ -6,6 +6,7 @@ contraction of the old signal (eq. 13-15), the KL term (eq. 20), a per-step cost
 context, per-layer sampling streams, bf16 gradients and an exact resume through the trainer.
 """
 
+import logging
 import math
 
 import flax.linen as nn
@@ -356,9 +357,13 @@ def test_gradients_are_finite_with_bf16_compute():
     assert float(jnp.abs(grads['layer_0']['memory']['gate']['kernel']).sum()) > 0  # The gate learns.
 
 
-def test_tiny_infinity_former_resumes_exactly(tmp_path):
+def test_tiny_infinity_former_resumes_exactly(tmp_path, caplog):
     corpus = training_fixtures.write_text_corpus(str(tmp_path / 'corpus'))
     config = training_fixtures.tiny_config(
         corpus, model__memory='infinity', model__n_layer=1, model__mem_len=8, model__ltm_basis=16, model__ltm_widths=(0.05, 0.1),
         model__ltm_sticky=True, model__ltm_reset_tokens=48, train__num_steps=8, train__memory_learning_rate=1e-3)
-    training_fixtures.assert_resumes_exactly(config, tmp_path)
+    with caplog.at_level(logging.INFO):
+        training_fixtures.assert_resumes_exactly(config, tmp_path)
+    # The start-up line names both memories (its short-term one alone read "memory 8").
+    assert "Model: memory 'infinity', 1 layer x 32, long-term memory of 16 basis functions (sticky) and 8 recent " \
+        'tokens' in caplog.text

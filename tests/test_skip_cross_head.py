@@ -2,6 +2,7 @@
 Transformer-XL, the paper's equations (1)-(6) and (8)-(10), naive computations, binomial bounds on
 the random decisions, and exact resumes across the phase boundary."""
 
+import logging
 import math
 
 import jax
@@ -191,13 +192,21 @@ def test_evaluation_never_skips_nor_permutes(params, tokens, tmp_path):
     assert (eval_mcfg.skip_rule, eval_mcfg.sch_beta) == ('none', 0.0)
 
 
-def test_both_phases_resume_exactly_across_the_boundary(tmp_path):
+def test_both_phases_resume_exactly_across_the_boundary(tmp_path, caplog):
     """Phase 1 until step 4 of 8 (the resume is at step 4: the first step of phase 2) with dropout
-    and cross-head attention on: every random stream is part of what must resume."""
+    and cross-head attention on: every random stream is part of what must resume. Each run says
+    before each phase's first update that it compiles (the switch is not silent)."""
     corpus = training_fixtures.write_text_corpus(str(tmp_path / 'corpus'))
     config = training_fixtures.tiny_config(corpus, train__num_steps=8, model__n_layer=3, model__skip_rule='uniform',
                                            model__skip_p=0.5, model__skip_until=4, model__sch_beta=0.5)
-    training_fixtures.assert_resumes_exactly(config, tmp_path / 'runs')
+    with caplog.at_level(logging.INFO):
+        training_fixtures.assert_resumes_exactly(config, tmp_path / 'runs')
+    compiles = [r.getMessage() for r in caplog.records if 'compiling its training step' in r.getMessage()
+                or r.getMessage().startswith('Compiling the training step')]
+    # The whole run, the run stopped at step 4's checkpoint, the run resumed there (in phase 2).
+    assert [m.split(':')[0] for m in compiles] == [
+        'Compiling the training step of phase 1', 'Step 4 starts training phase 2 (config.model.skip_until',
+        'Compiling the training step of phase 1', 'Compiling the training step of phase 2'], compiles
 
 
 # ----------------------------------------------------------------------------------------------

@@ -277,8 +277,10 @@ def test_help_lists_the_flags_users_set(env):
 
 def test_generate_errors_are_one_line(trained, env, tmp_path):
     workdir, _ = trained
-    code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt='], env)
-    assert_one_line(code, stderr, errors.EXIT_USAGE, 'the prompt is empty')
+    empty = subprocess.run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt='], env=env,
+                           capture_output=True, text=True, timeout=TIMEOUT_S, cwd=training_fixtures.REPO)
+    assert_one_line(empty.returncode, empty.stderr, errors.EXIT_USAGE, 'the prompt is empty')
+    assert empty.stdout == ''  # Nothing echoed of a prompt the model does not read.
     refused = subprocess.run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt=a prompt',
                               '--temperature=-1', '--top_k=-1'], env=env, capture_output=True, text=True,
                              timeout=TIMEOUT_S, cwd=training_fixtures.REPO)
@@ -286,7 +288,7 @@ def test_generate_errors_are_one_line(trained, env, tmp_path):
                     'top_k=-1 must be >= 0')
     assert refused.stdout == ''  # Refused before the prompt is echoed.
     code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={tmp_path}', '--prompt=a'], env)
-    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'no readable checkpoint')
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'holds no readable config.json')
 
 
 def test_generate_echoes_the_prompt_unless_told_not_to_and_reports_its_speed(trained, env):

@@ -11,17 +11,21 @@ folder (data.manual_dir, default <data_dir>/downloads/manual).
 """
 
 import abc
+import contextlib
 import dataclasses
 import hashlib
 import inspect
+import io
 import itertools
 import logging
 import os
 import re
+import time
 import zipfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
+from absl import logging as absl_logging
 import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
@@ -497,7 +501,15 @@ def prepare(data_cfg: DataConfig) -> _MemjaxTextBuilder:
         download_config = tfds.download.DownloadConfig(manual_dir=str(folder))
     tfds.disable_progress_bar()
     make_folder(data_dir(data_cfg), 'data_dir')
-    builder.download_and_prepare(download_config=download_config)
+    absl_logging.info('Preparing %s in %s: its splits as array_record files, once (later runs read them).',
+                      builder.info.full_name, builder.data_dir)
+    start = time.time()
+    # TFDS prints "Downloading and preparing dataset ..." to stdout: nothing is downloaded here, and
+    # stdout is the commands' results (evaluate's JSON). The lines above and below say what happens.
+    with contextlib.redirect_stdout(io.StringIO()):
+        builder.download_and_prepare(download_config=download_config)
+    absl_logging.info('Prepared %s in %.1f s (%s).', builder.info.full_name, time.time() - start,
+                      ', '.join(f'{name} {info.num_examples:,} documents' for name, info in builder.info.splits.items()))
     return builder
 
 

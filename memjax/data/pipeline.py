@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import heapq
 import os
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -184,8 +185,13 @@ def load_token_ids(data_cfg: DataConfig, split: str, tokenizer: Tokenizer,
                                           cache_dir)
     cached = _load_cache(tokens_path, docs_path, tokenizer.vocab_size)
     if cached is None:
+        logging.info('Tokenising the %s split of %s with the %s tokenizer, once (cached in %s).', split,
+                     builder.info.full_name, tokenizer.kind, tokens_path.parent)
+        start = time.time()
         encoded = [tokenizer.encode(doc) for doc in
                    builders.run_documents(data_cfg, builder, split)]
+        logging.info('Tokenised %s documents into %s tokens in %.1f s.', f'{len(encoded):,}',
+                     f'{sum(len(x) for x in encoded):,}', time.time() - start)
         offsets = np.cumsum([0] + [len(x) for x in encoded], dtype=np.int64)
         builders.make_folder(tokens_path.parent, 'cache_dir' if cache_dir or data_cfg.cache_dir else 'data_dir')
         _save_npy(docs_path, offsets)

@@ -4,11 +4,13 @@
 import sys
 from typing import Optional, TextIO
 
+from absl import logging
 import jax
 import ml_collections
 import numpy as np
 
 from memjax import errors
+from memjax.model import memories
 from memjax.data.tokenizers import Tokenizer
 from memjax.generation.sample import sample
 from memjax.generation.sampling import Sampling
@@ -29,12 +31,17 @@ def prompt_ids(tokenizer: Tokenizer, text: str) -> np.ndarray:
 
 class TextStream:
     """Writes the text of the ids seen so far as it grows: decoding the whole and writing what is
-    new keeps word spacing and byte sequences whole (a partial UTF-8 character waits)."""
+    new keeps word spacing and byte sequences whole (a partial UTF-8 character waits).
+
+    A terminal sees each token as it comes. Anything else (a notebook, a pipe) is flushed at line
+    ends only: a notebook keeps each flush as an output of its own, one per byte otherwise, and its
+    kernel sends what is written every fraction of a second anyway."""
 
     def __init__(self, tokenizer: Tokenizer, out: TextIO):
         self.tokenizer, self.out = tokenizer, out
         self.ids: list[int] = []
         self.shown = ''
+        self.live = getattr(out, 'isatty', lambda: False)()
 
     def add(self, ids) -> None:
         self.ids.extend(int(i) for i in ids)
@@ -53,7 +60,8 @@ class TextStream:
         if text.startswith(self.shown):
             new = text[len(self.shown):]
             self.out.write(new.encode('utf-8', 'replace').decode('utf-8'))
-            self.out.flush()
+            if new and (self.live or '\n' in new):
+                self.out.flush()
             self.shown = text
 
 
@@ -65,9 +73,12 @@ def check_settings(settings: Sampling, num_samples: int) -> None:
 
 
 def generate(config: Optional[ml_collections.ConfigDict], workdir: str, text: str, max_new_tokens: int,
-             settings: Sampling, seed: int = 0, num_samples: int = 1, out: TextIO = sys.stdout) -> list[str]:
+             settings: Sampling, seed: int = 0, num_samples: int = 1, out: TextIO = sys.stdout,
+             echo: bool = False) -> list[str]:
     """Continues `text` `num_samples` times with the newest checkpoint of `workdir`; streams the first
-    continuation to `out` (or all, one after another, when there are several) and returns them."""
+    continuation to `out` (or all, one after another, when there are several) and returns them.
+    With `echo` the prompt is written first, once the model has read it: a refused prompt or run is
+    one error, with nothing written."""
     check_settings(settings, num_samples)
     if config is None:
         config = trainer.saved_config(workdir)
@@ -76,14 +87,25 @@ def generate(config: Optional[ml_collections.ConfigDict], workdir: str, text: st
     # The samples are rows of one batch: their memory, token ids and each step's log-probs.
     trainer.check_fits(exp, False, jax.local_devices(), batch=num_samples, extra={
         'samples': num_samples * ((len(ids) + max_new_tokens) * 4 + 2 * exp.eval_mcfg.vocab_size * 4)})
-    _, params = trainer.newest_params(exp, workdir)
+    step, params = trainer.newest_params(exp, workdir)
+    logging.info('Continuing a prompt of %d tokens by %d with step %d of %s (%s); the first token includes '
+                 'compiling the prompt\'s pass and the one-token step.', len(ids), max_new_tokens, step, workdir,
+                 memories.describe(exp.eval_mcfg))
+    prompt = [text + ('' if num_samples == 1 else '\n')] if echo else []
+
+    def show_prompt():  # Once a token shows that the model reads the prompt.
+        while prompt:
+            out.write(prompt.pop())
+            out.flush()
+
     stream = TextStream(exp.tokenizer, out) if num_samples == 1 else None
     try:
         result = sample(exp.eval_model, params, np.tile(ids, (num_samples, 1)), max_new_tokens, settings,
-                        seed=seed, on_token=None if stream is None else stream.add)
+                        seed=seed, on_token=None if stream is None else lambda new: (show_prompt(), stream.add(new)))
     except ValueError as error:  # A prompt the model cannot read, a kind that cannot decode.
         raise errors.UsageError(str(error)) from error
     texts = [exp.tokenizer.decode(row) for row in result.tokens]
+    show_prompt()
     if stream is not None:
         stream.close()
     else:

@@ -85,6 +85,8 @@ def _build(compiler: str) -> pathlib.Path:
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
+    logging.info('Building memjax\'s CPU attention kernel for this CPU with %s, once (about 10 s; kept in %s).',
+                 compiler, library.parent)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = pathlib.Path(scratch) / library.name
         subprocess.run([compiler, '-O3', f'-march={arch}', '-std=c++17', '-shared', '-fPIC',

@@ -24,12 +24,13 @@ from memjax.runtime import storage
 
 
 class _QuietLibraries(logging_std.Filter):
-    """Drops INFO chatter of orbax (several lines per save) and JAX's backend probing, so that
+    """Drops INFO chatter of orbax (several lines per save), TFDS and JAX's backend probing, so that
     progress lines and one-line errors stay readable (orbax's warnings about what memjax does on
     purpose are dropped where memjax does it: `dropped`)."""
 
     def filter(self, record: logging_std.LogRecord) -> bool:
-        if '/orbax/' in record.pathname:
+        # TFDS's too (each split written, each dataset_info read): memjax says what it prepares.
+        if '/orbax/' in record.pathname or '/tensorflow_datasets/' in record.pathname:
             return record.levelno >= logging_std.WARNING
         return record.levelno >= logging_std.WARNING or 'xla_bridge' not in record.pathname
 

@@ -283,7 +283,7 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict:
     if saved is None:
         raise errors.CheckpointError(f'no readable checkpoint with its config in {directory}: train first with '
                                      f'python -m memjax.train --workdir={workdir} ..., or pass --config.')
-    return ml_collections.ConfigDict(saved)
+    return config_lib.from_saved(saved)
 
 
 def write_imported(model: model_lib.ModelConfig, params: Any, tokenizer: tokenizers.Tokenizer, workdir: str) -> None:
@@ -350,12 +350,45 @@ def make_eval_step(exp: Experiment) -> Callable:
         out_shardings=(eval_memory, p.replicated), donate_argnums=(1,))
 
 
+def announced(step: Callable, message: str) -> Callable:
+    """`step` (jitted) that logs `message` before its first call, the one that compiles it."""
+    called = False
+
+    def call(*args):
+        nonlocal called
+        if not called:
+            logging.info(message)
+            called = True
+        return step(*args)
+
+    return call
+
+
+def first_updates(count: int) -> str:
+    return 'the first update' if count == 1 else f'the first {count} updates'
+
+
 class _PhasedTrainStep:
     """Calls the train step of the phase the memory kind gives the current step; each phase's
     step compiles on first use (a kind without phases has one)."""
 
     def __init__(self, exp: Experiment):
         self.exp, self.steps = exp, {}
+
+    def compiles(self, step: int) -> bool:
+        """Whether the update from `step` compiles (its phase's first), announced in one line."""
+        phase = self.exp.model.kind.phase(step)
+        if phase in self.steps:
+            return False
+        updates = first_updates(self.exp.run.train.segments_per_step)
+        if self.steps:  # Skip-Retain's phase 2.
+            logging.info('Step %d starts training phase %d (config.model.skip_until: no layer skipped from here): '
+                         'compiling its training step; %s of the phase include it, and speeds count from after '
+                         'them.', step, phase + 1, updates)
+        else:
+            logging.info('Compiling the training step%s: %s include it.',
+                         f' of phase {phase + 1}' if self.exp.model.kind.phase_starts else '', updates)
+        return True
 
     def __call__(self, step: int, *args):
         phase = self.exp.model.kind.phase(step)
@@ -564,6 +597,22 @@ def _init_from_gpt2(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
     return init_state(exp, params)[0], exp.partitioner.init_memory(exp.mcfg, exp.run.train.batch_size)
 
 
+def _log_start(exp: Experiment, workdir: str) -> None:
+    """What the run is, before the data and the parameters are prepared (which can take a while)."""
+    mcfg, tcfg, devices = exp.mcfg, exp.run.train, jax.devices()
+    params = abstract_state(exp)[0].params
+    logging.info('Model: %s, %s parameters; %d %s device(s); batches of %d x %d tokens, %d steps.',
+                 memories.describe(mcfg), f'{sum(x.size for x in jax.tree_util.tree_leaves(params)):,}', len(devices),
+                 devices[0].platform.upper(), tcfg.batch_size, tcfg.tgt_len, tcfg.num_steps)
+    logging.info('Mesh %s; Adam at %g, %d warmup steps, %s decay to %g x, clip %g; validation every %s, '
+                 'checkpoints every %s in %s, TensorBoard in %s.',
+                 ' x '.join(f'{name} {size}' for name, size in exp.run.mesh.shape(len(devices)).items()),
+                 tcfg.learning_rate, tcfg.warmup_steps, tcfg.decay, tcfg.min_lr_ratio, tcfg.clip_norm,
+                 f'{tcfg.eval_every} steps' if tcfg.eval_every else 'run (at the end)',
+                 f'{tcfg.checkpoint_every} steps' if tcfg.checkpoint_every else 'run (at the end)',
+                 checkpoint_dir(workdir), storage.join(workdir, 'tensorboard'))
+
+
 def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer, iterator: Any,
                      data: Optional[dict]) -> tuple[train_step_lib.TrainState, Any, Optional[str]]:
     """State, memory and data position of the newest intact checkpoint, else a start from
@@ -573,6 +622,7 @@ def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer, iterator
         _refuse_to_start_over(ckpt)
         if exp.run.train.init_from:
             return *_init_from(exp), None
+        logging.info('Starting at step 0: compiling the initialiser of the parameters and optimizer state.')
         return *init_state(exp), None
     _check_same_data(restored.data, data, ckpt.step_dir(restored.step), exp.run.data.accept_changed_data)
     iterator.set_state(restored.data_state)
@@ -705,6 +755,7 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
     tcfg = exp.run.train
     saved_config = exp.run.source
     write_json(storage.join(workdir, CONFIG_FILE), saved_config)
+    _log_start(exp, workdir)
 
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         train_streams = data_factory.make_streams(
@@ -719,43 +770,38 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
     step = int(state.step)
     best_loss = ckpt.best()[1]
 
-    mcfg, devices = exp.mcfg, jax.devices()
-    logging.info('Model: memory %r, %d layers x %d, memory %d, %s parameters; %d %s device(s); batches of %d x %d '
-                 'tokens, steps %d to %d.', mcfg.memory, mcfg.n_layer, mcfg.d_model, mcfg.mem_len,
-                 f'{sum(x.size for x in jax.tree_util.tree_leaves(state.params)):,}', len(devices),
-                 devices[0].platform.upper(), tcfg.batch_size, tcfg.tgt_len, step, tcfg.num_steps)
-    logging.info('Mesh %s; Adam at %g, %d warmup steps, %s decay to %g x, clip %g; validation every %s, '
-                 'checkpoints every %s in %s, TensorBoard in %s.',
-                 ' x '.join(f'{name} {size}' for name, size in exp.run.mesh.shape(len(devices)).items()),
-                 tcfg.learning_rate, tcfg.warmup_steps, tcfg.decay, tcfg.min_lr_ratio, tcfg.clip_norm,
-                 f'{tcfg.eval_every} steps' if tcfg.eval_every else 'run (at the end)',
-                 f'{tcfg.checkpoint_every} steps' if tcfg.checkpoint_every else 'run (at the end)',
-                 checkpoint_dir(workdir), storage.join(workdir, 'tensorboard'))
-    if step < tcfg.num_steps:
-        logging.info('Compiling the training step: the first %d updates include it.', tcfg.segments_per_step)
-    train_step, eval_step = _PhasedTrainStep(exp), make_eval_step(exp)
+    train_step = _PhasedTrainStep(exp)
+    eval_step = announced(make_eval_step(exp), 'Compiling the evaluation step: the first validation batch includes it.')
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     metric = metrics_lib.metric_name(exp.unit)
     interval = _Interval(step)
-    # Throughput counts neither the compiling first dispatch nor periodic validation.
-    logged_tokens, compile_tokens, steady_start, eval_seconds = 0.0, 0.0, None, 0.0
+    # Throughput counts neither the dispatches that compile (the first, a new phase's) nor validation.
+    logged_tokens, compile_tokens, steady_start, eval_seconds, compile_seconds = 0.0, 0.0, None, 0.0, 0.0
     diverged_loss = tcfg.diverged_loss  # Resolved with the vocabulary size: inf when off.
     watch, preempted = preemption.PreemptionWatch(), False
     try:
         while step < tcfg.num_steps:
+            compiles = train_step.compiles(step)
+            if compiles:  # Timed alone: the updates before it have finished.
+                jax.block_until_ready(memory)
+                dispatch_start = time.time()
             state, memory, step_metrics = train_step(
                 step, state, memory, exp.partitioner.global_batch(next(iterator)))
             previous_step, step = step, step + tcfg.segments_per_step
             interval.add(step_metrics)
-            if steady_start is None:
-                # The first dispatch compiles: throughput is timed from its end.
+            if compiles:
                 jax.block_until_ready(step_metrics)
-                steady_start = time.time()
-                compile_tokens = float(np.sum(step_metrics['num_tokens']))
-                logging.info('First %d updates, with compilation, took %.1fs.',
-                             tcfg.segments_per_step, steady_start - interval.start_time)
+                now = time.time()
+                logging.info('%s, with compilation, took %.1fs.', first_updates(tcfg.segments_per_step).capitalize(),
+                             now - dispatch_start)
+                if steady_start is None:
+                    steady_start = now
+                else:
+                    compile_seconds += now - dispatch_start
+                compile_tokens += float(np.sum(step_metrics['num_tokens']))
                 # Speeds and the ETA count from here: a first line of "8 tok/s, eta 107h" says nothing.
-                interval.start_time, interval.first_step, interval.untimed_tokens = steady_start, step, compile_tokens
+                interval.start_time, interval.first_step = now, step
+                interval.untimed_tokens = float(sum(np.sum(part['num_tokens']) for part in interval.parts))
 
             is_last = step == tcfg.num_steps
             preempted = watch.reached(previous_step, step)
@@ -794,7 +840,7 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
                 break
             interval = _Interval(step)
         if not preempted:
-            train_seconds = (time.time() - steady_start - eval_seconds) if steady_start else 0.0
+            train_seconds = (time.time() - steady_start - eval_seconds - compile_seconds) if steady_start else 0.0
             with preemption.stop_once_written(ckpt.wait):
                 final = _validate(exp, eval_step, state.params, valid_streams, tcfg.final_eval_batches, step,
                                   writer)

@@ -131,6 +131,10 @@ class MemoryKind:
         if stochastic.skipping(config) and config.skip_until >= 0 and not type(self).phase_starts:
             self.phase_starts = (config.skip_until,)
 
+    def holds(self) -> str:
+        """What the memory holds, for the start-up lines (`describe`)."""
+        return f'memory of {self.config.mem_len} tokens' if self.config.mem_len else 'no memory'
+
     # Kinds are static attributes of flax modules and cache keys: equal when type and config are.
     def __eq__(self, other):
         return type(self) is type(other) and self.config == other.config
@@ -242,6 +246,12 @@ def kind_class(name: str) -> type[MemoryKind]:
 
 def get(config: ModelConfig) -> MemoryKind:
     return kind_class(config.memory)(config)
+
+
+def describe(config: ModelConfig) -> str:
+    """The model in a phrase: "memory 'xl', 4 layers x 128, memory of 64 tokens"."""
+    layers = f'{config.n_layer} layer{"s" if config.n_layer != 1 else ""}'
+    return f'memory {config.memory!r}, {layers} x {config.d_model}, {get(config).holds()}'
 
 
 def run_time_fields(memory: Optional[str] = None) -> tuple[str, ...]:

@@ -333,6 +333,11 @@ class InfinityMemory(XLMemory):
     streams = {'sticky': False}
     skip_retain = False  # Its long-term memory would have to age too: not built.
 
+    def holds(self) -> str:
+        cfg = self.config
+        recent = f' and {cfg.mem_len} recent tokens' if cfg.mem_len else ''
+        return f'long-term memory of {cfg.ltm_basis} basis functions{" (sticky)" if cfg.ltm_sticky else ""}{recent}'
+
     @classmethod
     def validate(cls, config):
         problems = Problems()

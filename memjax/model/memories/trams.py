@@ -135,6 +135,10 @@ class TramsMemory(CachedXLMemory):
     run_time_fields = ('mem_len', 'memory_start', 'trams_select', 'trams_remain', 'trams_metric',
                        'trams_positions', 'trams_layers')
 
+    def holds(self) -> str:
+        cfg = self.config
+        return f'a pool of {cfg.mem_len} tokens, {cfg.trams_select} attended ({cfg.trams_remain} newest kept)'
+
     @classmethod
     def validate(cls, config):
         problems = Problems()
