@@ -16,8 +16,9 @@ Default: the quickstart's model (4 x 128, segments and memory of 64) for 4,000 s
 bytes per method and seed, evaluated with memory 64, 128 and 256, six trained methods x 2 seeds:
 78 minutes on 2 cores of an AMD EPYC, 105 minutes on 2 cores of an Intel Xeon (family 6 model 167,
 2026-11-27, f469a77) whose cores other work shared. `:smoke`: a tiny model on the embedded
-corpus, 6.5 minutes there (12 short trainings and 28 evaluations of the whole validation split;
-several times that on a loaded machine). `:wt103`: WikiText-103 words with Transformer-XL base's shape, for accelerators.
+corpus (12 short trainings and 28 evaluations of the whole validation split): 5 min 45 s on 2 idle
+cores of an AMD EPYC Zen 4 (2026-11-28); 22 minutes on an AVX2-only EPYC whose cores other work
+shared. `:wt103`: WikiText-103 words with Transformer-XL base's shape, for accelerators.
 `:extrapolate`: the LaMemo paper's figure 5 protocol at this budget: XL and LaMemo trained with
 segments and memory of 128 (the paper's 150), evaluated with segments of 64 and memory 64 x m,
 m = 1..10, with and without clamping the distances at the longest one trained.

@@ -91,7 +91,8 @@ def define_workdir_flags() -> tuple[flags.FlagHolder, flags.FlagHolder]:
 def with_workdir_config(argv: Sequence[str]) -> list[str]:
     """`argv` with `--config=<WORKDIR_CONFIG_FILE>:<workdir>` first when it names a workdir and no
     --config (first: config overrides must follow the file they override). A workdir that does
-    not exist or holds no config is refused here, in one line."""
+    not exist is refused here, one without a readable config.json as that file loads; each in one
+    line."""
     argv = list(argv)
     if any(re.match(r'--?config(=|$)', arg) for arg in argv[1:]):
         return argv
