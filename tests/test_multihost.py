@@ -158,9 +158,9 @@ def two_process_run(corpus, tmp_path_factory):
     restarted[1].wait()
     mid_save = dict(seen=saving, checkpoints=sorted(os.listdir(root / 'two' / 'checkpoints')))
     restarted_logs = [cli_fixtures.checked(run) for run in launch('completed')]
-    # An evaluation killed after it has read the data (restoring, compiling or scoring).
+    # An evaluation killed once it has restored the parameters and read the data (compiling or scoring).
     evaluating = launch('evaluate_killed', module='memjax.evaluate')
-    evaluating[0].wait_for_text('Load dataset info')
+    evaluating[0].wait_for_text('Evaluating step')
     evaluating[1].process.kill()
     killed_at = time.time()
     evaluating_survivor_log = cli_fixtures.checked(evaluating[0], expected_code=3)
