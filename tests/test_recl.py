@@ -1,0 +1,104 @@
+"""RECL's arithmetic (memjax/analysis/recl.py) against the Transformer-XL paper's appendix C written
+out as plain loops, on hand-made loss tables (ties, r = 1, a gain that never falls below the
+threshold) and on random ones."""
+
+import math
+
+import numpy as np
+import pytest
+
+from memjax.analysis import recl as recl_lib
+
+
+def naive_recl(losses, contexts, r, threshold=0.01):
+    """Appendix C token by token: losses[c][i][t]; the top-r tokens by baseline, ties in text order."""
+    models, tokens = len(losses[0]), len(losses[0][0])
+
+    def f(i, short, long):
+        baseline = [min(losses[short][j][t] for j in range(models)) for t in range(tokens)]
+        hardest = sorted(range(tokens), key=lambda t: (-baseline[t], t))[:max(1, math.ceil(r * tokens - 1e-9))]
+        return sum(min(baseline[t], losses[long][i][t]) for t in hardest) / len(hardest)
+
+    def g(i, short, long):
+        return (math.exp(f(i, short, short)) - math.exp(f(i, short, long))) / math.exp(f(i, short, short))
+
+    found = []
+    for i in range(models):
+        at = 0
+        while at + 1 < len(contexts) and g(i, at, at + 1) >= threshold:
+            at += 1
+        found.append((contexts[at], at + 1 < len(contexts)))
+    return found
+
+
+def as_pairs(found):
+    return [(x.context, x.converged) for x in found]
+
+
+def test_a_model_that_keeps_gaining_reaches_further_than_one_that_stops():
+    """Two models, three tokens, contexts 10, 20, 30 (r = 1). At 10 both lose 2 nats everywhere; A
+    drops to 1.5 at 20 and 1.0 at 30, B to 1.98 at 20 (a 2 % gain) and stays: by hand, g_A(10, 20) =
+    1 - e^-0.5, g_B(10, 20) = 1 - e^-0.02 >= 1 %, g_B(20, 30) = 0, g_A(20, 30) = 1 - e^-0.5."""
+    a = [[2.0] * 3, [1.5] * 3, [1.0] * 3]
+    b = [[2.0] * 3, [1.98] * 3, [1.98] * 3]
+    losses = np.array([[a[c], b[c]] for c in range(3)])
+    np.testing.assert_allclose(recl_lib.relative_gains(losses[0], losses[1], 1.0), [1 - math.exp(-0.5), 1 - math.exp(-0.02)])
+    # From 20 the baseline is A's 1.5: B's 1.98 gains nothing over it, A's 1.0 gains 1 - e^-0.5.
+    np.testing.assert_allclose(recl_lib.relative_gains(losses[1], losses[2], 1.0), [1 - math.exp(-0.5), 0.0])
+    assert as_pairs(recl_lib.recl(losses, [10, 20, 30], 1.0)) == [(30, False), (20, True)]
+    assert as_pairs(recl_lib.recl(losses, [10, 20, 30], 1.0)) == naive_recl(losses.tolist(), [10, 20, 30], 1.0)
+
+
+def test_the_baseline_is_shared_so_a_model_gains_only_below_the_best_short_context_model():
+    """A strong model at the short context caps what a weak one can gain: the weak one's own drop
+    from 3 to 2.5 nats counts only below the strong one's 2.0."""
+    strong = [[2.0, 2.0], [2.0, 2.0]]
+    weak = [[3.0, 3.0], [2.5, 2.5]]
+    losses = np.array([[strong[c], weak[c]] for c in range(2)])
+    np.testing.assert_allclose(recl_lib.relative_gains(losses[0], losses[1], 1.0), [0.0, 0.0])
+    assert as_pairs(recl_lib.recl(losses, [4, 8], 1.0)) == [(4, True), (4, True)]
+
+
+def test_top_r_takes_the_hardest_tokens_with_ties_in_text_order():
+    baseline = np.array([1.0, 3.0, 2.0, 3.0, 3.0, 0.5])
+    np.testing.assert_array_equal(recl_lib.hard_tokens(baseline, 0.5), [1, 3, 4])
+    np.testing.assert_array_equal(recl_lib.hard_tokens(baseline, 0.3), [1, 3])  # ceil(1.8) = 2: the first two of the tie.
+    np.testing.assert_array_equal(recl_lib.hard_tokens(baseline, 0.01), [1])  # At least one token.
+    np.testing.assert_array_equal(recl_lib.hard_tokens(baseline, 1.0), [1, 3, 4, 2, 0, 5])
+    # r restricts the gain to the hard tokens: here the gain sits on the easy ones only.
+    short = np.array([[5.0, 5.0, 1.0, 1.0]])
+    long = np.array([[5.0, 5.0, 0.1, 0.1]])
+    assert recl_lib.relative_gains(short, long, 0.5)[0] == 0.0
+    assert recl_lib.relative_gains(short, long, 1.0)[0] == pytest.approx(1 - math.exp(-0.45))
+    with pytest.raises(ValueError, match='r=0'):
+        recl_lib.hard_tokens(baseline, 0.0)
+
+
+def test_a_gain_that_never_falls_below_the_threshold_is_a_lower_bound():
+    losses = np.array([[[3.0 - 0.1 * c] * 4] for c in range(5)])  # 10 % less perplexity at every step.
+    assert as_pairs(recl_lib.recl(losses, [1, 2, 3, 4, 5], 0.1)) == [(5, False)]
+    # Just under 1 %: the search stops at the first context.
+    flat = np.array([[[3.0] * 4], [[3.0 + math.log(0.991)] * 4]])
+    assert as_pairs(recl_lib.recl(flat, [64, 128], 1.0)) == [(64, True)]
+    with pytest.raises(ValueError, match='must increase'):
+        recl_lib.recl(flat, [128, 64], 1.0)
+
+
+@pytest.mark.parametrize('seed', range(6))
+@pytest.mark.parametrize('r', [0.1, 0.5, 1.0])
+def test_random_groups_match_the_appendix_written_as_loops(seed, r):
+    rng = np.random.default_rng(seed)
+    contexts, models, tokens = 5, 3, 40
+    # Losses falling with the context at rates of their own, with ties (values on a 0.05 grid).
+    start = rng.uniform(1.0, 4.0, size=(models, tokens))
+    drops = rng.uniform(0.0, 0.2, size=(contexts, models, 1)).cumsum(axis=0)
+    losses = np.round((start[None] - drops + rng.normal(0, 0.05, (contexts, models, tokens))) * 20) / 20
+    assert as_pairs(recl_lib.recl(losses, [8, 16, 24, 32, 40], r)) == naive_recl(losses.tolist(), [8, 16, 24, 32, 40], r)
+    table = recl_lib.gain_table(losses, r)
+    for i in range(models):
+        for a in range(contexts):
+            assert table[i, a, a] == pytest.approx(0.0, abs=1e-12)  # f_i(c, c) is the shared baseline.
+            for b in range(a + 1, contexts):
+                base = math.exp(recl_lib.relative_losses(losses[a], losses[a], r)[i])
+                assert table[i, a, b] == pytest.approx(base * recl_lib.relative_gains(losses[a], losses[b], r)[i])
+            assert np.isnan(table[i, a, :a]).all()
