@@ -1,13 +1,21 @@
 """RECL's arithmetic (memjax/analysis/recl.py) against the Transformer-XL paper's appendix C written
 out as plain loops, on hand-made loss tables (ties, r = 1, a gain that never falls below the
-threshold) and on random ones."""
+threshold) and on random ones; the per-token losses it reads against evaluation and a hand loop."""
 
 import math
+import os
 
+import jax
 import numpy as np
 import pytest
 
+from memjax import model as model_lib
 from memjax.analysis import recl as recl_lib
+from memjax.analysis import run as analysis_run
+from memjax.training import evaluation
+from memjax.training import loop as trainer
+from memjax.training import step as train_step_lib
+import training_fixtures
 
 
 def naive_recl(losses, contexts, r, threshold=0.01):
@@ -102,3 +110,42 @@ def test_random_groups_match_the_appendix_written_as_loops(seed, r):
                 base = math.exp(recl_lib.relative_losses(losses[a], losses[a], r)[i])
                 assert table[i, a, b] == pytest.approx(base * recl_lib.relative_gains(losses[a], losses[b], r)[i])
             assert np.isnan(table[i, a, :a]).all()
+
+
+@pytest.fixture(scope='module')
+def trained(tmp_path_factory):
+    """A tiny trained Transformer-XL run: (workdir, corpus)."""
+    corpus = training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
+    workdir = str(tmp_path_factory.mktemp('run'))
+    trainer.train_and_evaluate(training_fixtures.tiny_config(corpus, train__num_steps=2, train__eval_every=0,
+                                                             train__final_eval_batches=1), workdir)
+    return workdir, corpus
+
+
+def test_token_losses_are_what_evaluation_sums_and_a_one_stream_loop_scores(trained):
+    workdir, corpus = trained
+    # One stream (eval batch 1), context 6 for every token: the split's text in order.
+    run = analysis_run.load(workdir, mem_len=6, same_length=True)
+    run = analysis_run.LoadedRun(trainer.setup(training_fixtures.override(
+        run.exp.run.as_config_dict(), eval__batch_size=1), workdir, training=False), run.params, run.step)
+    losses = recl_lib.token_losses(run, max_batches=2)
+    summed = evaluation.evaluate_streams(
+        jax.jit(train_step_lib.eval_step_fn(run.exp.eval_model)), run.params, run.exp.eval_mcfg,
+        evaluation.eval_streams(run.exp.run, run.tokenizer, 'validation'), 1, 2, key=evaluation.eval_key(run.exp.run))
+    assert losses.size == summed.num_tokens and losses.sum() == pytest.approx(summed.nll_sum, rel=1e-6)
+    # The same tokens scored segment by segment by hand, the memory carried.
+    with open(os.path.join(corpus, 'valid.txt'), 'rb') as f:
+        tokens = np.frombuffer(f.read(), np.uint8).astype(np.int32)
+    model, tgt = run.model, run.exp.run.eval.tgt_len
+    apply = jax.jit(lambda p, x, m, y, r: model.apply({'params': p}, x, m, targets=y, reset=r))
+    memory, naive = model_lib.init_memory(run.config, 1), []
+    for start in range(0, losses.size, tgt):
+        inputs, targets = tokens[start:start + tgt], tokens[start + 1:start + 1 + tgt]
+        out, memory = apply(run.params, inputs[None], memory, targets[None], np.array([start == 0]))
+        naive.extend(-np.asarray(out.target_logprobs[0], np.float64))
+    np.testing.assert_allclose(losses, naive[:losses.size], rtol=1e-5, atol=1e-6)
+    # Another context scores the same tokens (aligned), to other losses.
+    other = recl_lib.token_losses(analysis_run.LoadedRun(trainer.setup(training_fixtures.override(
+        run.exp.run.as_config_dict(), eval__model__mem_len=2), workdir, training=False), run.params, run.step),
+        max_batches=2)
+    assert other.size == losses.size and not np.allclose(other, losses)

@@ -13,8 +13,9 @@ shortest context, c steps to the next while the gain is at least the threshold (
 c where it stops.
 
 The losses arrive as one array [contexts, models, tokens] of per-token negative log-likelihoods
-(nats), token t the same text position for every model and context. Here is the arithmetic only;
-which evaluation setting a context length is for each memory kind is the caller's.
+(nats), token t the same text position for every model and context: `token_losses` scores a run
+so, with the evaluation settings it was loaded with (`analysis.run.load(workdir, mem_len=...)`);
+which setting a context length is for each memory kind is the caller's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ import dataclasses
 import math
 from typing import Sequence
 
+import jax
 import numpy as np
+
+from memjax.analysis.run import LoadedRun
+from memjax.training import evaluation
+from memjax.training import step as train_step_lib
 
 THRESHOLD = 0.01  # The paper's: a context step that gains less than 1 % ends the search.
 
@@ -87,3 +93,14 @@ def recl(losses: np.ndarray, contexts: Sequence[int], r: float, threshold: float
             at += 1
         found.append(Recl(int(contexts[at]), converged=at + 1 < len(contexts)))
     return found
+
+
+def token_losses(run: LoadedRun, split: str = 'validation', max_batches: int = -1) -> np.ndarray:
+    """Each scored target's loss (nats) as `memjax.evaluate` scores `split` with the run's evaluation
+    settings (its first `max_batches` batches; -1: all), in reading order: the same tokens in the
+    same order for every run read with the same tokenizer, eval batch size and segment length."""
+    exp = run.exp
+    step = jax.jit(train_step_lib.eval_step_fn(exp.eval_model, per_token=True))
+    streams = evaluation.eval_streams(exp.run, exp.tokenizer, split)
+    return evaluation.evaluate_streams(step, run.params, exp.eval_mcfg, streams, evaluation.local_eval_batch(exp.run),
+                                       max_batches, key=evaluation.eval_key(exp.run)).token_nll

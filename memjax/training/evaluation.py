@@ -28,6 +28,10 @@ class EvalResult(NamedTuple):
     num_correct: Optional[int] = None  # With config.eval.accuracy: argmax predictions that are right.
     # Scored tokens per second after the first batch, which compiles; None with one batch.
     tokens_per_s: Optional[float] = None
+    # With a per-token step (`eval_step_fn(per_token=True)`): each scored target's loss in reading
+    # order (batch, segment, stream, position), the same order for every run that reads the split
+    # with the same tokenizer, batch size and segment length.
+    token_nll: Optional[np.ndarray] = None
 
     @property
     def accuracy(self) -> Optional[float]:
@@ -98,5 +102,9 @@ def evaluate_streams(eval_step: Callable, params: Any, eval_mcfg: model_lib.Mode
     num_tokens = sum(int(np.sum(p['num_tokens'])) for p in host)
     num_correct = sum(int(np.sum(p['num_correct'])) for p in host) if host and 'num_correct' in host[0] else None
     timed_tokens = num_tokens - (int(np.sum(host[0]['num_tokens'])) if host else 0)
+    token_nll = None
+    if host and 'token_nll' in host[0]:
+        flat = np.concatenate([np.asarray(p['token_nll'], np.float64).reshape(-1) for p in host])
+        token_nll = flat[~np.isnan(flat)]
     return EvalResult(nll_sum, num_tokens, num_correct,
-                      timed_tokens / seconds if len(host) > 1 and seconds > 0 else None)
+                      timed_tokens / seconds if len(host) > 1 and seconds > 0 else None, token_nll)

@@ -172,12 +172,13 @@ def train_step_fn(model: model_lib.MemoryLM, tx: optax.GradientTransformation,
     return train_step
 
 
-def eval_step_fn(model: model_lib.MemoryLM, accuracy: bool = False) -> Callable:
+def eval_step_fn(model: model_lib.MemoryLM, accuracy: bool = False, per_token: bool = False) -> Callable:
     """Returns `(params, memory, batch[S, B, ...], key) -> (memory, metrics[S])`, to be jitted.
 
     metrics: 'nll_sum' and 'num_tokens' per segment (with `accuracy`, also 'num_correct': scored
     tokens whose target is the most probable token), summed over the global batch, so
-    every process reads the same totals. `key` feeds the memory kind's random streams (a
+    every process reads the same totals; with `per_token`, also 'token_nll' [S, B, T], each
+    target's loss (NaN where nothing is scored). `key` feeds the memory kind's random streams (a
     kind that samples at evaluation); segment s draws from `fold_in(key, s)`.
     """
     kind = model.kind
@@ -191,6 +192,8 @@ def eval_step_fn(model: model_lib.MemoryLM, accuracy: bool = False) -> Callable:
         if accuracy:
             guess = jnp.argmax(model.apply({'params': params}, out.hidden, method=model.logprobs), axis=-1)
             metrics['num_correct'] = jnp.sum((guess == segment['targets']) & (segment['mask'] > 0))
+        if per_token:
+            metrics['token_nll'] = jnp.where(segment['mask'] > 0, -out.target_logprobs.astype(jnp.float32), jnp.nan)
         return memory, metrics
 
     def eval_step(params, memory, batch, key):
