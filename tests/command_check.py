@@ -30,7 +30,7 @@ from memjax import config_lib
 FLAGS = flags.FLAGS
 # Modules whose flags are defined together (sweep and compare take memjax.evaluate's).
 GROUPS = (('memjax.train',), ('memjax.evaluate', 'memjax.sweep', 'memjax.compare'), ('memjax.generate',),
-          ('memjax.bench.__main__',))
+          ('memjax.bench.__main__',), ('memjax.recl',))
 READS_WORKDIR = ('memjax.evaluate', 'memjax.sweep', 'memjax.generate')
 PLACEHOLDER = re.compile(r'.*(\.\.\.|\$|<|\bX\.py).*')
 
@@ -73,7 +73,7 @@ def _check_absl(module: str, args: list[str], workdir: str) -> Optional[str]:
     sys.argv = argv  # The config flag reads its overrides there.
     try:
         positional = FLAGS(argv)[1:]
-        config = FLAGS['config'].value
+        config = FLAGS['config'].value if 'config' in FLAGS else None  # memjax.recl takes workdirs.
         for field in fields:  # Dotted paths, as --config.a.b names them.
             node = config
             for part in field.split('.'):

@@ -113,7 +113,7 @@ def test_documents_name_no_file_outside_the_repository(path):
         assert not outside, f'{path} names {outside}'
 
 
-COMMANDS = ('memjax.train', 'memjax.evaluate', 'memjax.generate', 'memjax.compare', 'memjax.sweep',
+COMMANDS = ('memjax.train', 'memjax.evaluate', 'memjax.generate', 'memjax.compare', 'memjax.sweep', 'memjax.recl',
             'memjax.bench.__main__')
 
 

@@ -2,19 +2,25 @@
 out as plain loops, on hand-made loss tables (ties, r = 1, a gain that never falls below the
 threshold) and on random ones; the per-token losses it reads against evaluation and a hand loop."""
 
+import dataclasses
+import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
+from memjax import errors
 from memjax import model as model_lib
 from memjax.analysis import recl as recl_lib
 from memjax.analysis import run as analysis_run
 from memjax.training import evaluation
 from memjax.training import loop as trainer
 from memjax.training import step as train_step_lib
+import cli_fixtures
 import training_fixtures
 
 
@@ -149,3 +155,49 @@ def test_token_losses_are_what_evaluation_sums_and_a_one_stream_loop_scores(trai
         run.exp.run.as_config_dict(), eval__model__mem_len=2), workdir, training=False), run.params, run.step),
         max_batches=2)
     assert other.size == losses.size and not np.allclose(other, losses)
+
+
+def test_the_command_scores_a_group_reports_its_recl_and_resumes_from_what_it_kept(trained, tmp_path, monkeypatch):
+    workdir, corpus = trained
+    other = str(tmp_path / 'other')  # A second run of the group: a longer training memory.
+    trainer.train_and_evaluate(training_fixtures.tiny_config(corpus, model__mem_len=16, train__num_steps=2,
+                                                             train__eval_every=0, train__final_eval_batches=1), other)
+    out = tmp_path / 'recl'
+    done = subprocess.run([sys.executable, '-m', 'memjax.recl', f'--workdirs={workdir},{other}', '--contexts=4,8',
+                           '--r=0.5,1', f'--out={out}', '--max_batches=1'], env=cli_fixtures.cpu_env(1),
+                          capture_output=True, text=True, timeout=cli_fixtures.RUN_TIMEOUT_S,
+                          cwd=training_fixtures.REPO, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert 'RECL: 4/4' in done.stderr and 'eta' in done.stderr
+    with open(out / 'recl.json') as f:
+        record = json.load(f)
+    # The kept losses are what token_losses scores, and the reported RECL is recl() of them.
+    kept = {}
+    for i, run in enumerate((workdir, other)):
+        for c, context in enumerate((4, 8)):
+            kept[c, i], read_back = recl_lib._scored(run, 'xl', 2, context, 'validation', 1, str(out))
+            assert read_back
+    assert kept[0, 0].size == record['num_tokens'] > 0
+    np.testing.assert_allclose(kept[1, 1], recl_lib.token_losses(analysis_run.load(other, mem_len=8, same_length=True),
+                                                                 max_batches=1), rtol=1e-6)
+    losses = np.array([[kept[c, i] for i in range(2)] for c in range(2)])
+    for r in (0.5, 1.0):
+        expected = [dataclasses.asdict(x) for x in recl_lib.recl(losses, [4, 8], r)]
+        assert [runs[str(r)] for runs in record['recl']] == expected
+    assert f'| {other} | xl |' in done.stdout and (out / 'recl.png').exists()
+    # Run again: every loss is read back, nothing is scored.
+    monkeypatch.setattr(recl_lib, 'token_losses', lambda *a, **k: pytest.fail('scored again'))
+    again = recl_lib.group_recl([workdir, other], [4, 8], [0.5, 1.0], str(out), max_batches=1)
+    assert [[x.context for x in runs.values()] for runs in again.recl] == [
+        [runs[str(r)]['context'] for r in (0.5, 1.0)] for runs in record['recl']]
+
+
+def test_a_group_that_reads_the_split_otherwise_or_a_kind_without_a_window_is_refused(trained, tmp_path):
+    workdir, corpus = trained
+    other = str(tmp_path / 'other')
+    trainer.train_and_evaluate(training_fixtures.tiny_config(corpus, eval__tgt_len=4, train__num_steps=2,
+                                                             train__eval_every=0, train__final_eval_batches=1), other)
+    with pytest.raises(errors.UsageError, match='reads the split otherwise'):
+        recl_lib.group_recl([workdir, other], [4, 8], [1.0], str(tmp_path / 'recl'))
+    with pytest.raises(errors.UsageError, match="a 'none' run has no context length"):
+        recl_lib.context_settings('none', 8)

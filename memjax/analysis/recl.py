@@ -21,14 +21,22 @@ which setting a context length is for each memory kind is the caller's.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
+import json
 import math
+import time
 from typing import Sequence
 
+from absl import logging
 import jax
 import numpy as np
 
-from memjax.analysis.run import LoadedRun
+from memjax import errors
+from memjax.analysis.run import LoadedRun, load
+from memjax.runtime import storage
 from memjax.training import evaluation
+from memjax.training import metrics as metrics_lib
 from memjax.training import step as train_step_lib
 
 THRESHOLD = 0.01  # The paper's: a context step that gains less than 1 % ends the search.
@@ -104,3 +112,130 @@ def token_losses(run: LoadedRun, split: str = 'validation', max_batches: int = -
     streams = evaluation.eval_streams(exp.run, exp.tokenizer, split)
     return evaluation.evaluate_streams(step, run.params, exp.eval_mcfg, streams, evaluation.local_eval_batch(exp.run),
                                        max_batches, key=evaluation.eval_key(exp.run)).token_nll
+
+
+# Kinds whose memory is a window of the most recent positions: with `same_length`, every scored
+# token attends the newest `mem_len` of them, itself included.
+WINDOW_KINDS = ('xl', 'xl_cached', 'lamemo', 'infinity')
+
+
+def context_settings(kind: str, context: int) -> dict:
+    """The config.eval.model fields under which a run of memory kind `kind` scores every token with
+    an attention length of `context` positions (itself included): `mem_len=context,
+    same_length=True`. For Transformer-XL and LaMemo that is the whole attention; the recurrence
+    still carries older information through the memory's hidden states, which is what RECL can show
+    beyond the attention length. For the infinity-former it is the short-term memory; its
+    long-term memory keeps the whole past beside it."""
+    if kind not in WINDOW_KINDS:
+        raise errors.UsageError(
+            f'RECL takes runs whose memory is a window of recent positions ({", ".join(WINDOW_KINDS)}); a '
+            f'{kind!r} run has no context length to set at evaluation yet.')
+    if context < 1:
+        raise errors.UsageError(f'context {context} must be >= 1.')
+    return {'mem_len': int(context), 'same_length': True}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupResult:
+    """RECL of a group: `recl[run][r]`, the contexts, the tokens each loss array scored."""
+    runs: list[str]
+    kinds: list[str]
+    contexts: list[int]
+    rs: list[float]
+    recl: list[dict[float, Recl]]
+    num_tokens: int
+    split: str
+    gains: np.ndarray  # [runs, contexts, contexts]: gain_table at rs[0].
+
+
+def group_recl(workdirs: Sequence[str], contexts: Sequence[int], rs: Sequence[float], out: str,
+               split: str = 'validation', max_batches: int = -1) -> GroupResult:
+    """Scores every run of the group at every context (per-token losses kept in `out`, so that a
+    stopped run resumes where it was) and computes RECL at each r. The runs must read the split
+    alike: one tokenizer, one evaluation batch size and segment length."""
+    contexts = sorted(set(int(c) for c in contexts))
+    loaded, layout = [], None
+    for workdir in workdirs:
+        run = load(workdir)
+        kind = run.exp.run.model.memory
+        context_settings(kind, contexts[0])  # Refuses a kind without a context length first.
+        read_as = (run.tokenizer.fingerprint, run.exp.run.eval.batch_size, run.exp.run.eval.tgt_len)
+        if layout is not None and read_as != layout:
+            raise errors.UsageError(
+                f'{workdir} reads the split otherwise than {workdirs[0]} (tokenizer, config.eval.batch_size, '
+                'config.eval.tgt_len): a RECL group scores the same tokens; give the runs one evaluation batch and '
+                'segment length (--config.eval.* in their configs) and one tokenizer.')
+        layout = read_as
+        loaded.append((workdir, kind, run.step))
+    storage.path(out).mkdir(parents=True, exist_ok=True)
+    rows: list[list[np.ndarray]] = [[None] * len(workdirs) for _ in contexts]
+    total, done, start = len(contexts) * len(workdirs), 0, time.time()
+    for i, (workdir, kind, step) in enumerate(loaded):
+        for c, context in enumerate(contexts):
+            rows[c][i], read_back = _scored(workdir, kind, step, context, split, max_batches, out)
+            done += 1
+            elapsed = time.time() - start
+            logging.info('RECL: %d/%d (%s, context %d%s) | eta %s', done, total, workdir, context,
+                         ', read back' if read_back else '', metrics_lib.format_duration(elapsed / done * (total - done)))
+    sizes = {row.size for context_rows in rows for row in context_rows}
+    if len(sizes) != 1:
+        raise errors.UsageError(f'the runs scored different numbers of tokens ({sorted(sizes)}): they must read '
+                                'the same split alike.')
+    losses = np.array([np.stack(context_rows) for context_rows in rows])
+    return GroupResult(runs=list(workdirs), kinds=[k for _, k, _ in loaded], contexts=contexts, rs=list(rs),
+                       recl=[dict(zip(rs, found)) for found in zip(*(recl(losses, contexts, r) for r in rs))],
+                       num_tokens=int(losses.shape[2]), split=split, gains=gain_table(losses, rs[0]))
+
+
+def _scored(workdir: str, kind: str, step: int, context: int, split: str, max_batches: int,
+            out: str) -> tuple[np.ndarray, bool]:
+    """(the run's per-token losses at `context`, whether they were read back): from `out` when an
+    earlier run of the command scored them (the same checkpoint step, split and batches), else
+    scored and kept there."""
+    key = hashlib.sha256(json.dumps([storage.path(workdir).resolve().as_posix() if not storage.is_remote(workdir)
+                                     else workdir, step, context, split, max_batches]).encode()).hexdigest()[:16]
+    path = storage.join(out, f'losses_{key}.npy')
+    if storage.path(path).exists():
+        with storage.path(path).open('rb') as f:
+            return np.load(f, allow_pickle=False), True
+    run = load(workdir, **context_settings(kind, context))
+    losses = token_losses(run, split, max_batches)
+    buffer = io.BytesIO()
+    np.save(buffer, losses, allow_pickle=False)
+    storage.write_bytes(path, buffer.getvalue())
+    return losses, False
+
+
+def table(result: GroupResult) -> str:
+    """RECL per run and r (`>=`: still gaining at the longest context scored), in tokens."""
+    lines = [f'RECL in tokens on {result.num_tokens:,} tokens of the {result.split} split, contexts '
+             f'{", ".join(map(str, result.contexts))}; the baseline is the group\'s best run at each context.', '',
+             '| run | memory | ' + ' | '.join(f'r = {r:g}' for r in result.rs) + ' |',
+             '| --- | --- | ' + ' | '.join('---' for _ in result.rs) + ' |']
+    for run, kind, found in zip(result.runs, result.kinds, result.recl):
+        cells = [f'{"" if found[r].converged else ">= "}{found[r].context}' for r in result.rs]
+        lines.append(f'| {run} | {kind} | ' + ' | '.join(cells) + ' |')
+    return '\n'.join(lines)
+
+
+def plot(result: GroupResult, path: str) -> bool:
+    """The paper's figure 3: each run's unnormalised relative perplexity gain for the pairs (c, c') at
+    rs[0]; False (nothing drawn) without matplotlib (the `plot` extra)."""
+    try:
+        import matplotlib  # pylint: disable=g-import-not-at-top
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(result.runs), figsize=(4 * len(result.runs), 3.6), squeeze=False)
+    top = np.nanmax(result.gains) if np.isfinite(result.gains).any() else 1.0
+    for ax, run, gains in zip(axes[0], result.runs, result.gains):
+        image = ax.imshow(gains, origin='lower', vmin=0, vmax=max(top, 1e-9), cmap='viridis')
+        ax.set_xticks(range(len(result.contexts)), result.contexts)
+        ax.set_yticks(range(len(result.contexts)), result.contexts)
+        ax.set(xlabel="long context c'", ylabel='short context c', title=f'{run} (r = {result.rs[0]:g})')
+        fig.colorbar(image, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    storage.save_figure(fig, path)
+    plt.close(fig)
+    return True
