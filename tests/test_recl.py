@@ -201,3 +201,35 @@ def test_a_group_that_reads_the_split_otherwise_or_a_kind_without_a_window_is_re
         recl_lib.group_recl([workdir, other], [4, 8], [1.0], str(tmp_path / 'recl'))
     with pytest.raises(errors.UsageError, match="a 'none' run has no context length"):
         recl_lib.context_settings('none', 8)
+
+
+def write_planted_corpus(folder, distance, seed=0):
+    """Text whose every symbol repeats one of the `distance` before it (chosen uniformly), else
+    (1 in 10) is new: each further position of context up to `distance` helps, none beyond."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list('abcdefghijklmnop'))
+    os.makedirs(folder, exist_ok=True)
+    for name, size in (('train.txt', 60_000), ('valid.txt', 4_000), ('test.txt', 1_000)):
+        text = list(rng.choice(letters, distance))
+        while len(text) < size:
+            text.append(text[-rng.integers(1, distance + 1)] if rng.random() < 0.9 else rng.choice(letters))
+        with open(os.path.join(folder, name), 'w') as f:
+            f.write(''.join(text))
+    return folder
+
+
+def test_recl_finds_a_planted_dependency_distance_within_one_step(tmp_path):
+    """A Transformer-XL trained on text whose dependencies reach exactly 12 back: its RECL at every
+    r is 12 within one step (4) of the contexts scored."""
+    distance, step = 12, 4
+    corpus = write_planted_corpus(str(tmp_path / 'corpus'), distance)
+    workdir = str(tmp_path / 'xl')
+    trainer.train_and_evaluate(training_fixtures.tiny_config(
+        corpus, model__d_model=64, model__n_head=4, model__d_inner=128, model__mem_len=16, model__dropout=0.0,
+        train__tgt_len=16, train__batch_size=32, train__num_steps=1200, train__warmup_steps=50,
+        train__learning_rate=2e-3, train__log_every=600, train__eval_every=0, train__checkpoint_every=0,
+        train__final_eval_batches=1, eval__batch_size=16), workdir)
+    result = recl_lib.group_recl([workdir], [4, 8, 12, 16, 20], [0.1, 1.0], str(tmp_path / 'recl'))
+    for r in (0.1, 1.0):
+        found = result.recl[0][r]
+        assert found.converged and abs(found.context - distance) <= step, (r, found, result.gains[0])
