@@ -133,7 +133,7 @@ def test_token_losses_are_what_evaluation_sums_and_a_one_stream_loop_scores(trai
     # One stream (eval batch 1), context 6 for every token: the split's text in order.
     run = analysis_run.load(workdir, mem_len=6, same_length=True)
     run = analysis_run.LoadedRun(trainer.setup(training_fixtures.override(
-        run.exp.run.as_config_dict(), eval__batch_size=1), workdir, training=False), run.params, run.step)
+        run.exp.run.as_config_dict(), eval__batch_size=1), workdir, training=False), run.params, run.step, workdir)
     losses = recl_lib.token_losses(run, max_batches=2)
     summed = evaluation.evaluate_streams(
         jax.jit(train_step_lib.eval_step_fn(run.exp.eval_model)), run.params, run.exp.eval_mcfg,
@@ -151,9 +151,7 @@ def test_token_losses_are_what_evaluation_sums_and_a_one_stream_loop_scores(trai
         naive.extend(-np.asarray(out.target_logprobs[0], np.float64))
     np.testing.assert_allclose(losses, naive[:losses.size], rtol=1e-5, atol=1e-6)
     # Another context scores the same tokens (aligned), to other losses.
-    other = recl_lib.token_losses(analysis_run.LoadedRun(trainer.setup(training_fixtures.override(
-        run.exp.run.as_config_dict(), eval__model__mem_len=2), workdir, training=False), run.params, run.step),
-        max_batches=2)
+    other = recl_lib.token_losses(analysis_run.with_eval_model(run, mem_len=2), max_batches=2)
     assert other.size == losses.size and not np.allclose(other, losses)
 
 
@@ -174,8 +172,9 @@ def test_the_command_scores_a_group_reports_its_recl_and_resumes_from_what_it_ke
     # The kept losses are what token_losses scores, and the reported RECL is recl() of them.
     kept = {}
     for i, run in enumerate((workdir, other)):
+        loaded = analysis_run.load(run)
         for c, context in enumerate((4, 8)):
-            kept[c, i], read_back = recl_lib._scored(run, 'xl', 2, context, 'validation', 1, str(out))
+            kept[c, i], read_back = recl_lib._scored(loaded, 'xl', context, 'validation', 1, str(out))
             assert read_back
     assert kept[0, 0].size == record['num_tokens'] > 0
     np.testing.assert_allclose(kept[1, 1], recl_lib.token_losses(analysis_run.load(other, mem_len=8, same_length=True),

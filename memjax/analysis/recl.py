@@ -33,9 +33,10 @@ import jax
 import numpy as np
 
 from memjax import errors
-from memjax.analysis.run import LoadedRun, load
+from memjax.analysis.run import LoadedRun, load, with_eval_model
 from memjax.runtime import storage
 from memjax.training import evaluation
+from memjax.training import loop as trainer
 from memjax.training import metrics as metrics_lib
 from memjax.training import step as train_step_lib
 
@@ -154,25 +155,25 @@ def group_recl(workdirs: Sequence[str], contexts: Sequence[int], rs: Sequence[fl
     stopped run resumes where it was) and computes RECL at each r. The runs must read the split
     alike: one tokenizer, one evaluation batch size and segment length."""
     contexts = sorted(set(int(c) for c in contexts))
-    loaded, layout = [], None
-    for workdir in workdirs:
-        run = load(workdir)
-        kind = run.exp.run.model.memory
-        context_settings(kind, contexts[0])  # Refuses a kind without a context length first.
-        read_as = (run.tokenizer.fingerprint, run.exp.run.eval.batch_size, run.exp.run.eval.tgt_len)
+    kinds, layout = [], None
+    for workdir in workdirs:  # Every run checked before any is scored.
+        exp = trainer.setup(trainer.saved_config(workdir), workdir, training=False)
+        kinds.append(exp.run.model.memory)
+        context_settings(kinds[-1], contexts[0])  # Refuses a kind without a context length.
+        read_as = (exp.tokenizer.fingerprint, exp.run.eval.batch_size, exp.run.eval.tgt_len)
         if layout is not None and read_as != layout:
             raise errors.UsageError(
                 f'{workdir} reads the split otherwise than {workdirs[0]} (tokenizer, config.eval.batch_size, '
                 'config.eval.tgt_len): a RECL group scores the same tokens; give the runs one evaluation batch and '
                 'segment length (--config.eval.* in their configs) and one tokenizer.')
         layout = read_as
-        loaded.append((workdir, kind, run.step))
     storage.path(out).mkdir(parents=True, exist_ok=True)
     rows: list[list[np.ndarray]] = [[None] * len(workdirs) for _ in contexts]
     total, done, start = len(contexts) * len(workdirs), 0, time.time()
-    for i, (workdir, kind, step) in enumerate(loaded):
+    for i, (workdir, kind) in enumerate(zip(workdirs, kinds)):
+        run = load(workdir)  # Its parameters once, for every context.
         for c, context in enumerate(contexts):
-            rows[c][i], read_back = _scored(workdir, kind, step, context, split, max_batches, out)
+            rows[c][i], read_back = _scored(run, kind, context, split, max_batches, out)
             done += 1
             elapsed = time.time() - start
             logging.info('RECL: %d/%d (%s, context %d%s) | eta %s', done, total, workdir, context,
@@ -182,24 +183,24 @@ def group_recl(workdirs: Sequence[str], contexts: Sequence[int], rs: Sequence[fl
         raise errors.UsageError(f'the runs scored different numbers of tokens ({sorted(sizes)}): they must read '
                                 'the same split alike.')
     losses = np.array([np.stack(context_rows) for context_rows in rows])
-    return GroupResult(runs=list(workdirs), kinds=[k for _, k, _ in loaded], contexts=contexts, rs=list(rs),
+    return GroupResult(runs=list(workdirs), kinds=kinds, contexts=contexts, rs=list(rs),
                        recl=[dict(zip(rs, found)) for found in zip(*(recl(losses, contexts, r) for r in rs))],
                        num_tokens=int(losses.shape[2]), split=split, gains=gain_table(losses, rs[0]))
 
 
-def _scored(workdir: str, kind: str, step: int, context: int, split: str, max_batches: int,
+def _scored(run: LoadedRun, kind: str, context: int, split: str, max_batches: int,
             out: str) -> tuple[np.ndarray, bool]:
     """(the run's per-token losses at `context`, whether they were read back): from `out` when an
     earlier run of the command scored them (the same checkpoint step, split and batches), else
     scored and kept there."""
+    workdir = run.workdir
     key = hashlib.sha256(json.dumps([storage.path(workdir).resolve().as_posix() if not storage.is_remote(workdir)
-                                     else workdir, step, context, split, max_batches]).encode()).hexdigest()[:16]
+                                     else workdir, run.step, context, split, max_batches]).encode()).hexdigest()[:16]
     path = storage.join(out, f'losses_{key}.npy')
     if storage.path(path).exists():
         with storage.path(path).open('rb') as f:
             return np.load(f, allow_pickle=False), True
-    run = load(workdir, **context_settings(kind, context))
-    losses = token_losses(run, split, max_batches)
+    losses = token_losses(with_eval_model(run, **context_settings(kind, context)), split, max_batches)
     buffer = io.BytesIO()
     np.save(buffer, losses, allow_pickle=False)
     storage.write_bytes(path, buffer.getvalue())

@@ -25,6 +25,7 @@ class LoadedRun:
     exp: trainer.Experiment
     params: Any
     step: int
+    workdir: str = ''
 
     @property
     def model(self) -> model_lib.MemoryLM:
@@ -47,7 +48,15 @@ def load(workdir: str, config: Optional[ml_collections.ConfigDict] = None, **eva
         config.eval.model[name] = value
     exp = trainer.setup(config, workdir, training=False)
     step, params = trainer.newest_params(exp, workdir)
-    return LoadedRun(exp, params, step)
+    return LoadedRun(exp, params, step, workdir)
+
+
+def with_eval_model(run: LoadedRun, **eval_model: Any) -> LoadedRun:
+    """`run`'s parameters evaluated with other `config.eval.model` fields (mem_len=..., same_length=...):
+    the checkpoint is not read again."""
+    config = run.exp.run.as_config_dict()
+    config.eval.model.update(eval_model)
+    return dataclasses.replace(run, exp=trainer.setup(config, run.workdir, training=False))
 
 
 @dataclasses.dataclass(frozen=True)
