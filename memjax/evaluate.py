@@ -60,8 +60,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig
     logging.info('Evaluating step %d of %s on the %s split: %s target tokens in batches of %d x %d; %s.', step,
                  workdir, split, f'{int(streams.num_target_tokens):,}', exp.run.eval.batch_size, exp.run.eval.tgt_len,
                  memories.describe(exp.eval_mcfg))
-    eval_step = trainer.announced(trainer.make_eval_step(exp), 'Compiling the evaluation step: the first batch '
-                                  'includes it.')
+    eval_step = metrics_lib.announced(trainer.make_eval_step(exp), 'Compiling the evaluation step: the first batch '
+                                      'includes it.')
     result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams,
                                          evaluation.local_eval_batch(exp.run), max_batches=max_batches,
                                          partitioner=exp.partitioner, key=evaluation.eval_key(exp.run))

@@ -200,6 +200,9 @@ def test_a_group_that_reads_the_split_otherwise_or_a_kind_without_a_window_is_re
         recl_lib.group_recl([workdir, other], [4, 8], [1.0], str(tmp_path / 'recl'))
     with pytest.raises(errors.UsageError, match="a 'none' run has no context length"):
         recl_lib.context_settings('none', 8)
+    (tmp_path / 'a_file').write_text('')
+    with pytest.raises(errors.WorkdirError, match='cannot create --out='):
+        recl_lib.group_recl([workdir], [4, 8], [1.0], str(tmp_path / 'a_file' / 'recl'))
 
 
 def write_planted_corpus(folder, distance, seed=0):

@@ -167,7 +167,11 @@ def group_recl(workdirs: Sequence[str], contexts: Sequence[int], rs: Sequence[fl
                 'config.eval.tgt_len): a RECL group scores the same tokens; give the runs one evaluation batch and '
                 'segment length (--config.eval.* in their configs) and one tokenizer.')
         layout = read_as
-    storage.path(out).mkdir(parents=True, exist_ok=True)
+    try:
+        storage.path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise errors.WorkdirError(f'cannot create --out={out} ({error.strerror or error}): choose a folder you can '
+                                  'write to.') from None
     rows: list[list[np.ndarray]] = [[None] * len(workdirs) for _ in contexts]
     total, done, start = len(contexts) * len(workdirs), 0, time.time()
     for i, (workdir, kind) in enumerate(zip(workdirs, kinds)):

@@ -350,20 +350,6 @@ def make_eval_step(exp: Experiment) -> Callable:
         out_shardings=(eval_memory, p.replicated), donate_argnums=(1,))
 
 
-def announced(step: Callable, message: str) -> Callable:
-    """`step` (jitted) that logs `message` before its first call, the one that compiles it."""
-    called = False
-
-    def call(*args):
-        nonlocal called
-        if not called:
-            logging.info(message)
-            called = True
-        return step(*args)
-
-    return call
-
-
 def first_updates(count: int) -> str:
     return 'the first update' if count == 1 else f'the first {count} updates'
 
@@ -597,10 +583,10 @@ def _init_from_gpt2(exp: Experiment) -> tuple[train_step_lib.TrainState, Any]:
     return init_state(exp, params)[0], exp.partitioner.init_memory(exp.mcfg, exp.run.train.batch_size)
 
 
-def _log_start(exp: Experiment, workdir: str) -> None:
-    """What the run is, before the data and the parameters are prepared (which can take a while)."""
+def _log_start(exp: Experiment, workdir: str, params: Any) -> None:
+    """What the run is (`params`: their shapes), before the data and the parameters are prepared,
+    which can take a while."""
     mcfg, tcfg, devices = exp.mcfg, exp.run.train, jax.devices()
-    params = abstract_state(exp)[0].params
     logging.info('Model: %s, %s parameters; %d %s device(s); batches of %d x %d tokens, %d steps.',
                  memories.describe(mcfg), f'{sum(x.size for x in jax.tree_util.tree_leaves(params)):,}', len(devices),
                  devices[0].platform.upper(), tcfg.batch_size, tcfg.tgt_len, tcfg.num_steps)
@@ -613,11 +599,13 @@ def _log_start(exp: Experiment, workdir: str) -> None:
                  checkpoint_dir(workdir), storage.join(workdir, 'tensorboard'))
 
 
-def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer, iterator: Any,
-                     data: Optional[dict]) -> tuple[train_step_lib.TrainState, Any, Optional[str]]:
+def _restore_or_init(exp: Experiment, ckpt: checkpointing.Checkpointer, iterator: Any, data: Optional[dict],
+                     abstract: Optional[tuple[Any, Any]] = None
+                     ) -> tuple[train_step_lib.TrainState, Any, Optional[str]]:
     """State, memory and data position of the newest intact checkpoint, else a start from
-    config.train.init_from, else fresh ones. `data`: the training data's fingerprint now."""
-    restored = ckpt.restore_latest(*abstract_state(exp), quarantine=True)
+    config.train.init_from, else fresh ones. `data`: the training data's fingerprint now;
+    `abstract`: abstract_state(exp), when the caller has it."""
+    restored = ckpt.restore_latest(*(abstract or abstract_state(exp)), quarantine=True)
     if restored is None:
         _refuse_to_start_over(ckpt)
         if exp.run.train.init_from:
@@ -755,7 +743,8 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
     tcfg = exp.run.train
     saved_config = exp.run.source
     write_json(storage.join(workdir, CONFIG_FILE), saved_config)
-    _log_start(exp, workdir)
+    abstract = abstract_state(exp)  # Traced once: the summary's count and the restore's shapes.
+    _log_start(exp, workdir, abstract[0].params)
 
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         train_streams = data_factory.make_streams(
@@ -766,12 +755,13 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
     iterator = train_streams.iterator()
 
     ckpt = checkpointing.Checkpointer(checkpoint_dir(workdir), tcfg.keep_checkpoints)
-    state, memory, last_checkpoint = _restore_or_init(exp, ckpt, iterator, train_streams.fingerprint)
+    state, memory, last_checkpoint = _restore_or_init(exp, ckpt, iterator, train_streams.fingerprint, abstract)
     step = int(state.step)
     best_loss = ckpt.best()[1]
 
     train_step = _PhasedTrainStep(exp)
-    eval_step = announced(make_eval_step(exp), 'Compiling the evaluation step: the first validation batch includes it.')
+    eval_step = metrics_lib.announced(make_eval_step(exp),
+                                      'Compiling the evaluation step: the first validation batch includes it.')
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
     metric = metrics_lib.metric_name(exp.unit)
     interval = _Interval(step)

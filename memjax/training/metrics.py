@@ -4,7 +4,7 @@ import math
 import os
 import struct
 import sys
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from absl import logging
 
@@ -110,3 +110,17 @@ def log_eval(step: int, split: str, mean_nll: float, num_tokens: int, unit: str,
     logging.info('eval %s at step %d | loss %.4f | %s %.4f | %s%d tokens scored', split, step,
                  mean_nll, name, metric_value(mean_nll, unit),
                  '' if accuracy is None else f'accuracy {accuracy:.4f} | ', num_tokens)
+
+
+def announced(step: Callable, message: str) -> Callable:
+    """`step` (jitted) that logs `message` before its first call, the one that compiles it."""
+    called = False
+
+    def call(*args):
+        nonlocal called
+        if not called:
+            logging.info(message)
+            called = True
+        return step(*args)
+
+    return call
