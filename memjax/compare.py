@@ -53,6 +53,7 @@ from memjax import errors
 from memjax import evaluate
 from memjax import model as model_lib
 from memjax.model import memories
+from memjax.model.memories import trams
 from memjax.bench.suites import programs
 from memjax.data import factory as data_factory
 from memjax.data import pipeline
@@ -82,11 +83,8 @@ METHODS = {
     'xl': Method(),
     'lamemo': Method(model=lambda c: {'memory': 'lamemo'}),
     'infinity': Method(model=lambda c: {'memory': 'infinity'}),
-    # Attends L keys like XL at L: the newest 3L/4 and the best-ranked rest of a pool of 2L (the
-    # released 150 of 200).
-    'trams': Method(runs_on='xl', evaluation=lambda mem_len: {'memory': 'trams', 'mem_len': 2 * mem_len,
-                                                               'trams_select': mem_len,
-                                                               'trams_remain': 3 * mem_len // 4}),
+    # Attends L keys like XL at L: the newest 3L/4 and the best-ranked rest of a pool of 2L.
+    'trams': Method(runs_on='xl', evaluation=lambda mem_len: {'memory': 'trams', **trams.attending(mem_len)}),
     # Phase 1 (linear skips) for three quarters of the steps, as the paper's schedule.
     'skip_retain': Method(model=lambda c: {'skip_rule': 'linear', 'skip_until': 3 * c.train.num_steps // 4}),
     'cross_head': Method(model=lambda c: {'sch_beta': 0.1}),

@@ -1,17 +1,19 @@
 """Command line: the relative effective context length (RECL) of a group of trained runs.
 
 Needs trained workdirs that read the same data with the same tokenizer (and one evaluation batch
-and segment length), each a memory kind with a window of recent positions (xl, lamemo, infinity);
-the figure needs the `plot` extra.
+and segment length), of any memory kind; `WORKDIR@trams` scores an XL run's parameters as TRAMS.
+The figure needs the `plot` extra.
 
-  python -m memjax.recl --workdirs=runs/a,runs/b --contexts=16,32,48,64 --out=runs/recl_ab [--r=0.1,0.5,1.0]
+  python -m memjax.recl --workdirs=runs/none,runs/xl,runs/xl@trams --contexts=16,32,48,64 --out=runs/recl_group \
+      [--r=0.1,0.5,1.0]
 
-Every run scores the split (`--split`, its first `--max_batches` batches) at each context length c,
-every token attending c positions (`memjax.analysis.recl.context_settings`); the per-token losses
-give each run's RECL at each r as the Transformer-XL paper's appendix C defines it, against the
-group's best run at each context. `--out` receives recl.md (the table), recl.json and recl.png (the
-paper's figure 3 at the first r), and the per-token losses, which a stopped command reads back
-when run again.
+Every member scores the split (`--split`, its first `--max_batches` batches) at each context length
+c, every token attending c positions (`memjax.analysis.recl.context_settings`: the attention for
+Transformer-XL and LaMemo, the short-term memory for the infinity-former, the attended rows for
+TRAMS, a window of c for a Transformer without memory); the per-token losses give each member's
+RECL at each r as the Transformer-XL paper's appendix C defines it, against the group's best member
+at each context. `--out` receives recl.md (the table), recl.json and recl.png (the paper's figure 3
+at the first r), and the per-token losses, which a stopped command reads back when run again.
 """
 
 from memjax.runtime import host_memory
@@ -30,7 +32,8 @@ from memjax import errors
 from memjax.analysis import recl as recl_lib
 from memjax.runtime import storage
 
-_WORKDIRS = flags.DEFINE_list('workdirs', None, 'The group: trained workdirs, comma-separated.')
+_WORKDIRS = flags.DEFINE_list('workdirs', None, 'The group: trained workdirs, comma-separated; WORKDIR@trams scores '
+                              'an XL run as TRAMS.')
 _CONTEXTS = flags.DEFINE_list('contexts', None, 'Context lengths in tokens, increasing by a step Delta.')
 _R = flags.DEFINE_list('r', ['0.1', '0.5', '1.0'], 'Shares of the hardest tokens (by the group\'s baseline) scored.')
 _OUT = flags.DEFINE_string('out', None, 'Folder for the table, the figure and the per-token losses.')

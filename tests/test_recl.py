@@ -17,6 +17,7 @@ from memjax import errors
 from memjax import model as model_lib
 from memjax.analysis import recl as recl_lib
 from memjax.analysis import run as analysis_run
+from memjax.data import pipeline
 from memjax.training import evaluation
 from memjax.training import loop as trainer
 from memjax.training import step as train_step_lib
@@ -155,51 +156,96 @@ def test_token_losses_are_what_evaluation_sums_and_a_one_stream_loop_scores(trai
     assert other.size == losses.size and not np.allclose(other, losses)
 
 
+@pytest.fixture(scope='module')
+def memoryless(trained, tmp_path_factory):
+    """A tiny trained Transformer without memory on the same corpus: its workdir."""
+    _, corpus = trained
+    workdir = str(tmp_path_factory.mktemp('none'))
+    trainer.train_and_evaluate(training_fixtures.tiny_config(corpus, model__memory='none', model__mem_len=0,
+                                                             train__num_steps=2, train__eval_every=0,
+                                                             train__final_eval_batches=1), workdir)
+    return workdir
+
+
+def test_a_memoryless_run_scores_each_token_from_its_window_alone(trained, memoryless):
+    """Against one pass per token over the stream's `context` inputs ending at it, by hand: two
+    streams (eval batch 2), so each window stops at its own stream's start. Nothing further back
+    reaches a token: the memory-less Transformer's RECL cannot exceed its attention length."""
+    _, corpus = trained
+    run = analysis_run.load(memoryless)
+    tokens = np.frombuffer(open(os.path.join(corpus, 'valid.txt'), 'rb').read(), np.uint8).astype(np.int32)
+    layout = pipeline.contiguous_layout(tokens.size, run.exp.run.eval.batch_size, run.exp.run.eval.tgt_len)
+    segments = 2 * run.exp.run.train.segments_per_step  # Two evaluation batches.
+    apply = jax.jit(lambda p, x, y: run.model.apply({'params': p}, x, model_lib.init_memory(run.config, 1),
+                                                    targets=y)[0].target_logprobs)
+    for context in (1, 5, 12):
+        losses = recl_lib.window_token_losses(run, context, max_batches=2)
+        naive = []
+        for k in range(segments):  # Reading order: segment, stream, position.
+            for b in range(layout.start.shape[0]):
+                for t in range(layout.num_valid[b, k]):
+                    at = layout.start[b, k] + t
+                    first = max(layout.start[b, 0], at - context + 1)
+                    naive.append(-float(apply(run.params, tokens[None, first:at + 1], tokens[None, first + 1:at + 2])[0, -1]))
+        np.testing.assert_allclose(losses, naive, rtol=2e-5, atol=2e-5)
+
+
 def test_the_command_scores_a_group_reports_its_recl_and_resumes_from_what_it_kept(trained, tmp_path, monkeypatch):
     workdir, corpus = trained
     other = str(tmp_path / 'other')  # A second run of the group: a longer training memory.
     trainer.train_and_evaluate(training_fixtures.tiny_config(corpus, model__mem_len=16, train__num_steps=2,
                                                              train__eval_every=0, train__final_eval_batches=1), other)
     out = tmp_path / 'recl'
-    done = subprocess.run([sys.executable, '-m', 'memjax.recl', f'--workdirs={workdir},{other}', '--contexts=4,8',
+    # The third member scores the first run's parameters as TRAMS.
+    done = subprocess.run([sys.executable, '-m', 'memjax.recl', f'--workdirs={workdir},{other},{workdir}@trams',
+                           '--contexts=4,8',
                            '--r=0.5,1', f'--out={out}', '--max_batches=1'], env=cli_fixtures.cpu_env(1),
                           capture_output=True, text=True, timeout=cli_fixtures.RUN_TIMEOUT_S,
                           cwd=training_fixtures.REPO, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert 'RECL: 4/4' in done.stderr and 'eta' in done.stderr
+    assert 'RECL: 6/6' in done.stderr and 'eta' in done.stderr
     with open(out / 'recl.json') as f:
         record = json.load(f)
     # The kept losses are what token_losses scores, and the reported RECL is recl() of them.
     kept = {}
-    for i, run in enumerate((workdir, other)):
+    for i, (run, kind) in enumerate(((workdir, 'xl'), (other, 'xl'), (workdir, 'trams'))):
         loaded = analysis_run.load(run)
         for c, context in enumerate((4, 8)):
-            kept[c, i], read_back = recl_lib._scored(loaded, 'xl', context, 'validation', 1, str(out))
+            kept[c, i], read_back = recl_lib._scored(loaded, kind, context, 'validation', 1, str(out))
             assert read_back
     assert kept[0, 0].size == record['num_tokens'] > 0
     np.testing.assert_allclose(kept[1, 1], recl_lib.token_losses(analysis_run.load(other, mem_len=8, same_length=True),
                                                                  max_batches=1), rtol=1e-6)
-    losses = np.array([[kept[c, i] for i in range(2)] for c in range(2)])
+    # TRAMS at context 8: 8 attended rows, the newest 6 kept and 2 chosen from a pool of 16.
+    trams = analysis_run.load(workdir, memory='trams', mem_len=16, trams_select=8, trams_remain=6, same_length=True)
+    np.testing.assert_allclose(kept[1, 2], recl_lib.token_losses(trams, max_batches=1), rtol=1e-6)
+    losses = np.array([[kept[c, i] for i in range(3)] for c in range(2)])
     for r in (0.5, 1.0):
         expected = [dataclasses.asdict(x) for x in recl_lib.recl(losses, [4, 8], r)]
         assert [runs[str(r)] for runs in record['recl']] == expected
-    assert f'| {other} | xl |' in done.stdout and (out / 'recl.png').exists()
+    assert f'| {other} | xl |' in done.stdout and f'| {workdir}@trams | trams |' in done.stdout
+    assert (out / 'recl.png').exists()
     # Run again: every loss is read back, nothing is scored.
     monkeypatch.setattr(recl_lib, 'token_losses', lambda *a, **k: pytest.fail('scored again'))
-    again = recl_lib.group_recl([workdir, other], [4, 8], [0.5, 1.0], str(out), max_batches=1)
+    again = recl_lib.group_recl([workdir, other, f'{workdir}@trams'], [4, 8], [0.5, 1.0], str(out), max_batches=1)
     assert [[x.context for x in runs.values()] for runs in again.recl] == [
         [runs[str(r)]['context'] for r in (0.5, 1.0)] for runs in record['recl']]
 
 
-def test_a_group_that_reads_the_split_otherwise_or_a_kind_without_a_window_is_refused(trained, tmp_path):
+def test_a_group_that_reads_the_split_otherwise_or_a_kind_without_a_context_is_refused(trained, memoryless,
+                                                                                        tmp_path):
     workdir, corpus = trained
     other = str(tmp_path / 'other')
     trainer.train_and_evaluate(training_fixtures.tiny_config(corpus, eval__tgt_len=4, train__num_steps=2,
                                                              train__eval_every=0, train__final_eval_batches=1), other)
     with pytest.raises(errors.UsageError, match='reads the split otherwise'):
         recl_lib.group_recl([workdir, other], [4, 8], [1.0], str(tmp_path / 'recl'))
-    with pytest.raises(errors.UsageError, match="a 'none' run has no context length"):
-        recl_lib.context_settings('none', 8)
+    with pytest.raises(errors.UsageError, match="a 'bogus' run has no context length"):
+        recl_lib.group_recl([f'{workdir}@bogus'], [4, 8], [1.0], str(tmp_path / 'recl'))
+    with pytest.raises(errors.UsageError, match="@trams: .*memory='trams' cannot run on parameters trained as "
+                                                "memory='none'"):
+        recl_lib.group_recl([f'{memoryless}@trams'], [4, 8], [1.0], str(tmp_path / 'recl'))
+    assert not (tmp_path / 'recl').exists()  # Refused before anything was scored or written.
     (tmp_path / 'a_file').write_text('')
     with pytest.raises(errors.WorkdirError, match='cannot create --out='):
         recl_lib.group_recl([workdir], [4, 8], [1.0], str(tmp_path / 'a_file' / 'recl'))
@@ -207,11 +253,13 @@ def test_a_group_that_reads_the_split_otherwise_or_a_kind_without_a_window_is_re
 
 def write_planted_corpus(folder, distance, seed=0):
     """Text whose every symbol repeats one of the `distance` before it (chosen uniformly), else
-    (1 in 10) is new: each further position of context up to `distance` helps, none beyond."""
+    (1 in 10) is new: each further position of context up to `distance` helps, none beyond. Enough
+    training text that the models do not learn it by heart: one that has is sensitive to every
+    extra position, which RECL's clipped gains would count."""
     rng = np.random.default_rng(seed)
     letters = np.array(list('abcdefghijklmnop'))
     os.makedirs(folder, exist_ok=True)
-    for name, size in (('train.txt', 60_000), ('valid.txt', 4_000), ('test.txt', 1_000)):
+    for name, size in (('train.txt', 400_000), ('valid.txt', 4_000), ('test.txt', 1_000)):
         text = list(rng.choice(letters, distance))
         while len(text) < size:
             text.append(text[-rng.integers(1, distance + 1)] if rng.random() < 0.9 else rng.choice(letters))
@@ -221,17 +269,24 @@ def write_planted_corpus(folder, distance, seed=0):
 
 
 def test_recl_finds_a_planted_dependency_distance_within_one_step(tmp_path):
-    """A Transformer-XL trained on text whose dependencies reach exactly 12 back: its RECL at every
-    r is 12 within one step (4) of the contexts scored."""
+    """The paper's own group, Transformer-XL and the Transformer without memory, trained on text
+    whose dependencies reach exactly 12 back: each one's RECL at every r is 12 within one step (4)
+    of the contexts scored. XL: memory 16 over segments of 16; the Transformer: segments of 32,
+    which give most of its training positions the whole planted distance, each token scored from
+    its window of c alone."""
     distance, step = 12, 4
     corpus = write_planted_corpus(str(tmp_path / 'corpus'), distance)
-    workdir = str(tmp_path / 'xl')
-    trainer.train_and_evaluate(training_fixtures.tiny_config(
-        corpus, model__d_model=64, model__n_head=4, model__d_inner=128, model__mem_len=16, model__dropout=0.0,
-        train__tgt_len=16, train__batch_size=32, train__num_steps=1200, train__warmup_steps=50,
-        train__learning_rate=2e-3, train__log_every=600, train__eval_every=0, train__checkpoint_every=0,
-        train__final_eval_batches=1, eval__batch_size=16), workdir)
-    result = recl_lib.group_recl([workdir], [4, 8, 12, 16, 20], [0.1, 1.0], str(tmp_path / 'recl'))
-    for r in (0.1, 1.0):
-        found = result.recl[0][r]
-        assert found.converged and abs(found.context - distance) <= step, (r, found, result.gains[0])
+    group = {'xl': dict(model__mem_len=16, train__tgt_len=16),
+             'none': dict(model__memory='none', model__mem_len=0, train__tgt_len=32, eval__tgt_len=16)}
+    for memory, fields in group.items():
+        trainer.train_and_evaluate(training_fixtures.tiny_config(
+            corpus, model__d_model=64, model__n_head=4, model__d_inner=128, model__dropout=0.0,
+            train__batch_size=32, train__num_steps=1200, train__warmup_steps=50, train__learning_rate=2e-3,
+            train__log_every=600, train__eval_every=0, train__checkpoint_every=0, train__final_eval_batches=1,
+            eval__batch_size=16, **fields), str(tmp_path / memory))
+    result = recl_lib.group_recl([str(tmp_path / m) for m in group], [4, 8, 12, 16, 20], [0.1, 1.0],
+                                 str(tmp_path / 'recl'))
+    assert result.kinds == ['xl', 'none']
+    for found, gains in zip(result.recl, result.gains):
+        for r in (0.1, 1.0):
+            assert found[r].converged and abs(found[r].context - distance) <= step, (r, found, gains)

@@ -30,10 +30,13 @@ from typing import Sequence
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from memjax import errors
+from memjax import model as model_lib
 from memjax.analysis.run import LoadedRun, load, with_eval_model
+from memjax.model.memories import trams
 from memjax.runtime import storage
 from memjax.training import evaluation
 from memjax.training import loop as trainer
@@ -115,25 +118,97 @@ def token_losses(run: LoadedRun, split: str = 'validation', max_batches: int = -
                                        max_batches, key=evaluation.eval_key(exp.run)).token_nll
 
 
+def window_token_losses(run: LoadedRun, context: int, split: str = 'validation', max_batches: int = -1) -> np.ndarray:
+    """`token_losses` of a memory-less run with every target scored from the `context` newest
+    inputs of its stream (itself included; fewer at a stream's start), each in a pass of its own:
+    the sliding-window evaluation of a Transformer without memory, whose attention reaches exactly
+    `context` positions and nothing before them. The same tokens, in the same order, as
+    `token_losses` scores.
+
+    A target's window is the stream's `context` inputs ending at it, or its first `context` when
+    the stream has fewer before it; positions after the target do not reach it (the attention is
+    causal), so the windows are all `context` long, right-padded past a stream's end."""
+    exp = run.exp
+    model, cfg = exp.eval_model, exp.eval_mcfg
+    chunk = max(8, 2 ** 16 // context)  # Windows per pass: about 64k positions.
+    rngs = train_step_lib.stream_keys(evaluation.eval_key(exp.run), model.kind, 0)
+
+    @jax.jit
+    def score(params, windows, positions, targets):
+        """[chunk, context] windows -> [chunk] loss of each target at its window position."""
+        rows = jnp.arange(windows.shape[0])
+        full = jnp.zeros_like(windows).at[rows, positions].set(targets)
+        out, _ = model.apply({'params': params}, windows, model_lib.init_memory(cfg, windows.shape[0]),
+                             targets=full, deterministic=True, rngs=rngs)
+        return -out.target_logprobs[rows, positions].astype(jnp.float32)
+
+    streams = evaluation.eval_streams(exp.run, exp.tokenizer, split)
+    total = streams.num_batches if max_batches < 0 else min(max_batches, streams.num_batches)
+    history = [np.zeros(0, np.int32)] * streams.batch_size  # Each stream's inputs, newest last.
+    found = []
+    for index, batch in enumerate(streams.iterator()):
+        if index >= total:
+            break
+        windows, positions, targets = [], [], []
+        for s in range(batch['inputs'].shape[0]):
+            for b in range(batch['inputs'].shape[1]):
+                if batch['reset'][s, b]:
+                    history[b] = history[b][:0]
+                seq = np.concatenate([history[b], np.asarray(batch['inputs'][s, b], np.int32)])
+                at = len(history[b]) + np.arange(batch['inputs'].shape[2])
+                first = np.maximum(0, at - context + 1)
+                windows.append(np.pad(seq, (0, context))[first[:, None] + np.arange(context)])
+                positions.append(at - first)
+                targets.append(np.asarray(batch['targets'][s, b], np.int32))
+                read = seq[:len(history[b]) + int(np.sum(batch['mask'][s, b] > 0))]
+                history[b] = read[max(0, len(read) - (context - 1)):]
+        windows, positions, targets = np.concatenate(windows), np.concatenate(positions), np.concatenate(targets)
+        losses = []
+        for at in range(0, len(windows), chunk):
+            part = [np.pad(x[at:at + chunk], [(0, max(0, at + chunk - len(x)))] + [(0, 0)] * (x.ndim - 1))
+                    for x in (windows, positions, targets)]
+            losses.append(score(run.params, *part))
+        losses = np.concatenate(jax.device_get(losses))[:len(windows)].astype(np.float64)
+        found.append(losses[np.asarray(batch['mask']).reshape(-1) > 0])
+    return np.concatenate(found) if found else np.zeros(0)
+
+
 # Kinds whose memory is a window of the most recent positions: with `same_length`, every scored
 # token attends the newest `mem_len` of them, itself included.
 WINDOW_KINDS = ('xl', 'xl_cached', 'lamemo', 'infinity')
+KINDS = ('none', *WINDOW_KINDS, 'trams')
 
 
 def context_settings(kind: str, context: int) -> dict:
-    """The config.eval.model fields under which a run of memory kind `kind` scores every token with
-    an attention length of `context` positions (itself included): `mem_len=context,
-    same_length=True`. For Transformer-XL and LaMemo that is the whole attention; the recurrence
-    still carries older information through the memory's hidden states, which is what RECL can show
-    beyond the attention length. For the infinity-former it is the short-term memory; its
-    long-term memory keeps the whole past beside it."""
-    if kind not in WINDOW_KINDS:
+    """The config.eval.model fields under which a run scored as memory kind `kind` attends
+    `context` positions from every token (itself included), with `same_length`:
+
+    - Transformer-XL and LaMemo: `mem_len=context`, the whole attention. The recurrence still
+      carries older information through the memory's hidden states, which is what RECL can show
+      beyond the attention length.
+    - the infinity-former: the short-term memory; its long-term memory keeps the whole past beside it.
+    - TRAMS: `context` attended rows (`trams_select`), chosen from a pool of twice as many
+      (`memories.trams.attending`).
+    - 'none' (no memory): {} (`window_token_losses` gives every token its window of `context`).
+    """
+    if kind not in KINDS:
         raise errors.UsageError(
-            f'RECL takes runs whose memory is a window of recent positions ({", ".join(WINDOW_KINDS)}); a '
-            f'{kind!r} run has no context length to set at evaluation yet.')
+            f'RECL takes runs scored as one of {", ".join(KINDS)}; a {kind!r} run has no context length to set '
+            'at evaluation.')
     if context < 1:
         raise errors.UsageError(f'context {context} must be >= 1.')
+    if kind == 'none':
+        return {}
+    if kind == 'trams':
+        return {'memory': 'trams', **trams.attending(int(context)), 'same_length': True}
     return {'mem_len': int(context), 'same_length': True}
+
+
+def member(spec: str) -> tuple[str, str]:
+    """(workdir, memory kind it is scored as or '') of a group member `WORKDIR[@KIND]`: `runs/xl@trams`
+    scores an XL run's parameters as TRAMS (a kind that runs on them)."""
+    workdir, at, kind = spec.rpartition('@')
+    return (workdir, kind) if at and workdir else (spec, '')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,21 +224,28 @@ class GroupResult:
     gains: np.ndarray  # [runs, contexts, contexts]: gain_table at rs[0].
 
 
-def group_recl(workdirs: Sequence[str], contexts: Sequence[int], rs: Sequence[float], out: str,
+def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[float], out: str,
                split: str = 'validation', max_batches: int = -1) -> GroupResult:
-    """Scores every run of the group at every context (per-token losses kept in `out`, so that a
-    stopped run resumes where it was) and computes RECL at each r. The runs must read the split
-    alike: one tokenizer, one evaluation batch size and segment length."""
+    """Scores every member of the group (`WORKDIR[@KIND]`, `member`) at every context (per-token
+    losses kept in `out`, so that a stopped run resumes where it was) and computes RECL at each r.
+    The runs must read the split alike: one tokenizer, one evaluation batch size and segment length."""
     contexts = sorted(set(int(c) for c in contexts))
-    kinds, layout = [], None
-    for workdir in workdirs:  # Every run checked before any is scored.
+    parsed, kinds, layout = [member(spec) for spec in members], [], None
+    for spec, (workdir, scored_as) in zip(members, parsed):  # Every member checked before any is scored.
         exp = trainer.setup(trainer.saved_config(workdir), workdir, training=False)
-        kinds.append(exp.run.model.memory)
-        context_settings(kinds[-1], contexts[0])  # Refuses a kind without a context length.
+        kinds.append(scored_as or exp.run.model.memory)
+        settings = context_settings(kinds[-1], contexts[0])  # Refuses a kind without a context length.
+        if scored_as:
+            config = exp.run.as_config_dict()
+            config.eval.model.update(settings)
+            try:
+                trainer.setup(config, workdir, training=False)
+            except errors.UserError as error:
+                raise errors.UsageError(f'{spec}: {" ".join(str(error).split())}') from None
         read_as = (exp.tokenizer.fingerprint, exp.run.eval.batch_size, exp.run.eval.tgt_len)
         if layout is not None and read_as != layout:
             raise errors.UsageError(
-                f'{workdir} reads the split otherwise than {workdirs[0]} (tokenizer, config.eval.batch_size, '
+                f'{workdir} reads the split otherwise than {parsed[0][0]} (tokenizer, config.eval.batch_size, '
                 'config.eval.tgt_len): a RECL group scores the same tokens; give the runs one evaluation batch and '
                 'segment length (--config.eval.* in their configs) and one tokenizer.')
         layout = read_as
@@ -172,39 +254,42 @@ def group_recl(workdirs: Sequence[str], contexts: Sequence[int], rs: Sequence[fl
     except OSError as error:
         raise errors.WorkdirError(f'cannot create --out={out} ({error.strerror or error}): choose a folder you can '
                                   'write to.') from None
-    rows: list[list[np.ndarray]] = [[None] * len(workdirs) for _ in contexts]
-    total, done, start = len(contexts) * len(workdirs), 0, time.time()
-    for i, (workdir, kind) in enumerate(zip(workdirs, kinds)):
+    rows: list[list[np.ndarray]] = [[None] * len(members) for _ in contexts]
+    total, done, start = len(contexts) * len(members), 0, time.time()
+    for i, ((workdir, _), kind) in enumerate(zip(parsed, kinds)):
         run = load(workdir)  # Its parameters once, for every context.
         for c, context in enumerate(contexts):
             rows[c][i], read_back = _scored(run, kind, context, split, max_batches, out)
             done += 1
             elapsed = time.time() - start
-            logging.info('RECL: %d/%d (%s, context %d%s) | eta %s', done, total, workdir, context,
+            logging.info('RECL: %d/%d (%s, context %d%s) | eta %s', done, total, members[i], context,
                          ', read back' if read_back else '', metrics_lib.format_duration(elapsed / done * (total - done)))
     sizes = {row.size for context_rows in rows for row in context_rows}
     if len(sizes) != 1:
         raise errors.UsageError(f'the runs scored different numbers of tokens ({sorted(sizes)}): they must read '
                                 'the same split alike.')
     losses = np.array([np.stack(context_rows) for context_rows in rows])
-    return GroupResult(runs=list(workdirs), kinds=kinds, contexts=contexts, rs=list(rs),
+    return GroupResult(runs=list(members), kinds=kinds, contexts=contexts, rs=list(rs),
                        recl=[dict(zip(rs, found)) for found in zip(*(recl(losses, contexts, r) for r in rs))],
                        num_tokens=int(losses.shape[2]), split=split, gains=gain_table(losses, rs[0]))
 
 
 def _scored(run: LoadedRun, kind: str, context: int, split: str, max_batches: int,
             out: str) -> tuple[np.ndarray, bool]:
-    """(the run's per-token losses at `context`, whether they were read back): from `out` when an
-    earlier run of the command scored them (the same checkpoint step, split and batches), else
-    scored and kept there."""
+    """(the run's per-token losses scored as `kind` at `context`, whether they were read back): from
+    `out` when an earlier run of the command scored them (the same checkpoint step, kind, split and
+    batches), else scored and kept there."""
     workdir = run.workdir
     key = hashlib.sha256(json.dumps([storage.path(workdir).resolve().as_posix() if not storage.is_remote(workdir)
-                                     else workdir, run.step, context, split, max_batches]).encode()).hexdigest()[:16]
+                                     else workdir, run.step, kind, context, split, max_batches]).encode()).hexdigest()[:16]
     path = storage.join(out, f'losses_{key}.npy')
     if storage.path(path).exists():
         with storage.path(path).open('rb') as f:
             return np.load(f, allow_pickle=False), True
-    losses = token_losses(with_eval_model(run, **context_settings(kind, context)), split, max_batches)
+    if kind == 'none':
+        losses = window_token_losses(run, context, split, max_batches)
+    else:
+        losses = token_losses(with_eval_model(run, **context_settings(kind, context)), split, max_batches)
     buffer = io.BytesIO()
     np.save(buffer, losses, allow_pickle=False)
     storage.write_bytes(path, buffer.getvalue())

@@ -40,6 +40,13 @@ METRICS = ('paper', 'released')
 POSITIONS = ('true', 'contiguous')
 
 
+def attending(length: int) -> dict:
+    """config.model fields under which TRAMS attends `length` memory rows as the released
+    configuration's proportions do (150 kept of 200 attended): the newest 3/4 kept, the rest the
+    best-ranked of a pool twice as long. How memjax.compare and memjax.recl set TRAMS for a length."""
+    return {'mem_len': 2 * length, 'trams_select': length, 'trams_remain': 3 * length // 4}
+
+
 @dataclasses.dataclass(frozen=True)
 class TramsFields(KindFields):
     """config.model.trams_*: mem_len is the pool; each head attends trams_select of it, the newest
