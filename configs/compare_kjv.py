@@ -42,6 +42,11 @@ def get_config(arg: str = ''):
         # longer memory adds at the longest one trained (mem_len + tgt_len - 1), -1 leaves them.
         'clamp_lens': (-2,),
         'match_params': True,  # d_inner per method so that every model has XL's parameter count.
+        # Given context lengths, the table gains a RECL column per r (memjax.recl, one group per seed):
+        # --config.compare.recl_contexts="(32, 64, 96, 128, 160, 192, 224, 256)".
+        'recl_contexts': (),
+        'recl_rs': (0.1,),
+        'recl_batches': 4,  # Evaluation batches of the split scored at each context; -1: all of it.
     })
     config.data.update(name='text', tokenizer='byte', heldout_size=1000)
     config.model.update(d_model=128, n_layer=4, n_head=4, d_head=32, d_inner=512, mem_len=64,

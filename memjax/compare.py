@@ -54,6 +54,7 @@ from memjax import evaluate
 from memjax import model as model_lib
 from memjax.model import memories
 from memjax.model.memories import trams
+from memjax.analysis import recl as recl_lib
 from memjax.bench.suites import programs
 from memjax.data import factory as data_factory
 from memjax.data import pipeline
@@ -106,6 +107,13 @@ def _check(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         (section.seeds >= 1, f'compare.seeds={section.seeds} must be >= 1.'),
         (bool(section.get('clamp_lens')), 'compare.clamp_lens is empty; give clamp_len values (-2: the '
                                           'longest distance trained, -1: none).'))
+    contexts, rs = list(section.get('recl_contexts', ())), list(section.get('recl_rs', (0.1,)))
+    if contexts:
+        problems += errors.failed(
+            (len(contexts) >= 2 and contexts == sorted(set(contexts)) and contexts[0] >= 1,
+             f'compare.recl_contexts={tuple(contexts)}: give at least two increasing lengths >= 1 (RECL steps '
+             'from one to the next), or () for no RECL column.'),
+            (bool(rs) and all(0 < r <= 1 for r in rs), f'compare.recl_rs={tuple(rs)}: each share must be in (0, 1].'))
     evaluating = [m for m in known if METHODS[m].runs_on]
     missing = sorted({METHODS[m].runs_on for m in evaluating} - set(section.methods))
     problems += [f'compare.methods needs {missing}, whose runs {evaluating} evaluate.'] if missing else []
@@ -306,11 +314,52 @@ def _compare(config: ml_collections.ConfigDict, section: ml_collections.ConfigDi
         method, seed = next(iter(results))
         unigram = unigram_loss(results[(method, seed)]['config'], os.path.join(workdir, method, f'seed{seed}'))
     report = {'config': config.to_dict(), 'rows': rows, 'failures': failures, 'unigram_loss': unigram,
-              'curves': {f'{m}/seed{s}': _curve(os.path.join(workdir, m, f'seed{s}')) for m, s in results}}
+              'curves': {f'{m}/seed{s}': _curve(os.path.join(workdir, m, f'seed{s}')) for m, s in results},
+              'recl': _recl(config, section, workdir, results, failures) if section.get('recl_contexts') else None}
     trainer.write_result(os.path.join(workdir, 'comparison.json'), report, history=False)
     storage.write_result(os.path.join(workdir, 'comparison.md'), table(report, section.seeds))
     plot(report, os.path.join(workdir, 'comparison.png'))
     return report
+
+
+def _recl(config: ml_collections.ConfigDict, section: ml_collections.ConfigDict, workdir: str, results: dict,
+          failures: dict) -> dict:
+    """Every method's RECL (memjax.recl), one group per seed: the methods share the budget and, as
+    the Transformer-XL paper's groups do, the baseline. Each group's table, figure and per-token
+    losses go to <workdir>/recl/seed<k>/ (a stopped comparison reads the losses back)."""
+    contexts, rs = [int(c) for c in section.recl_contexts], [float(r) for r in section.get('recl_rs', (0.1,))]
+    record = {'contexts': contexts, 'rs': rs, 'split': config.eval.split, 'num_tokens': None, 'methods': {}}
+    for seed in range(section.seeds):
+        methods = [m for m in section.methods if (METHODS[m].runs_on or m, seed) in results]
+        members = []
+        for method in methods:
+            scored_as = METHODS[method].evaluation(1).get('memory')  # TRAMS: the XL run scored as TRAMS.
+            members.append(os.path.join(workdir, METHODS[method].runs_on or method, f'seed{seed}')
+                           + (f'@{scored_as}' if scored_as else ''))
+        if not members:
+            continue
+        out = os.path.join(workdir, 'recl', f'seed{seed}')
+        logging.info('compare: RECL of seed %d', seed)
+        try:
+            result = recl_lib.group_recl(members, contexts, rs, out, split=config.eval.split,
+                                         max_batches=section.get('recl_batches', -1))
+        except Exception as error:  # pylint: disable=broad-except  (reported; the table goes on)
+            failures[f'recl/seed{seed}'] = _failure(error, f'RECL of seed {seed}')
+            continue
+        storage.write_result(os.path.join(out, 'recl.md'), recl_lib.table(result) + '\n')
+        recl_lib.plot(result, os.path.join(out, 'recl.png'))
+        record['num_tokens'] = result.num_tokens
+        for method, found in zip(methods, result.recl):
+            record['methods'].setdefault(method, {})[seed] = {str(r): dataclasses.asdict(x) for r, x in found.items()}
+    return record
+
+
+def recl_cell(record: dict, method: str, r: float) -> str:
+    """The table's RECL cell of `method` at `r`: each seed's, in tokens (`>=`: still gaining at the
+    longest context scored), or n/a."""
+    seeds = record['methods'].get(method, {})
+    found = [seeds[seed][str(r)] for seed in sorted(seeds)]
+    return ' / '.join(f'{"" if x["converged"] else ">= "}{x["context"]}' for x in found) or 'n/a'
 
 
 def _failure(error: Exception, where: str) -> str:
@@ -362,9 +411,12 @@ def table(report: dict, seeds: int) -> str:
     """Markdown: one row per method, evaluation memory and clamp, mean ± spread (half the range) over
     seeds."""
     metric = report['rows'][0]['metric_name'] if report['rows'] else 'metric'
+    recl = report.get('recl')
+    rs = recl['rs'] if recl else []
     lines = [f'| method | eval memory | clamp_len | loss (mean ± half-range, {seeds} seeds) | {metric} | '
-             'train tokens/s | eval tokens/s | parameters | train step memory (MB) | train wall s |',
-             '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+             'train tokens/s | eval tokens/s | parameters | train step memory (MB) | train wall s |'
+             + ''.join(f' RECL r = {r:g} |' for r in rs),
+             '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |' + ' --- |' * len(rs)]
     for (method, mem_len, _), rows in _groups(report).items():
         loss = np.array([r['loss'] for r in rows])
         mean = lambda key: float(np.mean([r[key] for r in rows]))
@@ -374,10 +426,16 @@ def table(report: dict, seeds: int) -> str:
         lines.append(f'| {method} | {mem_len} | {clamp_label(rows[0])} | {loss.mean():.4f} ± '
                      f'{(loss.max() - loss.min()) / 2:.4f} ({len(rows)}) | {mean("metric"):.4f} | '
                      f'{speed("train_tokens_per_s")} | {speed("eval_tokens_per_s")} | '
-                     f'{int(mean("params")):,} | {mean("step_memory_bytes") / 2**20:.1f} | {mean("wall_seconds"):.0f} |')
+                     f'{int(mean("params")):,} | {mean("step_memory_bytes") / 2**20:.1f} | {mean("wall_seconds"):.0f} |'
+                     + ''.join(f' {recl_cell(recl, method, r)} |' for r in rs))
     lines.append('\nclamp_len: relative distances beyond it are scored as it. `trained`: the longest distance '
                  'training scored (mem_len + tgt_len - 1), where the evaluation reaches beyond it; `not reached`: '
                  'the evaluation scores no longer distance, so nothing is clamped.')
+    if recl:
+        lines.append(f'\nRECL (memjax.recl): the relative effective context length in tokens, each seed\'s (`>=`: still '
+                     f'gaining at the longest context), every method of a seed in one group on '
+                     f'{recl["num_tokens"] or 0:,} tokens of the {recl["split"]} split, contexts '
+                     f'{", ".join(map(str, recl["contexts"]))}; the groups\' tables and figures are in recl/seed<k>/.')
     lines.append('\nThroughputs exclude compilation (a run resumed after its last logged interval has none); '
                  'they are comparable only between runs that had the machine to themselves.')
     lines += ['\n' + note for note in _warnings(report, seeds)]

@@ -1,5 +1,6 @@
 """memjax.compare: every method at one budget, resumable, failures reported, parameters matched."""
 
+import dataclasses
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import pytest
 from memjax import compare
 from memjax import config_lib
 from memjax import errors
+from memjax.analysis import recl as recl_lib
 from memjax.data import factory
 from memjax.data import pipeline
 from memjax.training import metrics
@@ -138,6 +140,32 @@ def test_a_second_run_reads_everything_back(compared, corpus):
     assert before == {name: os.stat(os.path.join(checkpoints, name)).st_mtime_ns for name in os.listdir(checkpoints)}
 
 
+def test_asked_for_recl_the_table_gains_each_methods_recl_from_one_group(compared, corpus, tmp_path):
+    """Run again with RECL contexts, a comparison trains and evaluates nothing again and adds the
+    RECL of every method from one group per seed: the run without memory (scored by windows), the
+    XL run, and the XL run scored as TRAMS."""
+    workdir = str(tmp_path / 'copy')
+    shutil.copytree(compared[0], workdir)
+    config = tiny_comparison(corpus)
+    config.compare.update({'recl_contexts': (4, 8), 'recl_rs': (0.5, 1.0), 'recl_batches': 1})
+    report = compare.run_comparison(config, workdir)
+    assert report['rows'] == compared[1]['rows'] and not report['failures']
+    run = lambda method: os.path.join(workdir, method, 'seed0')
+    group = recl_lib.group_recl([run('none'), run('xl'), run('xl') + '@trams'], [4, 8], [0.5, 1.0],
+                                str(tmp_path / 'scored_again'), max_batches=1)
+    assert group.kinds == ['none', 'xl', 'trams']
+    for method, found in zip(('none', 'xl', 'trams'), group.recl):
+        assert report['recl']['methods'][method] == {0: {str(r): dataclasses.asdict(x) for r, x in found.items()}}
+    assert report['recl']['num_tokens'] == group.num_tokens
+    with open(os.path.join(workdir, 'comparison.md')) as f:
+        text = f.read()
+    assert ' RECL r = 0.5 | RECL r = 1 |' in text and 'contexts 4, 8;' in text
+    cell = lambda found: f'{"" if found.converged else ">= "}{found.context}'
+    trams_row = next(line for line in text.splitlines() if line.startswith('| trams | 16 |'))
+    assert trams_row.endswith(f' {cell(group.recl[2][0.5])} | {cell(group.recl[2][1.0])} |')
+    assert os.path.exists(os.path.join(workdir, 'recl', 'seed0', 'recl.md'))
+
+
 def test_a_failing_method_is_reported_the_others_go_on_and_the_command_fails(corpus, tmp_path, monkeypatch):
     monkeypatch.setitem(compare.METHODS, 'broken', compare.Method(model=lambda c: {'memory': 'lamemo'}))
     train_one = compare.train_one
@@ -168,6 +196,9 @@ def test_a_failing_method_is_reported_the_others_go_on_and_the_command_fails(cor
     ({'methods': ('trams',)}, "compare.methods needs ['xl']"),
     ({'clamp_lens': ()}, 'compare.clamp_lens is empty'),
     ({'clamp_lens': (-3,)}, 'xl at eval memory 8, clamp_len -3: invalid config'),
+    ({'recl_contexts': (8,)}, 'compare.recl_contexts=(8,): give at least two increasing lengths'),
+    ({'recl_contexts': (8, 4)}, 'compare.recl_contexts=(8, 4): give at least two increasing lengths'),
+    ({'recl_contexts': (4, 8), 'recl_rs': (0.0,)}, 'compare.recl_rs=(0.0,): each share must be in (0, 1]'),
 ])
 def test_a_bad_comparison_is_refused_before_anything_trains(corpus, tmp_path, compare_fields, message):
     config = tiny_comparison(corpus, methods=('xl',))
