@@ -6,6 +6,8 @@
   python -m memjax.compare --config=configs/compare_kjv.py:wt103 --workdir=gs://... (GPUs/TPUs)
   python -m memjax.compare --config=configs/compare_kjv.py:extrapolate --workdir=runs/extrapolate_kjv \
       --config.data.text_path=kjv.txt
+  python -m memjax.compare --config=configs/compare_kjv.py --workdir=runs/compare_kjv \
+      --config.data.text_path=kjv.txt --config.compare.recl_contexts="(32, 64, 96, 128, 160, 192, 224, 256)"
 
 kjv.txt: the King James Bible in plain text, e.g. Project Gutenberg eBook #10
 (https://www.gutenberg.org/ebooks/10). BENCHMARKS.md's tables used a 4,298,239-byte UTF-8 edition

@@ -146,9 +146,14 @@ def window_token_losses(run: LoadedRun, context: int, split: str = 'validation',
     total = streams.num_batches if max_batches < 0 else min(max_batches, streams.num_batches)
     history = [np.zeros(0, np.int32)] * streams.batch_size  # Each stream's inputs, newest last.
     found = []
+    started = logged = time.time()
     for index, batch in enumerate(streams.iterator()):
         if index >= total:
             break
+        if index and time.time() - logged >= evaluation.PROGRESS_EVERY_S:  # A window per token: minutes per context.
+            logged = time.time()
+            logging.info('scoring windows of %d: batch %d/%d | eta %s', context, index + 1, total,
+                         metrics_lib.format_duration((logged - started) / index * (total - index)))
         windows, positions, targets = [], [], []
         for s in range(batch['inputs'].shape[0]):
             for b in range(batch['inputs'].shape[1]):
