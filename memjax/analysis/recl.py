@@ -14,8 +14,10 @@ c where it stops.
 
 The losses arrive as one array [contexts, models, tokens] of per-token negative log-likelihoods
 (nats), token t the same text position for every model and context: `token_losses` scores a run
-so, with the evaluation settings it was loaded with (`analysis.run.load(workdir, mem_len=...)`);
-which setting a context length is for each memory kind is the caller's.
+with a memory so, with the evaluation settings it was loaded with (`context_settings` gives those of
+a context length for each memory kind), and `window_token_losses` a run without memory, each token
+from its own window. `group_recl` does both for a group of workdirs, one pass of the split per run
+and context (a memory of another length is another recurrence, so no pass serves two).
 """
 
 from __future__ import annotations
