@@ -328,7 +328,8 @@ def _recl(config: ml_collections.ConfigDict, section: ml_collections.ConfigDict,
     the Transformer-XL paper's groups do, the baseline. Each group's table, figure and per-token
     losses go to <workdir>/recl/seed<k>/ (a stopped comparison reads the losses back)."""
     contexts, rs = [int(c) for c in section.recl_contexts], [float(r) for r in section.get('recl_rs', (0.1,))]
-    record = {'contexts': contexts, 'rs': rs, 'split': config.eval.split, 'num_tokens': None, 'methods': {}}
+    record = {'contexts': contexts, 'rs': rs, 'split': config.eval.split, 'clamp_len': section.clamp_lens[0],
+              'num_tokens': None, 'methods': {}}
     for seed in range(section.seeds):
         methods = [m for m in section.methods if (METHODS[m].runs_on or m, seed) in results]
         members = []
@@ -341,8 +342,9 @@ def _recl(config: ml_collections.ConfigDict, section: ml_collections.ConfigDict,
         out = os.path.join(workdir, 'recl', f'seed{seed}')
         logging.info('compare: RECL of seed %d', seed)
         try:
+            # With the comparison's first clamp: a context longer than trained is scored as its rows are.
             result = recl_lib.group_recl(members, contexts, rs, out, split=config.eval.split,
-                                         max_batches=section.get('recl_batches', -1))
+                                         max_batches=section.get('recl_batches', -1), clamp_len=section.clamp_lens[0])
         except Exception as error:  # pylint: disable=broad-except  (reported; the table goes on)
             failures[f'recl/seed{seed}'] = _failure(error, f'RECL of seed {seed}')
             continue
@@ -435,7 +437,8 @@ def table(report: dict, seeds: int) -> str:
         lines.append(f'\nRECL (memjax.recl): the relative effective context length in tokens, each seed\'s (`>=`: still '
                      f'gaining at the longest context), every method of a seed in one group on '
                      f'{recl["num_tokens"] or 0:,} tokens of the {recl["split"]} split, contexts '
-                     f'{", ".join(map(str, recl["contexts"]))}; the groups\' tables and figures are in recl/seed<k>/.')
+                     f'{", ".join(map(str, recl["contexts"]))}, clamp_len {recl["clamp_len"]}; the groups\' tables '
+                     'and figures are in recl/seed<k>/.')
     lines.append('\nThroughputs exclude compilation (a run resumed after its last logged interval has none); '
                  'they are comparable only between runs that had the machine to themselves.')
     lines += ['\n' + note for note in _warnings(report, seeds)]

@@ -5,7 +5,7 @@ and segment length), of any memory kind; `WORKDIR@trams` scores an XL run's para
 The figure needs the `plot` extra.
 
   python -m memjax.recl --workdirs=runs/none,runs/xl,runs/xl@trams --contexts=16,32,48,64 --out=runs/recl_group \
-      [--r=0.1,0.5,1.0]
+      [--r=0.1,0.5,1.0] [--clamp_len=-2]
 
 Every member scores the split (`--split`, its first `--max_batches` batches) at each context length
 c, every token attending c positions (`memjax.analysis.recl.context_settings`: the attention for
@@ -39,6 +39,8 @@ _R = flags.DEFINE_list('r', ['0.1', '0.5', '1.0'], 'Shares of the hardest tokens
 _OUT = flags.DEFINE_string('out', None, 'Folder for the table, the figure and the per-token losses.')
 _SPLIT = flags.DEFINE_string('split', 'validation', 'The split scored.')
 _MAX_BATCHES = flags.DEFINE_integer('max_batches', -1, 'Evaluation batches of the split scored; -1: all of it.')
+_CLAMP_LEN = flags.DEFINE_integer('clamp_len', None, 'Relative distances beyond it scored as it, for every run; -2: '
+                                  'the longest each run was trained on; default: each run\'s config.eval.model.')
 flags.mark_flags_as_required(['workdirs', 'contexts', 'out'])
 flags.adopt_module_key_flags(cli)
 
@@ -59,7 +61,7 @@ def main(argv):
     if not all(0 < r <= 1 for r in rs):
         raise errors.UsageError(f'--r={_R.value}: each share must be in (0, 1].')
     result = cli.run(lambda: recl_lib.group_recl(_WORKDIRS.value, contexts, rs, _OUT.value, _SPLIT.value,
-                                                 _MAX_BATCHES.value))
+                                                 _MAX_BATCHES.value, _CLAMP_LEN.value))
     text = recl_lib.table(result)
     storage.write_result(storage.join(_OUT.value, 'recl.md'), text + '\n')
     record = {**{k: v for k, v in dataclasses.asdict(result).items() if k not in ('recl', 'gains')},

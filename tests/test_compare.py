@@ -159,7 +159,7 @@ def test_asked_for_recl_the_table_gains_each_methods_recl_from_one_group(compare
     assert report['recl']['num_tokens'] == group.num_tokens
     with open(os.path.join(workdir, 'comparison.md')) as f:
         text = f.read()
-    assert ' RECL r = 0.5 | RECL r = 1 |' in text and 'contexts 4, 8;' in text
+    assert ' RECL r = 0.5 | RECL r = 1 |' in text and 'contexts 4, 8, clamp_len -1;' in text
     cell = lambda found: f'{"" if found.converged else ">= "}{found.context}'
     trams_row = next(line for line in text.splitlines() if line.startswith('| trams | 16 |'))
     assert trams_row.endswith(f' {cell(group.recl[2][0.5])} | {cell(group.recl[2][1.0])} |')

@@ -219,6 +219,11 @@ def test_the_command_scores_a_group_reports_its_recl_and_resumes_from_what_it_ke
     # TRAMS at context 8: 8 attended rows, the newest 6 kept and 2 chosen from a pool of 16.
     trams = analysis_run.load(workdir, memory='trams', mem_len=16, trams_select=8, trams_remain=6, same_length=True)
     np.testing.assert_allclose(kept[1, 2], recl_lib.token_losses(trams, max_batches=1), rtol=1e-6)
+    # A clamp scores distances beyond it as it, and keeps those losses apart from the unclamped ones.
+    clamped, read_back = recl_lib._scored(analysis_run.load(other), 'xl', 8, 'validation', 1, str(out), clamp_len=2)
+    assert not read_back
+    np.testing.assert_allclose(clamped, recl_lib.token_losses(
+        analysis_run.load(other, mem_len=8, same_length=True, clamp_len=2), max_batches=1), rtol=1e-6)
     losses = np.array([[kept[c, i] for i in range(3)] for c in range(2)])
     for r in (0.5, 1.0):
         expected = [dataclasses.asdict(x) for x in recl_lib.recl(losses, [4, 8], r)]

@@ -28,7 +28,7 @@ import io
 import json
 import math
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from absl import logging
 import jax
@@ -232,17 +232,21 @@ class GroupResult:
 
 
 def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[float], out: str,
-               split: str = 'validation', max_batches: int = -1) -> GroupResult:
+               split: str = 'validation', max_batches: int = -1, clamp_len: Optional[int] = None) -> GroupResult:
     """Scores every member of the group (`WORKDIR[@KIND]`, `member`) at every context (per-token
     losses kept in `out`, so that a stopped run resumes where it was) and computes RECL at each r.
-    The runs must read the split alike: one tokenizer, one evaluation batch size and segment length."""
+    The runs must read the split alike: one tokenizer, one evaluation batch size and segment length.
+    `clamp_len` (None: each run's own config.eval.model setting; -2: the longest distance it was
+    trained on) bounds the relative distances of a context longer than training scored: unclamped,
+    a model that extrapolates badly there (LaMemo) scatters its per-token losses, and the relative
+    loss's minimum counts the lucky ones as gains."""
     contexts = sorted(set(int(c) for c in contexts))
     parsed, kinds, layout = [member(spec) for spec in members], [], None
     for spec, (workdir, scored_as) in zip(members, parsed):  # Every member checked before any is scored.
         exp = trainer.setup(trainer.saved_config(workdir), workdir, training=False)
         kinds.append(scored_as or exp.run.model.memory)
-        settings = context_settings(kinds[-1], contexts[0])  # Refuses a kind without a context length.
-        if scored_as:
+        settings = {**context_settings(kinds[-1], contexts[-1]), **_clamped(clamp_len)}  # Refuses a kind without one.
+        if scored_as or clamp_len is not None:
             config = exp.run.as_config_dict()
             config.eval.model.update(settings)
             try:
@@ -266,11 +270,12 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
     for i, ((workdir, _), kind) in enumerate(zip(parsed, kinds)):
         run = load(workdir)  # Its parameters once, for every context.
         for c, context in enumerate(contexts):
-            rows[c][i], read_back = _scored(run, kind, context, split, max_batches, out)
+            rows[c][i], read_back = _scored(run, kind, context, split, max_batches, out, clamp_len)
             done += 1
             elapsed = time.time() - start
             logging.info('RECL: %d/%d (%s, context %d%s) | eta %s', done, total, members[i], context,
-                         ', read back' if read_back else '', metrics_lib.format_duration(elapsed / done * (total - done)))
+                         ', read back' if read_back else '',
+                         metrics_lib.format_duration(elapsed / done * (total - done)))
     sizes = {row.size for context_rows in rows for row in context_rows}
     if len(sizes) != 1:
         raise errors.UsageError(f'the runs scored different numbers of tokens ({sorted(sizes)}): they must read '
@@ -281,22 +286,30 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
                        num_tokens=int(losses.shape[2]), split=split, gains=gain_table(losses, rs[0]))
 
 
-def _scored(run: LoadedRun, kind: str, context: int, split: str, max_batches: int,
-            out: str) -> tuple[np.ndarray, bool]:
+def _clamped(clamp_len: Optional[int]) -> dict:
+    return {} if clamp_len is None else {'clamp_len': int(clamp_len)}
+
+
+def _scored(run: LoadedRun, kind: str, context: int, split: str, max_batches: int, out: str,
+            clamp_len: Optional[int] = None) -> tuple[np.ndarray, bool]:
     """(the run's per-token losses scored as `kind` at `context`, whether they were read back): from
-    `out` when an earlier run of the command scored them (the same checkpoint step, kind, split and
-    batches), else scored and kept there."""
+    `out` when an earlier run of the command scored them (the same checkpoint step, kind, split,
+    batches and clamp), else scored and kept there."""
     workdir = run.workdir
-    key = hashlib.sha256(json.dumps([storage.path(workdir).resolve().as_posix() if not storage.is_remote(workdir)
-                                     else workdir, run.step, kind, context, split, max_batches]).encode()).hexdigest()[:16]
+    where = workdir if storage.is_remote(workdir) else storage.path(workdir).resolve().as_posix()
+    # The clamp joins the key only when given, so losses kept without one still read back.
+    named = [where, run.step, kind, context, split, max_batches] + ([clamp_len] if clamp_len is not None else [])
+    key = hashlib.sha256(json.dumps(named).encode()).hexdigest()[:16]
     path = storage.join(out, f'losses_{key}.npy')
     if storage.path(path).exists():
         with storage.path(path).open('rb') as f:
             return np.load(f, allow_pickle=False), True
+    settings = {**context_settings(kind, context), **_clamped(clamp_len)}
+    scored = with_eval_model(run, **settings) if settings else run
     if kind == 'none':
-        losses = window_token_losses(run, context, split, max_batches)
+        losses = window_token_losses(scored, context, split, max_batches)
     else:
-        losses = token_losses(with_eval_model(run, **context_settings(kind, context)), split, max_batches)
+        losses = token_losses(scored, split, max_batches)
     buffer = io.BytesIO()
     np.save(buffer, losses, allow_pickle=False)
     storage.write_bytes(path, buffer.getvalue())
@@ -330,7 +343,9 @@ def plot(result: GroupResult, path: str) -> bool:
         image = ax.imshow(gains, origin='lower', vmin=0, vmax=max(top, 1e-9), cmap='viridis')
         ax.set_xticks(range(len(result.contexts)), result.contexts)
         ax.set_yticks(range(len(result.contexts)), result.contexts)
-        ax.set(xlabel="long context c'", ylabel='short context c', title=f'{run} (r = {result.rs[0]:g})')
+        # The run's last two path parts: a run of compare is <method>/seed<k>.
+        ax.set(xlabel="long context c'", ylabel='short context c',
+               title=f'{"/".join(run.rstrip("/").split("/")[-2:])} (r = {result.rs[0]:g})')
         fig.colorbar(image, ax=ax, shrink=0.8)
     fig.tight_layout()
     storage.save_figure(fig, path)
