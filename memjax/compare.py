@@ -60,8 +60,12 @@ from memjax.data import factory as data_factory
 from memjax.data import pipeline
 from memjax.runtime import storage
 from memjax.training import loop as trainer
+from memjax.training import experiment
+from memjax.training import run_files
+from memjax.training import saved_run
 from memjax.training import metrics as metrics_lib
 from memjax.training import workdir as workdir_lib
+from memjax.training import run_lock
 
 flags.adopt_module_key_flags(evaluate)  # --config, --workdir.
 flags.mark_flag_as_required('config')  # A comparison trains: its config is the user's.
@@ -140,7 +144,7 @@ def clamp_in_effect(run: ml_collections.ConfigDict, overrides: dict) -> int:
     where it clamps no distance the evaluation scores (the same numbers as no clamp)."""
     run = run.copy_and_resolve_references()
     run.eval.model.update(overrides)
-    evaluated = trainer.resolved(run, jax.device_count()).eval_model
+    evaluated = experiment.resolved(run, jax.device_count()).eval_model
     bites = memories.scored_distance(evaluated) != memories.scored_distance(evaluated.replace(clamp_len=-1))
     return evaluated.clamp_len if bites else -1
 
@@ -215,11 +219,11 @@ def train_one(config: ml_collections.ConfigDict, workdir: str) -> dict:
     summary = trainer.train_and_evaluate(config, workdir)
     if summary.get('preempted'):  # Saved, not finished: nothing is recorded as done.
         raise Stopped(f'{workdir} saved step {summary["step"]}')
-    memory = programs.lowered_steps(trainer.setup(config, workdir))['train'].compile().memory_analysis()
-    summary['params'] = parameter_count(trainer.saved_config(workdir))
+    memory = programs.lowered_steps(experiment.setup(config, workdir))['train'].compile().memory_analysis()
+    summary['params'] = parameter_count(saved_run.saved_config(workdir))
     summary['step_memory_bytes'] = int(memory.argument_size_in_bytes + memory.output_size_in_bytes
                                        - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
-    trainer.write_result(path, summary, history=False)  # Last: a run without it is trained (or resumed) again.
+    run_files.write_result(path, summary, history=False)  # Last: a run without it is trained (or resumed) again.
     return summary
 
 
@@ -233,7 +237,7 @@ def evaluate_one(config: ml_collections.ConfigDict, workdir: str, name: str, ove
     config.eval.model.update(overrides)
     summary = evaluate.evaluate_checkpoint(config, workdir, out_path=os.path.join(workdir, f'eval_{name}.json'))
     summary['eval_tokens_per_s'] = summary['tokens_per_s']
-    trainer.write_result(path, summary, history=False)  # Written once complete: a resumed comparison trusts it.
+    run_files.write_result(path, summary, history=False)  # Written once complete: a resumed comparison trusts it.
     return summary
 
 
@@ -257,7 +261,7 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str) -> dict:
     if jax.process_index() != 0:
         return _compare(config, section, workdir)
     workdir_lib.check(workdir, create=True, run=False)
-    with workdir_lib.RunLock(workdir, user='comparison') as lock, early_sigterm.cleanup_on_stop(lock.release):
+    with run_lock.RunLock(workdir, user='comparison') as lock, early_sigterm.cleanup_on_stop(lock.release):
         return _compare(config, section, workdir)
 
 
@@ -316,7 +320,7 @@ def _compare(config: ml_collections.ConfigDict, section: ml_collections.ConfigDi
     report = {'config': config.to_dict(), 'rows': rows, 'failures': failures, 'unigram_loss': unigram,
               'curves': {f'{m}/seed{s}': _curve(os.path.join(workdir, m, f'seed{s}')) for m, s in results},
               'recl': _recl(config, section, workdir, results, failures) if section.get('recl_contexts') else None}
-    trainer.write_result(os.path.join(workdir, 'comparison.json'), report, history=False)
+    run_files.write_result(os.path.join(workdir, 'comparison.json'), report, history=False)
     storage.write_result(os.path.join(workdir, 'comparison.md'), table(report, section.seeds))
     plot(report, os.path.join(workdir, 'comparison.png'))
     return report

@@ -31,7 +31,9 @@ from memjax import errors
 from memjax.model import memories
 from memjax.training import evaluation
 from memjax.training import metrics as metrics_lib
-from memjax.training import loop as trainer
+from memjax.training import experiment
+from memjax.training import run_files
+from memjax.training import restore
 from memjax.training import workdir as workdir_lib
 
 # Also the flags of memjax.sweep, which evaluates over a grid of settings.
@@ -49,18 +51,18 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig
     that does not exist, holds no checkpoint or cannot take that file is an error before anything
     runs.
     """
-    exp = trainer.setup(config, workdir, training=False)
+    exp = experiment.setup(config, workdir, training=False)
     out_path = out_path or os.path.join(workdir, f'eval_{exp.run.eval.split}.json')
     if distributed.is_primary():
         workdir_lib.check_writable_file(out_path)  # Before spending the evaluation.
-    step, params = trainer.newest_params(exp, workdir)
+    step, params = restore.newest_params(exp, workdir)
     split = exp.run.eval.split
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         streams = evaluation.eval_streams(exp.run, exp.tokenizer, split)
     logging.info('Evaluating step %d of %s on the %s split: %s target tokens in batches of %d x %d; %s.', step,
                  workdir, split, f'{int(streams.num_target_tokens):,}', exp.run.eval.batch_size, exp.run.eval.tgt_len,
                  memories.describe(exp.eval_mcfg))
-    eval_step = metrics_lib.announced(trainer.make_eval_step(exp), 'Compiling the evaluation step: the first batch '
+    eval_step = metrics_lib.announced(experiment.make_eval_step(exp), 'Compiling the evaluation step: the first batch '
                                       'includes it.')
     result = evaluation.evaluate_streams(eval_step, params, exp.eval_mcfg, streams,
                                          evaluation.local_eval_batch(exp.run), max_batches=max_batches,
@@ -79,7 +81,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig
                      **{k: getattr(exp.eval_mcfg, k) for k in memories.run_time_fields(exp.eval_mcfg.memory)}},
     }
     metrics_lib.log_eval(step, split, result.mean_nll, result.num_tokens, exp.unit)
-    trainer.write_result(out_path, summary)
+    run_files.write_result(out_path, summary)
     return summary
 
 

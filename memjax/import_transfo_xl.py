@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from memjax.convert import hf_io
 from memjax.convert import transfo_xl_original as original
-from memjax.training import loop
+from memjax.training import restore
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -23,7 +23,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     def job():
         config, params = original.read_model(args.model)
         tokenizer = original.read_vocabulary(args.corpus, config.vocab_size)
-        loop.write_imported(config, params, tokenizer, args.workdir)
+        restore.write_imported(config, params, tokenizer, args.workdir)
         return (f'Imported {hf_io.parameter_count(params):,} parameters and a {tokenizer.kind} vocabulary of '
                 f'{tokenizer.vocab_size:,} into {args.workdir} ({hf_io.config_summary(config)}).')
 

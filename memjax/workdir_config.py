@@ -10,13 +10,13 @@ import ml_collections
 from memjax import config_lib
 from memjax import errors
 from memjax.runtime import storage
-from memjax.training import loop as trainer
+from memjax.training import run_files
 
 
 def get_config(workdir: str) -> ml_collections.ConfigDict:
-    saved = trainer.read_json(storage.join(workdir, trainer.CONFIG_FILE))
+    saved = run_files.read_json(storage.join(workdir, run_files.CONFIG_FILE))
     if not isinstance(saved, dict):
         raise errors.WorkdirError(
-            f'--workdir={workdir} holds no readable {trainer.CONFIG_FILE} (the config memjax.train and the imports '
+            f'--workdir={workdir} holds no readable {run_files.CONFIG_FILE} (the config memjax.train and the imports '
             'write there): name the workdir of a training run, or give its config with --config=configs/X.py.')
     return config_lib.from_saved(saved)

@@ -22,7 +22,7 @@ from memjax.training import checkpoints as checkpointing  # noqa: E402
 from memjax import config_lib  # noqa: E402
 from memjax.training import evaluation  # noqa: E402
 from memjax import model as model_lib  # noqa: E402
-from memjax.training import loop as trainer  # noqa: E402
+from memjax.training import experiment  # noqa: E402
 from memjax.data import pipeline  # noqa: E402
 import toy_memory  # noqa: E402
 import training_fixtures  # noqa: E402
@@ -47,9 +47,9 @@ def make_config(corpus: str, mesh: dict, **model):
 def setup(corpus: str, workdir: str, name: str, **model):
     """The experiment on mesh `name`, with its jitted steps (compiled once per experiment)."""
     devices = jax.devices()[:1] if name == 'one_device' else jax.devices()
-    exp = trainer.setup(make_config(corpus, MESHES[name], **model),
+    exp = experiment.setup(make_config(corpus, MESHES[name], **model),
                         os.path.join(workdir, name), devices)
-    return exp, (trainer.make_train_step(exp), trainer.make_eval_step(exp))
+    return exp, (experiment.make_train_step(exp), experiment.make_eval_step(exp))
 
 
 def train_batches(exp):
@@ -91,7 +91,7 @@ def layout(exp, state, memory) -> dict:
 def train(exp, steps, batches, state=None, memory=None):
     train_step, _ = steps
     if state is None:
-        state, memory = trainer.init_state(exp)
+        state, memory = experiment.init_state(exp)
     metrics = []
     for batch in batches:
         state, memory, step_metrics = train_step(state, memory,
@@ -124,7 +124,7 @@ def cross_mesh_resume(workdir: str, experiments: dict, batches: list) -> dict:
 
     loader, loader_steps = experiments['fsdp4_tensor2']
     restored = checkpointing.Checkpointer(os.path.join(workdir, 'ckpt'), keep=2).restore_latest(
-        *trainer.abstract_state(loader))
+        *experiment.abstract_state(loader))
     restored_layout = layout(loader, restored.state, restored.memory)
     _, _, metrics = train(loader, loader_steps, batches[1:], restored.state, restored.memory)
     return {'donated_after_save': donated, 'restored_step': restored.step,
@@ -145,9 +145,9 @@ def memory_kind(corpus: str, workdir: str, batches: list, memory: str) -> dict:
     losses = {}
     for name in ('one_device', 'data2_tensor4'):
         devices = jax.devices()[:1] if name == 'one_device' else jax.devices()
-        exp = trainer.setup(make_config(corpus, MESHES[name], dropout=0.0, **MEMORY_KINDS[memory]),
+        exp = experiment.setup(make_config(corpus, MESHES[name], dropout=0.0, **MEMORY_KINDS[memory]),
                             os.path.join(workdir, f'{memory}_{name}'), devices)
-        steps = (trainer.make_train_step(exp, phase=exp.model.kind.phase(toy_memory.SKIP_FROM_STEP)), None)
+        steps = (experiment.make_train_step(exp, phase=exp.model.kind.phase(toy_memory.SKIP_FROM_STEP)), None)
         _, _, metrics = train(exp, steps, batches)
         losses[name] = metrics_lists(metrics)
     return losses
@@ -161,9 +161,9 @@ def trams_validation(corpus: str, workdir: str) -> dict:
         config = make_config(corpus, MESHES[name])
         config.eval.model.update(memory='trams', mem_len=16, trams_select=6, trams_remain=2)
         devices = jax.devices()[:1] if name == 'one_device' else jax.devices()
-        exp = trainer.setup(config, os.path.join(workdir, f'trams_{name}'), devices)
-        state, _ = trainer.init_state(exp)
-        sums[name] = validation(exp, (None, trainer.make_eval_step(exp)), state.params)
+        exp = experiment.setup(config, os.path.join(workdir, f'trams_{name}'), devices)
+        state, _ = experiment.init_state(exp)
+        sums[name] = validation(exp, (None, experiment.make_eval_step(exp)), state.params)
     return sums
 
 
@@ -178,8 +178,8 @@ def main(workdir: str) -> None:
         state, memory, metrics = train(exp, steps, batches)
         results['meshes'][name] = dict(metrics_lists(metrics), layout=layout(exp, state, memory),
                                        validation=validation(exp, steps, state.params),
-                                       state_bytes={'train': trainer.state_bytes(exp, True),
-                                                    'eval': trainer.state_bytes(exp, False)})
+                                       state_bytes={'train': experiment.state_bytes(exp, True),
+                                                    'eval': experiment.state_bytes(exp, False)})
         results['seconds'][name] = time.time() - start
     for memory in MEMORY_KINDS:
         start = time.time()
@@ -192,7 +192,7 @@ def main(workdir: str) -> None:
     results['resume'] = cross_mesh_resume(workdir, experiments, batches)
     results['seconds']['resume'] = time.time() - start
     try:
-        trainer.setup(make_config(corpus, dict(tensor=8)), os.path.join(workdir, 'bad'))
+        experiment.setup(make_config(corpus, dict(tensor=8)), os.path.join(workdir, 'bad'))
         results['indivisible_error'] = None
     except config_lib.ConfigError as error:
         results['indivisible_error'] = str(error)

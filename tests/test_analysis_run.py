@@ -10,7 +10,8 @@ from memjax import model as model_lib
 from memjax.analysis import attention, lamemo
 from memjax.data.tokenizers import ByteTokenizer
 from memjax.model import ModelConfig
-from memjax.training import loop
+from memjax.training import restore
+from memjax.training import saved_run
 
 
 def _imported(tmp_path_factory, memory):
@@ -19,8 +20,8 @@ def _imported(tmp_path_factory, memory):
     cfg = ModelConfig(vocab_size=256, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, mem_len=8, segment_len=8,
                       memory=memory, init_std=0.3)
     workdir = str(tmp_path_factory.mktemp(memory) / 'run')
-    loop.write_imported(cfg, model_lib.init_params(cfg, jax.random.key(0)), ByteTokenizer(), workdir)
-    config = loop.saved_config(workdir)
+    restore.write_imported(cfg, model_lib.init_params(cfg, jax.random.key(0)), ByteTokenizer(), workdir)
+    config = saved_run.saved_config(workdir)
     config.train.update(batch_size=2, tgt_len=8, segments_per_step=2)
     return config, workdir
 

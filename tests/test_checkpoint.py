@@ -14,6 +14,9 @@ from memjax import errors
 from memjax import evaluate
 from memjax import model as model_lib
 from memjax.training import loop as trainer
+from memjax.training import experiment
+from memjax.training import run_files
+from memjax.training import restore
 from memjax.runtime import logs
 import training_fixtures
 
@@ -76,9 +79,9 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(config, baseline, tmp_
                                                           damage):
     workdir = str(tmp_path / 'run')
     shutil.copytree(baseline[0], workdir)
-    directory = trainer.checkpoint_dir(workdir)
-    exp = trainer.setup(config, workdir)
-    abstract = trainer.abstract_state(exp)
+    directory = run_files.checkpoint_dir(workdir)
+    exp = experiment.setup(config, workdir)
+    abstract = experiment.abstract_state(exp)
     ckpt = checkpointing.Checkpointer(directory, keep=3, read_only=True)
     assert ckpt.all_steps() == [4, 8]
     intact = ckpt.restore_latest(*abstract)
@@ -97,14 +100,14 @@ def test_training_resumes_from_previous_checkpoint_when_newest_is_damaged(config
     baseline_workdir, baseline_recorded, baseline_summary = baseline
     workdir = str(tmp_path / 'run')
     shutil.copytree(baseline_workdir, workdir)
-    truncate_array_files(os.path.join(trainer.checkpoint_dir(workdir), '8'))
+    truncate_array_files(os.path.join(run_files.checkpoint_dir(workdir), '8'))
     recorded, summary = training_fixtures.run_recording(config, workdir)
     # Redoes steps 5-8 from checkpoint 4 and ends exactly where the undamaged run ended.
     assert min(step for _, step in recorded) == 6
     training_fixtures.assert_same_run(recorded, summary, baseline_recorded, baseline_summary, steps=(6, 8))
-    assert os.path.isdir(trainer.checkpoint_dir(workdir) + '_damaged/8')
-    ckpt = checkpointing.Checkpointer(trainer.checkpoint_dir(workdir), keep=3, read_only=True)
-    restored = ckpt.restore_latest(*trainer.abstract_state(trainer.setup(config, workdir)))
+    assert os.path.isdir(run_files.checkpoint_dir(workdir) + '_damaged/8')
+    ckpt = checkpointing.Checkpointer(run_files.checkpoint_dir(workdir), keep=3, read_only=True)
+    restored = ckpt.restore_latest(*experiment.abstract_state(experiment.setup(config, workdir)))
     assert restored.step == 8
 
 
@@ -214,7 +217,7 @@ def test_changed_model_or_batch_size_on_resume_stops_before_touching_checkpoints
     # Nothing moved, rewritten or deleted; only the run's log records the attempt.
     without_log = lambda files: [f for f in files if f[0] != logs.LOG_FILE]
     assert without_log(listing(workdir)) == without_log(before)
-    assert not os.path.exists(trainer.checkpoint_dir(workdir) + '_damaged')
+    assert not os.path.exists(run_files.checkpoint_dir(workdir) + '_damaged')
     # The original config (with more steps, a safe change) resumes from step 8.
     recorded, summary = training_fixtures.run_recording(
         training_fixtures.tiny_config(config.data.text_path, train__num_steps=12), workdir)
@@ -239,8 +242,8 @@ def test_evaluation_with_another_model_is_refused_before_computing(config, basel
 
 
 def source_params(workdir, step, exp):
-    ckpt = checkpointing.Checkpointer(trainer.checkpoint_dir(workdir), keep=3, read_only=True)
-    restored = ckpt.restore_step(step, *trainer.abstract_state(exp))
+    ckpt = checkpointing.Checkpointer(run_files.checkpoint_dir(workdir), keep=3, read_only=True)
+    restored = ckpt.restore_step(step, *experiment.abstract_state(exp))
     ckpt.close()
     return restored.state
 
@@ -250,9 +253,9 @@ def test_init_from_starts_a_new_batch_size_from_saved_parameters(config, baselin
     source = baseline[0]
     new = training_fixtures.tiny_config(config.data.text_path, train__batch_size=8,
                                         train__init_from=source, train__init_from_state=keep)
-    exp = trainer.setup(new, str(tmp_path))
-    state, memory = trainer._init_from(exp)
-    saved = source_params(source, 8, trainer.setup(config, str(tmp_path / 'old')))
+    exp = experiment.setup(new, str(tmp_path))
+    state, memory = restore.init_from(exp)
+    saved = source_params(source, 8, experiment.setup(config, str(tmp_path / 'old')))
     same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(
         jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
     assert same(state.params, saved.params)
@@ -268,7 +271,7 @@ def test_init_from_refuses_other_parameter_shapes(config, baseline, tmp_path):
     new = training_fixtures.tiny_config(config.data.text_path, model__d_inner=128,
                                         train__init_from=os.path.join(baseline[0], 'checkpoints'))
     with pytest.raises(errors.ConfigError, match=r'model\.d_inner 64 -> 128'):
-        trainer._init_from(trainer.setup(new, str(tmp_path)))
+        restore.init_from(experiment.setup(new, str(tmp_path)))
 
 
 def test_transformer_without_memory_trains_checkpoints_and_resumes(config, tmp_path):
@@ -279,11 +282,11 @@ def test_transformer_without_memory_trains_checkpoints_and_resumes(config, tmp_p
     _, summary = training_fixtures.run_recording(no_memory, workdir, interrupt_at_step=4)
     assert summary is None
     # What the resumed run restores (the training loop around it is tested above).
-    exp = trainer.setup(no_memory, workdir)
-    ckpt = checkpointing.Checkpointer(trainer.checkpoint_dir(workdir), keep=3)
-    state, memory, last = trainer._restore_or_init(exp, ckpt, mock.Mock(), None)
+    exp = experiment.setup(no_memory, workdir)
+    ckpt = checkpointing.Checkpointer(run_files.checkpoint_dir(workdir), keep=3)
+    state, memory, last = restore.restore_or_init(exp, ckpt, mock.Mock(), None)
     ckpt.close()
-    assert last == os.path.join(trainer.checkpoint_dir(workdir), '4') and int(state.step) == 4
+    assert last == os.path.join(run_files.checkpoint_dir(workdir), '4') and int(state.step) == 4
     assert memory.layers['hidden'].shape == (2, 4, 0, 32) and memory.shared['valid'].shape == (4, 0)
 
 
@@ -292,14 +295,14 @@ def test_init_from_takes_the_source_tokenizer_and_reads_numbered_workdirs(config
     new = training_fixtures.tiny_config(config.data.text_path, train__init_from=baseline[0])
     workdir = str(tmp_path / 'new')
     os.makedirs(workdir)
-    trainer._adopt_tokenizer(new.train.init_from, workdir)
+    restore.adopt_tokenizer(new.train.init_from, workdir)
     with open(os.path.join(workdir, 'tokenizer.json')) as a, \
             open(os.path.join(baseline[0], 'tokenizer.json')) as b:
         assert a.read() == b.read()
     numbered = tmp_path / '2024'  # A workdir named like a step folder.
     (numbered / 'checkpoints' / '8').mkdir(parents=True)
-    assert trainer._init_from_dir(str(numbered)) == (str(numbered / 'checkpoints'), None)
-    assert trainer._init_from_dir(str(numbered / 'checkpoints' / '8')) == (
+    assert restore.init_from_dir(str(numbered)) == (str(numbered / 'checkpoints'), None)
+    assert restore.init_from_dir(str(numbered / 'checkpoints' / '8')) == (
         str(numbered / 'checkpoints'), 8)
 
 

@@ -15,6 +15,7 @@ from memjax import model as model_lib
 from memjax.model import memories
 from memjax.model.config import TRAINING_FIELDS
 from memjax.training import loop as trainer
+from memjax.training import experiment
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, 'configs', '*.py'))) + [
@@ -208,9 +209,9 @@ def no_compilation(monkeypatch):
     """Fails the test if the trainer gets as far as building or compiling a step."""
     def forbidden(*args, **kwargs):
         raise AssertionError('the trainer compiled before rejecting the config')
-    monkeypatch.setattr(trainer, 'make_train_step', forbidden)
-    monkeypatch.setattr(trainer, 'make_eval_step', forbidden)
-    monkeypatch.setattr(trainer, 'init_state', forbidden)
+    monkeypatch.setattr(experiment, 'make_train_step', forbidden)
+    monkeypatch.setattr(experiment, 'make_eval_step', forbidden)
+    monkeypatch.setattr(experiment, 'init_state', forbidden)
 
 
 @pytest.mark.parametrize('overrides, field', [

@@ -29,7 +29,7 @@ from memjax.convert import hf_io  # noqa: E402
 from memjax.convert import transfo_xl_original as original  # noqa: E402
 from memjax.generation import Sampling, sample  # noqa: E402
 from memjax.model import lm  # noqa: E402
-from memjax.training import loop as trainer  # noqa: E402
+from memjax.training import saved_run  # noqa: E402
 import cli_fixtures  # noqa: E402
 import disks  # noqa: E402
 import training_fixtures  # noqa: E402
@@ -226,7 +226,7 @@ def test_evaluate_scores_a_split_with_the_imported_model_as_a_segment_loop(files
     corpus.mkdir()
     for name, count in (('train.txt', 40), ('valid.txt', 30), ('test.txt', 10)):
         (corpus / name).write_text(' '.join(rng.choice(vocabulary, count)) + '\n')
-    config = trainer.saved_config(workdir)
+    config = saved_run.saved_config(workdir)
     config.data.update(name='text', text_path=str(corpus), data_dir=str(corpus / 'tfds'))
     config.eval.update(batch_size=1, split='validation')
     summary = evaluate.evaluate_checkpoint(config, workdir)

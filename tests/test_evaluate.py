@@ -15,6 +15,8 @@ from memjax.training import evaluation
 from memjax import model as model_lib
 from memjax.training import step as train_step_lib
 from memjax.training import loop as trainer
+from memjax.training import experiment
+from memjax.training import run_files
 import cli_fixtures
 import training_fixtures
 
@@ -33,8 +35,8 @@ def experiment(corpus, tmp_path_factory):
     config = training_fixtures.tiny_config(
         corpus, eval__tgt_len=EVAL_TGT_LEN, eval__model__mem_len=EVAL_MEM_LEN,
         eval__model__clamp_len=EVAL_CLAMP_LEN, eval__model__same_length=True)
-    exp = trainer.setup(config, str(tmp_path_factory.mktemp('workdir')))
-    state, _ = trainer.init_state(exp)
+    exp = experiment.setup(config, str(tmp_path_factory.mktemp('workdir')))
+    state, _ = experiment.init_state(exp)
     return exp, state.params, jax.jit(train_step_lib.eval_step_fn(exp.eval_model))
 
 
@@ -139,7 +141,7 @@ def test_evaluate_command_scores_test_split_from_checkpoint(corpus, tmp_path):
         corpus, train__num_steps=2, eval__split='test', eval__model__mem_len=4), workdir)
     with open(os.path.join(workdir, 'eval_test.json')) as f:
         assert json.load(f)['settings']['mem_len'] == 4
-    with open(os.path.join(workdir, trainer.HISTORY_FILE)) as f:
+    with open(os.path.join(workdir, run_files.HISTORY_FILE)) as f:
         history = [json.loads(line) for line in f]
     assert [(h['file'], h.get('loss', h.get('valid_loss'))) for h in history] == [
         ('train_summary.json', trained['valid_loss']), ('first.json', first['loss']),

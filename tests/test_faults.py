@@ -19,10 +19,11 @@ import time
 import pytest
 
 from memjax import errors
-from memjax.training import loop as trainer
+from memjax.training import run_files
 from memjax.runtime import logs
 from memjax.training import metrics as metrics_lib
 from memjax.training import workdir as workdir_lib
+from memjax.training import run_lock
 import cli_fixtures
 import training_fixtures
 
@@ -152,9 +153,9 @@ def test_sigterm_at_any_moment_of_start_up_compilation_or_training_exits_0_and_l
 def test_every_checkpoint_damaged_stops_with_exit_3_until_the_user_starts_afresh(
         trained, corpus, env, data_dir, tmp_path):
     workdir = copy(trained, tmp_path)
-    steps = sorted(os.listdir(trainer.checkpoint_dir(workdir)))
+    steps = sorted(os.listdir(run_files.checkpoint_dir(workdir)))
     for step in steps:
-        for folder, _, files in os.walk(os.path.join(trainer.checkpoint_dir(workdir), step)):
+        for folder, _, files in os.walk(os.path.join(run_files.checkpoint_dir(workdir), step)):
             for name in files:
                 path = os.path.join(folder, name)
                 os.truncate(path, os.path.getsize(path) // 2)
@@ -162,15 +163,15 @@ def test_every_checkpoint_damaged_stops_with_exit_3_until_the_user_starts_afresh
     line = assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'no intact checkpoint', 'steps 4, 8 are damaged',
                            'checkpoints_damaged', 'To start this run afresh on purpose')
     assert 'Details:' in line or '--verbose' in line or 'warnings above' in line
-    assert sorted(os.listdir(trainer.checkpoint_dir(workdir) + '_damaged')) == steps
+    assert sorted(os.listdir(run_files.checkpoint_dir(workdir) + '_damaged')) == steps
     # Not silently later either.
     code, stderr = run(command(workdir, corpus, data_dir, '--config.train.num_steps=12'), env)
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'holds the damaged steps 4, 8')
     # Evaluation says where they went, not only "train first".
     code, stderr = run(command(workdir, corpus, data_dir, module='memjax.evaluate'), env)
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'no readable checkpoint',
-                    f'{trainer.checkpoint_dir(workdir)}_damaged holds the damaged steps')
-    shutil.move(trainer.checkpoint_dir(workdir) + '_damaged', str(tmp_path / 'kept'))
+                    f'{run_files.checkpoint_dir(workdir)}_damaged holds the damaged steps')
+    shutil.move(run_files.checkpoint_dir(workdir) + '_damaged', str(tmp_path / 'kept'))
     code, stderr = run(command(workdir, corpus, data_dir, '--config.train.num_steps=4'), env)
     assert code == 0, stderr[-3000:]
 
@@ -180,7 +181,7 @@ def test_damage_the_run_recovers_from_is_told_in_lines_of_its_own(trained, corpu
     _CHECKPOINT_METADATA (the step is still used) and in a validation-loss record (the folder still
     opens): warnings, never a traceback or orbax's own dump of the file."""
     workdir = copy(trained, tmp_path)
-    newest = os.path.join(trainer.checkpoint_dir(workdir), '8')
+    newest = os.path.join(run_files.checkpoint_dir(workdir), '8')
     for folder, _, files in os.walk(os.path.join(newest, 'arrays')):
         for name in files:
             path = os.path.join(folder, name)
@@ -193,9 +194,9 @@ def test_damage_the_run_recovers_from_is_told_in_lines_of_its_own(trained, corpu
     assert 'Resumed from' in stderr and '(step 4)' in stderr
     # Garbage metadata beside intact arrays.
     workdir = copy(trained, tmp_path, 'garbled')
-    with open(os.path.join(trainer.checkpoint_dir(workdir), '8', '_CHECKPOINT_METADATA'), 'w') as f:
+    with open(os.path.join(run_files.checkpoint_dir(workdir), '8', '_CHECKPOINT_METADATA'), 'w') as f:
         f.write('{"garbage": [')
-    with open(os.path.join(trainer.checkpoint_dir(workdir), '4', 'metrics', 'metrics'), 'w') as f:
+    with open(os.path.join(run_files.checkpoint_dir(workdir), '4', 'metrics', 'metrics'), 'w') as f:
         f.write('{"valid_lo')
     code, stderr = run(command(workdir, corpus, data_dir, '--config.train.num_steps=12'), env)
     assert code == 0 and 'Traceback' not in stderr and message_lines(stderr) == [], stderr[-3000:]
@@ -221,11 +222,11 @@ def test_failed_save_is_one_line_naming_the_step_that_failed_and_the_details_fil
                        preexec_fn=_small_files)
     log = os.path.join(workdir, 'memjax.log')
     line = assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'saving step 12', 'resume from',
-                           os.path.join(trainer.checkpoint_dir(workdir), '8'))
+                           os.path.join(run_files.checkpoint_dir(workdir), '8'))
     # The details are kept off the terminal, in the log file unless it could not be written either.
     assert (line.endswith(f'Details: {log}.') and 'Traceback' in open(log).read()
             or line.endswith('--verbose shows the details.')), line
-    assert sorted(n for n in os.listdir(trainer.checkpoint_dir(workdir)) if n.isdigit()) == ['4', '8']
+    assert sorted(n for n in os.listdir(run_files.checkpoint_dir(workdir)) if n.isdigit()) == ['4', '8']
 
 
 def test_library_errors_and_tracebacks_are_held_off_the_terminal_unless_verbose():
@@ -258,7 +259,7 @@ def test_a_lock_file_that_does_not_name_its_holder_is_refused_in_one_line_then_t
             f.write(garbage)
         code, stderr = run(command(workdir, corpus, data_dir), env)
         assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'does not name its holder', 'delete the file')
-    old = time.time() - workdir_lib.STALE_AFTER_S - 60
+    old = time.time() - run_lock.STALE_AFTER_S - 60
     os.utime(lock, (old, old))
     code, stderr = run(command(workdir, corpus, data_dir), env)
     assert code == 0 and 'Taking over the stale lock' in stderr, stderr[-3000:]
@@ -279,11 +280,11 @@ def test_training_data_changed_under_a_run_is_refused_unless_accepted(trained, c
     assert code == 0 and 'reads as the same token ids' in stderr, stderr[-3000:]
     with open(os.path.join(text, 'train.txt'), 'a') as f:
         f.write('A line added while the run was stopped.\n')
-    before = sorted(os.listdir(trainer.checkpoint_dir(workdir)))
+    before = sorted(os.listdir(run_files.checkpoint_dir(workdir)))
     code, stderr = run(command(workdir, text, data, '--config.train.num_steps=12'), env)
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'cannot resume on other data', 'tokens',
                     '--config.data.accept_changed_data=True')
-    assert sorted(os.listdir(trainer.checkpoint_dir(workdir))) == before
+    assert sorted(os.listdir(run_files.checkpoint_dir(workdir))) == before
     code, stderr = run(command(workdir, text, data, '--config.train.num_steps=12',
                                '--config.data.accept_changed_data=True'), env)
     assert code == 0 and 'Resuming although its training data changed' in stderr, stderr[-3000:]
@@ -321,8 +322,8 @@ def test_an_exploded_finite_loss_stops_the_run_before_it_is_saved(kind, trained,
                                                                    tmp_path):
     if kind == 'xl':  # Resumed at a learning rate of 1e3: the good checkpoints stay.
         workdir = copy(trained, tmp_path)
-        before = sorted(os.listdir(trainer.checkpoint_dir(workdir)))
-        last_good = os.path.join(trainer.checkpoint_dir(workdir), '8')
+        before = sorted(os.listdir(run_files.checkpoint_dir(workdir)))
+        last_good = os.path.join(run_files.checkpoint_dir(workdir), '8')
     else:
         workdir, before, last_good = str(tmp_path / 'w'), None, 'none (no checkpoint yet)'
     code, stderr = run(command(workdir, corpus, data_dir, *KINDS[kind], '--config.train.learning_rate=1e3',
@@ -330,7 +331,7 @@ def test_an_exploded_finite_loss_stops_the_run_before_it_is_saved(kind, trained,
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'the run diverged', 'exceeds config.train.diverged_loss',
                     f'the last good checkpoint is {last_good}')
     if before:
-        assert sorted(os.listdir(trainer.checkpoint_dir(workdir))) == before
+        assert sorted(os.listdir(run_files.checkpoint_dir(workdir))) == before
 
 
 # --- 8. Finished runs --------------------------------------------------------------------------

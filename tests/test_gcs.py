@@ -27,6 +27,7 @@ from memjax.generation import Sampling
 from memjax.runtime import storage
 from memjax.training import metrics as metrics_lib
 from memjax.training import workdir as workdir_lib
+from memjax.training import run_lock
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec('gcp_storage_emulator') is None or importlib.util.find_spec('gcsfs') is None,
@@ -148,7 +149,7 @@ def test_of_runs_racing_for_one_gs_workdir_exactly_one_wins(gcs, corpus, env, da
         barrier, won, refused = threading.Barrier(count), [], []
 
         def take():
-            lock = workdir_lib.RunLock(workdir)
+            lock = run_lock.RunLock(workdir)
             barrier.wait()
             try:
                 won.append(lock.acquire())
@@ -165,10 +166,10 @@ def test_of_runs_racing_for_one_gs_workdir_exactly_one_wins(gcs, corpus, env, da
     assert len(won) == 1 and len(refused) == 5
     assert all(f'process {os.getpid()}' in message for message in refused)
     # The heartbeat rewrites the object under "still mine": a new generation, a fresh age.
-    monkeypatch.setattr(workdir_lib, 'HEARTBEAT_S', 0.05)
+    monkeypatch.setattr(run_lock, 'HEARTBEAT_S', 0.05)
     won[0].release()
     assert workdir_lib.LOCK_FILE not in gcs_emulator.objects('race')
-    with workdir_lib.RunLock(workdir) as held:
+    with run_lock.RunLock(workdir) as held:
         first = gcs_emulator.objects('race')[workdir_lib.LOCK_FILE]['generation']
         time.sleep(0.5)
         assert gcs_emulator.objects('race')[workdir_lib.LOCK_FILE]['generation'] != first
@@ -177,13 +178,13 @@ def test_of_runs_racing_for_one_gs_workdir_exactly_one_wins(gcs, corpus, env, da
     # A lock whose heartbeat stopped (a lost host) is taken over once it is old.
     storage.write_text(f'{workdir}/{workdir_lib.LOCK_FILE}',
                        json.dumps({'host': 'lost-host', 'pid': 1, 'started': 'then'}))
-    monkeypatch.setattr(workdir_lib, 'STALE_AFTER_S', 0.3)
+    monkeypatch.setattr(run_lock, 'STALE_AFTER_S', 0.3)
     with pytest.raises(errors.WorkdirError, match='lost-host'):
-        workdir_lib.RunLock(workdir).acquire()
+        run_lock.RunLock(workdir).acquire()
     time.sleep(0.6)
-    with workdir_lib.RunLock(workdir):
+    with run_lock.RunLock(workdir):
         pass
-    monkeypatch.setattr(workdir_lib, 'STALE_AFTER_S', 600.0)
+    monkeypatch.setattr(run_lock, 'STALE_AFTER_S', 600.0)
     # The lock of a process of this host that is gone: taken over by exactly one of the racers.
     dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True,
                           text=True, check=True)
@@ -324,7 +325,7 @@ def test_a_lost_bucket_is_said_to_be_silent_since_the_first_unanswered_request(m
         def is_set(self):
             return False
 
-    class Bucket(workdir_lib._LockObject):  # pylint: disable=protected-access
+    class Bucket(run_lock._LockObject):  # pylint: disable=protected-access
         def touch(self, version, text):
             calls.append(clock[0])
             if len(calls) == 1:
@@ -338,10 +339,10 @@ def test_a_lost_bucket_is_said_to_be_silent_since_the_first_unanswered_request(m
     def lost_after(seconds, error):
         raise Lost(seconds, error)
 
-    monkeypatch.setattr(workdir_lib.time, 'time', lambda: clock[0])
-    monkeypatch.setattr(workdir_lib, 'HEARTBEAT_S', 60.0)
+    monkeypatch.setattr(run_lock.time, 'time', lambda: clock[0])
+    monkeypatch.setattr(run_lock, 'HEARTBEAT_S', 60.0)
     monkeypatch.setattr(storage, 'gcs_timeout_s', lambda: 60.0)
-    lock = workdir_lib.RunLock('gs://bucket/run')
+    lock = run_lock.RunLock('gs://bucket/run')
     lock._store, lock._stop = Bucket('gs://bucket/run/.memjax.lock'), Stop()  # pylint: disable=protected-access
     monkeypatch.setattr(lock, '_lost', lost_after)
     with pytest.raises(Lost) as lost:

@@ -16,6 +16,9 @@ from memjax.model import lm
 from memjax.model import memories
 from memjax.model.config import ModelConfig
 from memjax.training import loop as trainer
+from memjax.training import experiment
+from memjax.training import restore
+from memjax.training import saved_run
 from memjax.training.step import stream_keys
 import toy_memory  # noqa: F401  (registers 'every_other', a kind memjax does not know)
 import training_fixtures
@@ -266,8 +269,8 @@ def trained_workdir(tmp_path_factory):
 def test_the_command_continues_a_prompt_from_a_workdir_as_sample_does(trained_workdir):
     out = io.StringIO()
     texts = generation_text.generate(None, trained_workdir, 'In the', 12, Sampling(temperature=0), out=out)
-    exp = trainer.setup(trainer.saved_config(trained_workdir), trained_workdir, training=False)
-    _, params = trainer.newest_params(exp, trained_workdir)
+    exp = experiment.setup(saved_run.saved_config(trained_workdir), trained_workdir, training=False)
+    _, params = restore.newest_params(exp, trained_workdir)
     prompt = generation_text.prompt_ids(exp.tokenizer, 'In the')
     expected = sample(exp.eval_model, params, prompt, 12, Sampling(temperature=0)).tokens[0]
     assert texts == [exp.tokenizer.decode(expected)]

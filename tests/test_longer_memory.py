@@ -8,7 +8,7 @@ import pytest
 from memjax import config_lib
 from memjax import errors
 from memjax.model import memories
-from memjax.training import loop as trainer
+from memjax.training import experiment
 import training_fixtures
 
 
@@ -56,11 +56,11 @@ def test_a_clamp_len_below_the_trained_maximum_is_refused_in_one_line():
 
 
 def setup_warnings(corpus, workdir, caplog, **fields):
-    """The warnings trainer.setup logs for configs/tiny.py (tgt 8, mem 8: distances 0-15 trained)."""
+    """The warnings experiment.setup logs for configs/tiny.py (tgt 8, mem 8: distances 0-15 trained)."""
     config = training_fixtures.tiny_config(corpus, **fields)
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        trainer.setup(config, str(workdir))
+        experiment.setup(config, str(workdir))
     return [r.getMessage() for r in caplog.records if 'relative distances' in r.getMessage()]
 
 

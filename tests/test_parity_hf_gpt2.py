@@ -21,7 +21,8 @@ from memjax import errors  # pylint: disable=g-import-not-at-top
 from memjax import model as model_lib  # pylint: disable=g-import-not-at-top
 from memjax.convert import hf_gpt2, hf_io  # pylint: disable=g-import-not-at-top
 from memjax.model import build_model, init_memory  # pylint: disable=g-import-not-at-top
-from memjax.training import loop as trainer  # pylint: disable=g-import-not-at-top
+from memjax.training import experiment  # pylint: disable=g-import-not-at-top
+from memjax.training import restore  # pylint: disable=g-import-not-at-top
 import training_fixtures  # pylint: disable=g-import-not-at-top
 
 pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning', 'ignore::FutureWarning',
@@ -101,8 +102,8 @@ def test_training_starts_from_the_gpt2_weights_with_a_fresh_memory(hf_directory,
                 ltm_widths=(0.05, 0.1))
     config = training_fixtures.tiny_config(corpus, train__init_from=path,
                                            **{f'model__{k}': v for k, v in gpt2.items()})
-    exp = trainer.setup(config, str(tmp_path / 'run'))
-    state, _ = trainer._init_from(exp)  # pylint: disable=protected-access
+    exp = experiment.setup(config, str(tmp_path / 'run'))
+    state, _ = restore.init_from(exp)  # pylint: disable=protected-access
     started = traverse_util.flatten_dict(jax.device_get(state.params))
     imported = traverse_util.flatten_dict(hf_gpt2.load_hf_checkpoint(path)[1])
     fresh = traverse_util.flatten_dict(model_lib.init_params(exp.mcfg, jax.random.split(jax.random.PRNGKey(config.seed))[0]))
@@ -113,4 +114,4 @@ def test_training_starts_from_the_gpt2_weights_with_a_fresh_memory(hf_directory,
     assert any('memory' in name for name in set(started) - set(imported))
     config.model.n_layer = 3
     with pytest.raises(errors.CheckpointError, match=r'n_layer=2 \(config: 3\)'):
-        trainer._init_from(trainer.setup(config, str(tmp_path / 'other')))  # pylint: disable=protected-access
+        restore.init_from(experiment.setup(config, str(tmp_path / 'other')))  # pylint: disable=protected-access

@@ -20,6 +20,7 @@ from memjax.analysis import run as analysis_run
 from memjax.data import pipeline
 from memjax.training import evaluation
 from memjax.training import loop as trainer
+from memjax.training import experiment
 from memjax.training import step as train_step_lib
 import cli_fixtures
 import training_fixtures
@@ -133,7 +134,7 @@ def test_token_losses_are_what_evaluation_sums_and_a_one_stream_loop_scores(trai
     workdir, corpus = trained
     # One stream (eval batch 1), context 6 for every token: the split's text in order.
     run = analysis_run.load(workdir, mem_len=6, same_length=True)
-    run = analysis_run.LoadedRun(trainer.setup(training_fixtures.override(
+    run = analysis_run.LoadedRun(experiment.setup(training_fixtures.override(
         run.exp.run.as_config_dict(), eval__batch_size=1), workdir, training=False), run.params, run.step, workdir)
     losses = recl_lib.token_losses(run, max_batches=2)
     summed = evaluation.evaluate_streams(

@@ -14,6 +14,7 @@ from memjax import config_lib
 from memjax import errors
 from memjax.training import resume
 from memjax.training import workdir as workdir_lib
+from memjax.training import run_lock
 import training_fixtures
 
 
@@ -102,21 +103,21 @@ def test_evaluation_compares_only_what_shapes_the_parameters():
 
 
 def test_second_run_on_a_workdir_is_refused_while_the_first_holds_it(tmp_path):
-    first = workdir_lib.RunLock(str(tmp_path)).acquire()
+    first = run_lock.RunLock(str(tmp_path)).acquire()
     try:
         with pytest.raises(errors.WorkdirError, match=f'process {os.getpid()}'):
-            workdir_lib.RunLock(str(tmp_path)).acquire()
+            run_lock.RunLock(str(tmp_path)).acquire()
     finally:
         first.release()
     assert not os.path.exists(first.path)
-    with workdir_lib.RunLock(str(tmp_path)):  # Free again.
+    with run_lock.RunLock(str(tmp_path)):  # Free again.
         pass
 
 
 def test_lock_of_a_dead_process_or_with_an_old_heartbeat_is_taken_over(tmp_path):
     dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
                           capture_output=True, text=True, check=True)
-    lock = workdir_lib.RunLock(str(tmp_path))
+    lock = run_lock.RunLock(str(tmp_path))
     with open(lock.path, 'w') as f:
         json.dump({'host': lock._owner['host'], 'pid': int(dead.stdout), 'started': 'then'}, f)
     with lock:
@@ -125,10 +126,10 @@ def test_lock_of_a_dead_process_or_with_an_old_heartbeat_is_taken_over(tmp_path)
     with open(lock.path, 'w') as f:
         json.dump({'host': 'other-host', 'pid': os.getpid(), 'started': 'then'}, f)
     with pytest.raises(errors.WorkdirError, match='other-host'):
-        workdir_lib.RunLock(str(tmp_path)).acquire()
-    old = time.time() - workdir_lib.STALE_AFTER_S - 5
+        run_lock.RunLock(str(tmp_path)).acquire()
+    old = time.time() - run_lock.STALE_AFTER_S - 5
     os.utime(lock.path, (old, old))
-    with workdir_lib.RunLock(str(tmp_path)):
+    with run_lock.RunLock(str(tmp_path)):
         pass
 
 
@@ -210,29 +211,31 @@ def test_a_workdir_saved_before_the_typed_config_resumes_and_evaluates(tmp_path)
     import numpy as np  # pylint: disable=import-outside-toplevel
     from memjax import model as model_lib  # pylint: disable=import-outside-toplevel
     from memjax.training import checkpoints as checkpointing  # pylint: disable=import-outside-toplevel
-    from memjax.training import loop as trainer  # pylint: disable=import-outside-toplevel
+    from memjax.training import experiment  # pylint: disable=import-outside-toplevel
+    from memjax.training import run_files  # pylint: disable=import-outside-toplevel
+    from memjax.training import saved_run  # pylint: disable=import-outside-toplevel
 
     workdir = str(shutil.copytree(SAVED_BEFORE_TYPED_CONFIG, tmp_path / 'run'))
     config = training_fixtures.override(config_lib.load_config_file(training_fixtures.TINY),
                                         data__data_dir=str(tmp_path / 'data'), train__num_steps=8,
                                         train__keep_checkpoints=1)
-    exp = trainer.setup(config, workdir)  # Compares with the saved config: refuses what may not change.
+    exp = experiment.setup(config, workdir)  # Compares with the saved config: refuses what may not change.
     with open(os.path.join(workdir, 'config.json')) as f:
         saved = json.load(f)
     assert exp.mcfg == model_lib.ModelConfig.from_config_dict(saved['model'], segment_len=config.train.tgt_len)
-    ckpt = checkpointing.Checkpointer(trainer.checkpoint_dir(workdir), 1, read_only=True)
+    ckpt = checkpointing.Checkpointer(run_files.checkpoint_dir(workdir), 1, read_only=True)
     try:
-        restored = ckpt.restore_latest(*trainer.abstract_state(exp))
+        restored = ckpt.restore_latest(*experiment.abstract_state(exp))
     finally:
         ckpt.close()
     assert restored.step == 4 and int(restored.state.step) == 4
-    fresh = trainer.init_state(exp)[0].params
+    fresh = experiment.init_state(exp)[0].params
     trained = jax.tree.leaves(restored.state.params)
     assert all(np.isfinite(np.asarray(x)).all() for x in trained)
     assert any(not np.array_equal(a, b) for a, b in zip(trained, jax.tree.leaves(fresh)))
     # Evaluation with another memory length is accepted, another width refused, as for any workdir.
-    trainer.check_saved_config(config_lib.resolve(training_fixtures.override(
+    saved_run.check_saved_config(config_lib.resolve(training_fixtures.override(
         config.copy_and_resolve_references(), eval__model__mem_len=16)), workdir, training=False)
     with pytest.raises(errors.ConfigError, match='model.d_model 32 -> 48'):
-        trainer.check_saved_config(config_lib.resolve(training_fixtures.override(
+        saved_run.check_saved_config(config_lib.resolve(training_fixtures.override(
             config.copy_and_resolve_references(), model__d_model=48)), workdir, training=False)

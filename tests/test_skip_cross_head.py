@@ -253,10 +253,10 @@ def test_cross_head_frequency_matches_beta_within_a_binomial_bound():
 def test_cross_head_is_one_permutation_per_step_in_every_accumulation_chunk(tmp_path):
     """The stream is shared between chunks: with accumulation the update equals the one-chunk update."""
     corpus = training_fixtures.write_text_corpus(str(tmp_path))
-    from memjax.training import loop as trainer  # pylint: disable=import-outside-toplevel
-    exp = trainer.setup(training_fixtures.tiny_config(corpus, model__sch_beta=1.0, model__dropout=0.0),
+    from memjax.training import experiment  # pylint: disable=import-outside-toplevel
+    exp = experiment.setup(training_fixtures.tiny_config(corpus, model__sch_beta=1.0, model__dropout=0.0),
                         str(tmp_path / 'w'))
-    state, memory = trainer.init_state(exp)
+    state, memory = experiment.init_state(exp)
     batch = training_fixtures.random_batch(exp, seed=4)
     model = model_lib.build_model(exp.mcfg)
     one = training_fixtures.jit_train_step(model, exp, 1)(state, memory, batch)

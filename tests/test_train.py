@@ -20,8 +20,11 @@ from memjax import model as model_lib
 from memjax.training import optim
 from memjax.training import step as train_step_lib
 from memjax.training import loop as trainer
+from memjax.training import experiment
+from memjax.training import run_files
+from memjax.training import progress
 from memjax.training import metrics as metrics_lib
-from memjax.training import workdir as workdir_lib
+from memjax.training import run_lock
 from memjax.data import embedded_corpus
 import training_fixtures
 
@@ -84,8 +87,8 @@ def test_memory_parameters_take_the_memory_learning_rate_on_the_same_schedule():
 @pytest.fixture(scope='module')
 def tiny_experiment(corpus, tmp_path_factory):
     config = training_fixtures.tiny_config(corpus, model__dropout=0.0)
-    exp = trainer.setup(config, str(tmp_path_factory.mktemp('workdir')))
-    state, memory = trainer.init_state(exp)
+    exp = experiment.setup(config, str(tmp_path_factory.mktemp('workdir')))
+    state, memory = experiment.init_state(exp)
     return exp, state, memory
 
 
@@ -134,8 +137,8 @@ def test_gradient_accumulation_equals_one_full_batch_update(tiny_experiment, nai
 
 def test_parameters_and_optimizer_state_stay_float32_under_bf16(corpus, tmp_path):
     config = training_fixtures.tiny_config(corpus, model__compute_dtype='bfloat16')
-    exp = trainer.setup(config, str(tmp_path))
-    state, memory = trainer.init_state(exp)
+    exp = experiment.setup(config, str(tmp_path))
+    state, memory = experiment.init_state(exp)
     step = training_fixtures.jit_train_step(exp.model, exp, 2)
     state, _, metrics = step(state, memory, training_fixtures.random_batch(exp, seed=3))
     assert np.isfinite(np.asarray(metrics['nll_sum'])).all()
@@ -155,8 +158,8 @@ def test_non_finite_loss_stops_with_step_and_keeps_last_good_checkpoint(corpus, 
     message = str(error.value)
     step = int(re.search(r'at step (\d+)', message).group(1))
     assert 5 <= step <= 8
-    assert os.path.join(trainer.checkpoint_dir(workdir), '4') in message
-    ckpt = checkpointing.Checkpointer(trainer.checkpoint_dir(workdir), keep=3, read_only=True)
+    assert os.path.join(run_files.checkpoint_dir(workdir), '4') in message
+    ckpt = checkpointing.Checkpointer(run_files.checkpoint_dir(workdir), keep=3, read_only=True)
     assert ckpt.all_steps() == [4]
 
 
@@ -212,22 +215,22 @@ def test_non_finite_loss_from_out_of_range_ids_names_them():
               'num_tokens': np.array([8.0, 8.0])}
     with pytest.raises(errors.NonFiniteLossError, match=r'step 12: its batch holds 5 token ids '
                        r'outside \[0, config.model.vocab_size\)'):
-        trainer._Interval(10).check_healthy(values, '/run/checkpoints/10', 100.0)
+        progress.Interval(10).check_healthy(values, '/run/checkpoints/10', 100.0)
     values['out_of_range_ids'] = np.array([0, 0])
     with pytest.raises(errors.NonFiniteLossError, match='Lower config.train.learning_rate'):
-        trainer._Interval(10).check_healthy(values, '/run/checkpoints/10', 100.0)
+        progress.Interval(10).check_healthy(values, '/run/checkpoints/10', 100.0)
 
 
 def test_a_finite_loss_above_the_divergence_limit_stops_the_interval_at_its_step():
     values = {'nll_sum': np.array([16.0, 80.0, 8e7]), 'grad_norm': np.ones(3), 'num_tokens': np.full(3, 8.0),
               'learning_rate': np.full(3, 1e3), 'out_of_range_ids': np.zeros(3)}
-    trainer._Interval(10).check_healthy(values, None, 1e7 + 1)  # Per token: 2, 10, 1e7.
+    progress.Interval(10).check_healthy(values, None, 1e7 + 1)  # Per token: 2, 10, 1e7.
     with pytest.raises(errors.DivergedError, match=r'training loss 1e\+07 at step 13 exceeds .*diverged_loss '
                        r'\(16\.64 nats.*last good checkpoint is /run/checkpoints/10'):
-        trainer._Interval(10).check_healthy(values, '/run/checkpoints/10',
+        progress.Interval(10).check_healthy(values, '/run/checkpoints/10',
                                             config_lib.TrainConfig().diverged_limit(256))
     off = config_lib.TrainConfig(diverged_loss=0.0)
-    trainer._Interval(10).check_healthy(values, None, off.diverged_limit(256))
+    progress.Interval(10).check_healthy(values, None, off.diverged_limit(256))
 
 
 def test_train_step_counts_out_of_range_ids_of_inputs_and_scored_targets():
@@ -239,7 +242,7 @@ def test_train_step_counts_out_of_range_ids_of_inputs_and_scored_targets():
 
 
 def test_second_training_run_on_a_workdir_is_refused(corpus, tmp_path):
-    with workdir_lib.RunLock(str(tmp_path)):
+    with run_lock.RunLock(str(tmp_path)):
         with pytest.raises(errors.WorkdirError, match='in use by another training run'):
             trainer.train_and_evaluate(training_fixtures.tiny_config(corpus), str(tmp_path))
 

@@ -22,6 +22,8 @@ from memjax.model.memories import trams
 from memjax.model.positions import relative_sinusoid_table
 from memjax.training import checkpoints as checkpointing
 from memjax.training import loop as trainer
+from memjax.training import experiment
+from memjax.training import run_files
 import training_fixtures
 
 VOCAB, BATCH, SEG, SEGMENTS = 40, 2, 4, 6
@@ -257,10 +259,10 @@ def xl_workdir(tmp_path_factory):
 
 
 def restored_params(exp, workdir):
-    ckpt = checkpointing.Checkpointer(trainer.checkpoint_dir(workdir), keep=1, read_only=True)
+    ckpt = checkpointing.Checkpointer(run_files.checkpoint_dir(workdir), keep=1, read_only=True)
     try:
         step = max(ckpt.all_steps())
-        return ckpt.restore_part(step, {'state': {'params': trainer.abstract_state(exp)[0].params}})['state']['params']
+        return ckpt.restore_part(step, {'state': {'params': experiment.abstract_state(exp)[0].params}})['state']['params']
     finally:
         ckpt.close()
 
@@ -275,7 +277,7 @@ def test_an_xl_workdir_evaluated_with_trams(xl_workdir):
                                            eval__model__trams_remain=2, **pool)
     summary = evaluate.evaluate_checkpoint(config, workdir)
     assert summary['settings']['memory'] == 'trams' and summary['settings']['trams_select'] == 6
-    exp = trainer.setup(config, workdir, training=False)
+    exp = experiment.setup(config, workdir, training=False)
     mcfg, params = exp.eval_mcfg, restored_params(exp, workdir)
     model = model_lib.build_model(mcfg)
     apply = jax.jit(lambda x, m, y: model.apply({'params': params}, x, m, targets=y))

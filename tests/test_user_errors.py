@@ -15,6 +15,8 @@ from memjax import errors
 from memjax.generation import Sampling
 from memjax.generation import text as generation_text
 from memjax.training import loop as trainer
+from memjax.training import experiment
+from memjax.training import run_files
 import cli_fixtures
 import disks
 import training_fixtures
@@ -131,12 +133,12 @@ def test_every_model_and_train_problem_is_reported_in_one_round(corpus, env, tmp
 def test_resume_with_another_batch_size_is_refused_and_verbose_adds_the_traceback(trained, corpus,
                                                                                   env):
     workdir, data_dir = trained
-    before = sorted(os.listdir(trainer.checkpoint_dir(workdir)))
+    before = sorted(os.listdir(run_files.checkpoint_dir(workdir)))
     command = cli_fixtures.tiny_command(workdir, corpus, data_dir, '--config.train.batch_size=8')
     code, stderr = run(command, env)
     assert_one_line(code, stderr, errors.EXIT_USAGE, 'train.batch_size 4 -> 8',
                     f'--config.train.init_from={workdir}')
-    assert sorted(os.listdir(trainer.checkpoint_dir(workdir))) == before
+    assert sorted(os.listdir(run_files.checkpoint_dir(workdir))) == before
     code, stderr = run(command + ['--verbose'], env)
     assert code == errors.EXIT_USAGE and 'Traceback (most recent call last)' in stderr
 
@@ -224,11 +226,11 @@ def test_failed_save_ends_the_process_with_a_message(corpus, env, tmp_path):
 # A pause before the train step is built, to stop the run there.
 _PAUSED_START = '''
     import time
-    from memjax.training import loop as trainer
+    from memjax.training import experiment
     def pause(*args):
         print('PAUSED', flush=True)
         time.sleep(600)
-    trainer.make_eval_step = pause
+    experiment.make_eval_step = pause
 '''
 
 
@@ -247,7 +249,7 @@ def test_a_signal_during_start_up_stops_at_once(corpus, env, tmp_path, signum, c
     assert process.returncode == code, stderr[-3000:]
     assert f'Stopped by {name} outside the training loop: nothing new to save' in stderr
     assert 'Traceback' not in stderr
-    assert not os.listdir(trainer.checkpoint_dir(str(tmp_path / 'w')))
+    assert not os.listdir(run_files.checkpoint_dir(str(tmp_path / 'w')))
 
 
 def test_converter_errors_are_one_line(env, tmp_path):
@@ -304,15 +306,15 @@ def test_generate_echoes_the_prompt_unless_told_not_to_and_reports_its_speed(tra
 
 
 def test_a_state_too_large_for_the_device_is_refused_before_anything_is_built(corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(trainer, 'make_train_step', lambda *a, **k: pytest.fail('compiled'))
-    monkeypatch.setattr(trainer, 'device_memory_bytes', lambda device: 16 * 2**30)
+    monkeypatch.setattr(experiment, 'make_train_step', lambda *a, **k: pytest.fail('compiled'))
+    monkeypatch.setattr(experiment, 'device_memory_bytes', lambda device: 16 * 2**30)
     # An XL memory position: 2 layers x batch 4 x d_model 32 float32 hidden states and 4 validity
     # bytes (configs/tiny.py), 1028 bytes: 2**30 positions hold 1028 GiB.
     config = training_fixtures.tiny_config(corpus, model__mem_len=2**30)
     with pytest.raises(errors.OutOfMemoryError, match=r'needs 1,028.0 GiB per device .*memory 1,028.0 GiB; '
                                                       r"mem_len=1073741824, batch 4\), more than a device's 16.0 GiB"):
         trainer.train_and_evaluate(config, str(tmp_path / 'w'))
-    assert not os.path.exists(trainer.checkpoint_dir(str(tmp_path / 'w')))
+    assert not os.path.exists(run_files.checkpoint_dir(str(tmp_path / 'w')))
 
 
 def test_a_step_out_of_device_memory_is_one_line_with_the_ways_out(env):

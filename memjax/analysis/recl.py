@@ -41,7 +41,8 @@ from memjax.analysis.run import LoadedRun, load, with_eval_model
 from memjax.model.memories import trams
 from memjax.runtime import storage
 from memjax.training import evaluation
-from memjax.training import loop as trainer
+from memjax.training import experiment
+from memjax.training import saved_run
 from memjax.training import metrics as metrics_lib
 from memjax.training import step as train_step_lib
 
@@ -243,14 +244,14 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
     contexts = sorted(set(int(c) for c in contexts))
     parsed, kinds, layout = [member(spec) for spec in members], [], None
     for spec, (workdir, scored_as) in zip(members, parsed):  # Every member checked before any is scored.
-        exp = trainer.setup(trainer.saved_config(workdir), workdir, training=False)
+        exp = experiment.setup(saved_run.saved_config(workdir), workdir, training=False)
         kinds.append(scored_as or exp.run.model.memory)
         settings = {**context_settings(kinds[-1], contexts[-1]), **_clamped(clamp_len)}  # Refuses a kind without one.
         if scored_as or clamp_len is not None:
             config = exp.run.as_config_dict()
             config.eval.model.update(settings)
             try:
-                trainer.setup(config, workdir, training=False)
+                experiment.setup(config, workdir, training=False)
             except errors.UserError as error:
                 raise errors.UsageError(f'{spec}: {" ".join(str(error).split())}') from None
         read_as = (exp.tokenizer.fingerprint, exp.run.eval.batch_size, exp.run.eval.tgt_len)

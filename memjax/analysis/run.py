@@ -14,7 +14,9 @@ from flax import traverse_util
 from memjax import model as model_lib
 from memjax.data.tokenizers import Tokenizer
 from memjax.training import evaluation
-from memjax.training import loop as trainer
+from memjax.training import experiment
+from memjax.training import restore
+from memjax.training import saved_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,7 +24,7 @@ class LoadedRun:
     """A workdir's newest checkpoint, ready to apply: `model` is the evaluation model (the run's
     `config.eval.model` overrides applied: a longer memory, TRAMS over an XL run)."""
 
-    exp: trainer.Experiment
+    exp: experiment.Experiment
     params: Any
     step: int
     workdir: str = ''
@@ -43,11 +45,11 @@ class LoadedRun:
 def load(workdir: str, config: Optional[ml_collections.ConfigDict] = None, **eval_model: Any) -> LoadedRun:
     """The run in `workdir` (its saved config, or `config`), with `eval_model` fields set on
     `config.eval.model` (mem_len=..., memory='trams', ...)."""
-    config = trainer.saved_config(workdir) if config is None else config.copy_and_resolve_references()
+    config = saved_run.saved_config(workdir) if config is None else config.copy_and_resolve_references()
     for name, value in eval_model.items():
         config.eval.model[name] = value
-    exp = trainer.setup(config, workdir, training=False)
-    step, params = trainer.newest_params(exp, workdir)
+    exp = experiment.setup(config, workdir, training=False)
+    step, params = restore.newest_params(exp, workdir)
     return LoadedRun(exp, params, step, workdir)
 
 
@@ -56,7 +58,7 @@ def with_eval_model(run: LoadedRun, **eval_model: Any) -> LoadedRun:
     the checkpoint is not read again."""
     config = run.exp.run.as_config_dict()
     config.eval.model.update(eval_model)
-    return dataclasses.replace(run, exp=trainer.setup(config, run.workdir, training=False))
+    return dataclasses.replace(run, exp=experiment.setup(config, run.workdir, training=False))
 
 
 @dataclasses.dataclass(frozen=True)

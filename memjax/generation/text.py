@@ -14,7 +14,9 @@ from memjax.model import memories
 from memjax.data.tokenizers import Tokenizer
 from memjax.generation.sample import sample
 from memjax.generation.sampling import Sampling
-from memjax.training import loop as trainer
+from memjax.training import experiment
+from memjax.training import restore
+from memjax.training import saved_run
 
 
 def prompt_ids(tokenizer: Tokenizer, text: str) -> np.ndarray:
@@ -81,13 +83,13 @@ def generate(config: Optional[ml_collections.ConfigDict], workdir: str, text: st
     one error, with nothing written."""
     check_settings(settings, num_samples)
     if config is None:
-        config = trainer.saved_config(workdir)
-    exp = trainer.setup(config, workdir, training=False)
+        config = saved_run.saved_config(workdir)
+    exp = experiment.setup(config, workdir, training=False)
     ids = prompt_ids(exp.tokenizer, text)
     # The samples are rows of one batch: their memory, token ids and each step's log-probs.
-    trainer.check_fits(exp, False, jax.local_devices(), batch=num_samples, extra={
+    experiment.check_fits(exp, False, jax.local_devices(), batch=num_samples, extra={
         'samples': num_samples * ((len(ids) + max_new_tokens) * 4 + 2 * exp.eval_mcfg.vocab_size * 4)})
-    step, params = trainer.newest_params(exp, workdir)
+    step, params = restore.newest_params(exp, workdir)
     logging.info('Continuing a prompt of %d tokens by %d with step %d of %s (%s); the first token includes '
                  'compiling the prompt\'s pass and the one-token step.', len(ids), max_new_tokens, step, workdir,
                  memories.describe(exp.eval_mcfg))

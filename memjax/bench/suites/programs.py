@@ -3,7 +3,7 @@
 A refactor that leaves the optimized program of a step unchanged cannot have changed its speed
 or its numbers on that machine. For each memory kind (and Transformer-XL with an adaptive
 softmax, and with Skip-Retain and cross-head attention) the suite builds the steps exactly as
-training does (`training.loop.setup`, `make_train_step`, `make_eval_step` on a small model),
+training does (`training.experiment.setup`, `make_train_step`, `make_eval_step` on a small model),
 compiles them and hashes the optimized HLO with its source locations (file names, lines,
 stack frames, op metadata) removed: they move with every edited line, the program does not.
 Run it before and after a change on the same machine and jax version; equal fingerprints are
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from memjax import config_lib
 from memjax import model as model_lib
 from memjax.bench import harness
-from memjax.training import loop as trainer
+from memjax.training import experiment
 
 # Model field overrides of each case over the small model below.
 CASES = {
@@ -44,17 +44,17 @@ def program_text(compiled: jax.stages.Compiled) -> str:
     return '\n'.join(_METADATA.sub('', line) for line in lines if not _LOCATION_LINE.match(line))
 
 
-def _experiment(overrides: dict, shape: dict, batch: int, tgt_len: int) -> trainer.Experiment:
+def _experiment(overrides: dict, shape: dict, batch: int, tgt_len: int) -> experiment.Experiment:
     config = config_lib.base_config()
     config.model.update(**shape, **overrides)
     config.train.update(batch_size=batch, tgt_len=tgt_len)
-    return trainer.setup(config, tempfile.mkdtemp(prefix='memjax-bench-programs-'))
+    return experiment.setup(config, tempfile.mkdtemp(prefix='memjax-bench-programs-'))
 
 
-def lowered_steps(exp: trainer.Experiment) -> dict[str, jax.stages.Lowered]:
+def lowered_steps(exp: experiment.Experiment) -> dict[str, jax.stages.Lowered]:
     """The run's train and eval steps lowered as training builds them, on abstract inputs of the
     run's shapes (nothing is initialised or run)."""
-    state, memory = trainer.abstract_state(exp)
+    state, memory = experiment.abstract_state(exp)
     run = exp.run
 
     def batch_of(segments: int, rows: int, length: int) -> dict:
@@ -65,9 +65,9 @@ def lowered_steps(exp: trainer.Experiment) -> dict[str, jax.stages.Lowered]:
     eval_rows = run.eval.batch_size
     eval_memory = jax.eval_shape(lambda: model_lib.init_memory(exp.eval_mcfg, eval_rows))
     return {
-        'train': trainer.make_train_step(exp).lower(
+        'train': experiment.make_train_step(exp).lower(
             state, memory, batch_of(run.train.segments_per_step, run.train.batch_size, run.train.tgt_len)),
-        'eval': trainer.make_eval_step(exp).lower(state.params, eval_memory, batch_of(1, eval_rows, run.eval.tgt_len),
+        'eval': experiment.make_eval_step(exp).lower(state.params, eval_memory, batch_of(1, eval_rows, run.eval.tgt_len),
                                                   jax.ShapeDtypeStruct((2,), jnp.uint32)),
     }
 
