@@ -15,7 +15,7 @@ from memjax.training import evaluation
 from memjax import model as model_lib
 from memjax.training import step as train_step_lib
 from memjax.training import loop as trainer
-from memjax.training import experiment
+from memjax.training import experiment as experiment_lib
 from memjax.training import run_files
 import cli_fixtures
 import training_fixtures
@@ -35,8 +35,8 @@ def experiment(corpus, tmp_path_factory):
     config = training_fixtures.tiny_config(
         corpus, eval__tgt_len=EVAL_TGT_LEN, eval__model__mem_len=EVAL_MEM_LEN,
         eval__model__clamp_len=EVAL_CLAMP_LEN, eval__model__same_length=True)
-    exp = experiment.setup(config, str(tmp_path_factory.mktemp('workdir')))
-    state, _ = experiment.init_state(exp)
+    exp = experiment_lib.setup(config, str(tmp_path_factory.mktemp('workdir')))
+    state, _ = experiment_lib.init_state(exp)
     return exp, state.params, jax.jit(train_step_lib.eval_step_fn(exp.eval_model))
 
 

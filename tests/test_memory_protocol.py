@@ -14,7 +14,7 @@ import pytest
 from memjax import config_lib
 from memjax import model as model_lib
 from memjax.training import step as train_step_lib
-from memjax.training import experiment
+from memjax.training import experiment as experiment_lib
 import toy_memory  # noqa: F401  (registers the 'every_other' memory kind)
 import training_fixtures
 
@@ -42,8 +42,8 @@ def test_toy_kind_trains_evaluates_and_resumes_exactly(corpus, tmp_path):
 
 @pytest.fixture(scope='module')
 def experiment(corpus, tmp_path_factory):
-    exp = experiment.setup(toy_config(corpus, model__dropout=0.0), str(tmp_path_factory.mktemp('w')))
-    state, memory = experiment.init_state(exp)
+    exp = experiment_lib.setup(toy_config(corpus, model__dropout=0.0), str(tmp_path_factory.mktemp('w')))
+    state, memory = experiment_lib.init_state(exp)
     batch = training_fixtures.random_batch(exp, seed=4)
     return exp, state, memory, batch
 
