@@ -59,13 +59,13 @@ from memjax.bench.suites import programs
 from memjax.data import factory as data_factory
 from memjax.data import pipeline
 from memjax.runtime import storage
-from memjax.training import loop as trainer
 from memjax.training import experiment
-from memjax.training import run_files
-from memjax.training import saved_run
+from memjax.training import loop as trainer
 from memjax.training import metrics as metrics_lib
-from memjax.training import workdir as workdir_lib
+from memjax.training import run_files
 from memjax.training import run_lock
+from memjax.training import saved_run
+from memjax.training import workdir as workdir_lib
 
 flags.adopt_module_key_flags(evaluate)  # --config, --workdir.
 flags.mark_flag_as_required('config')  # A comparison trains: its config is the user's.
@@ -117,7 +117,9 @@ def _check(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             (len(contexts) >= 2 and contexts == sorted(set(contexts)) and contexts[0] >= 1,
              f'compare.recl_contexts={tuple(contexts)}: give at least two increasing lengths >= 1 (RECL steps '
              'from one to the next), or () for no RECL column.'),
-            (bool(rs) and all(0 < r <= 1 for r in rs), f'compare.recl_rs={tuple(rs)}: each share must be in (0, 1].'))
+            (bool(rs) and all(0 < r <= 1 for r in rs), f'compare.recl_rs={tuple(rs)}: each share must be in (0, 1].'),
+            (section.get('recl_batches', -1) == -1 or section.get('recl_batches', -1) >= 1,
+             f'compare.recl_batches={section.get("recl_batches")}: give -1 (the whole split) or a count >= 1.'))
     evaluating = [m for m in known if METHODS[m].runs_on]
     missing = sorted({METHODS[m].runs_on for m in evaluating} - set(section.methods))
     problems += [f'compare.methods needs {missing}, whose runs {evaluating} evaluate.'] if missing else []
@@ -433,7 +435,8 @@ def table(report: dict, seeds: int) -> str:
                      f'{(loss.max() - loss.min()) / 2:.4f} ({len(rows)}) | {mean("metric"):.4f} | '
                      f'{speed("train_tokens_per_s")} | {speed("eval_tokens_per_s")} | '
                      f'{int(mean("params")):,} | {mean("step_memory_bytes") / 2**20:.1f} | {mean("wall_seconds"):.0f} |'
-                     + ''.join(f' {recl_cell(recl, method, r)} |' for r in rs))
+                     + ''.join(f' {recl_cell(recl, method, r) if rows[0]["clamp"] == recl["clamp_len"] else ""} |'
+                               for r in rs))
     lines.append('\nclamp_len: relative distances beyond it are scored as it. `trained`: the longest distance '
                  'training scored (mem_len + tgt_len - 1), where the evaluation reaches beyond it; `not reached`: '
                  'the evaluation scores no longer distance, so nothing is clamped.')
@@ -441,8 +444,8 @@ def table(report: dict, seeds: int) -> str:
         lines.append(f'\nRECL (memjax.recl): the relative effective context length in tokens, each seed\'s (`>=`: still '
                      f'gaining at the longest context), every method of a seed in one group on '
                      f'{recl["num_tokens"] or 0:,} tokens of the {recl["split"]} split, contexts '
-                     f'{", ".join(map(str, recl["contexts"]))}, clamp_len {recl["clamp_len"]}; the groups\' tables '
-                     'and figures are in recl/seed<k>/.')
+                     f'{", ".join(map(str, recl["contexts"]))}, clamp_len {recl["clamp_len"]} (the rows of that clamp); '
+                     'the groups\' tables and figures are in recl/seed<k>/.')
     lines.append('\nThroughputs exclude compilation (a run resumed after its last logged interval has none); '
                  'they are comparable only between runs that had the machine to themselves.')
     lines += ['\n' + note for note in _warnings(report, seeds)]

@@ -159,11 +159,16 @@ def test_asked_for_recl_the_table_gains_each_methods_recl_from_one_group(compare
     assert report['recl']['num_tokens'] == group.num_tokens
     with open(os.path.join(workdir, 'comparison.md')) as f:
         text = f.read()
-    assert ' RECL r = 0.5 | RECL r = 1 |' in text and 'contexts 4, 8, clamp_len -1;' in text
+    assert ' RECL r = 0.5 | RECL r = 1 |' in text and 'contexts 4, 8, clamp_len -1 (the rows of that clamp);' in text
     cell = lambda found: f'{"" if found.converged else ">= "}{found.context}'
     trams_row = next(line for line in text.splitlines() if line.startswith('| trams | 16 |'))
     assert trams_row.endswith(f' {cell(group.recl[2][0.5])} | {cell(group.recl[2][1.0])} |')
-    assert os.path.exists(os.path.join(workdir, 'recl', 'seed0', 'recl.md'))
+    with open(os.path.join(workdir, 'recl', 'seed0', 'recl.md')) as f:
+        group_table = f.read()
+    assert f'| {run("xl")}@trams | trams |' in group_table and f'| {run("none")} | none |' in group_table
+    # Other clamps' rows leave the RECL cells empty: RECL was scored with the first clamp only.
+    other_clamp = next(line for line in text.splitlines() if line.startswith('| xl | 16 | trained'))
+    assert other_clamp.endswith(' |  |  |')
 
 
 def test_a_failing_method_is_reported_the_others_go_on_and_the_command_fails(corpus, tmp_path, monkeypatch):
@@ -199,6 +204,7 @@ def test_a_failing_method_is_reported_the_others_go_on_and_the_command_fails(cor
     ({'recl_contexts': (8,)}, 'compare.recl_contexts=(8,): give at least two increasing lengths'),
     ({'recl_contexts': (8, 4)}, 'compare.recl_contexts=(8, 4): give at least two increasing lengths'),
     ({'recl_contexts': (4, 8), 'recl_rs': (0.0,)}, 'compare.recl_rs=(0.0,): each share must be in (0, 1]'),
+    ({'recl_contexts': (4, 8), 'recl_batches': 0}, 'compare.recl_batches=0: give -1'),
 ])
 def test_a_bad_comparison_is_refused_before_anything_trains(corpus, tmp_path, compare_fields, message):
     config = tiny_comparison(corpus, methods=('xl',))

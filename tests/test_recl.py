@@ -217,8 +217,8 @@ def test_the_command_scores_a_group_reports_its_recl_and_resumes_from_what_it_ke
     assert kept[0, 0].size == record['num_tokens'] > 0
     np.testing.assert_allclose(kept[1, 1], recl_lib.token_losses(analysis_run.load(other, mem_len=8, same_length=True),
                                                                  max_batches=1), rtol=1e-6)
-    # TRAMS at context 8: 8 attended rows, the newest 6 kept and 2 chosen from a pool of 16.
-    trams = analysis_run.load(workdir, memory='trams', mem_len=16, trams_select=8, trams_remain=6, same_length=True)
+    # TRAMS at context 8: 8 attended memory rows, the newest 6 kept and 2 chosen from a pool of 16.
+    trams = analysis_run.load(workdir, memory='trams', mem_len=16, trams_select=8, trams_remain=6)
     np.testing.assert_allclose(kept[1, 2], recl_lib.token_losses(trams, max_batches=1), rtol=1e-6)
     # A clamp scores distances beyond it as it, and keeps those losses apart from the unclamped ones.
     clamped, read_back = recl_lib._scored(analysis_run.load(other), 'xl', 8, 'validation', 1, str(out), clamp_len=2)
@@ -251,6 +251,14 @@ def test_a_group_that_reads_the_split_otherwise_or_a_kind_without_a_context_is_r
     with pytest.raises(errors.UsageError, match="@trams: .*memory='trams' cannot run on parameters trained as "
                                                 "memory='none'"):
         recl_lib.group_recl([f'{memoryless}@trams'], [4, 8], [1.0], str(tmp_path / 'recl'))
+    with pytest.raises(errors.UsageError, match="@none: .*memory='none' cannot run on parameters trained as "
+                                                "memory='xl'"):
+        recl_lib.group_recl([f'{workdir}@none'], [4, 8], [1.0], str(tmp_path / 'recl'))
+    with pytest.raises(errors.UsageError, match='max_batches=0: give -1'):
+        recl_lib.group_recl([workdir], [4, 8], [1.0], str(tmp_path / 'recl'), max_batches=0)
+    # A path may hold '@': only a suffix without '/' names a kind.
+    assert recl_lib.member('gs://b/user@host/run') == ('gs://b/user@host/run', '')
+    assert recl_lib.member('runs/a@b/xl@trams') == ('runs/a@b/xl', 'trams')
     assert not (tmp_path / 'recl').exists()  # Refused before anything was scored or written.
     (tmp_path / 'a_file').write_text('')
     with pytest.raises(errors.WorkdirError, match='cannot create --out='):

@@ -1,5 +1,5 @@
 """Which config changes a resumed run or an evaluation accepts (memjax/training/resume.py), and the lock
-that keeps two training runs out of one workdir (memjax/training/workdir.py)."""
+that keeps two training runs out of one workdir (memjax/training/run_lock.py)."""
 
 import json
 import os

@@ -38,12 +38,13 @@ import numpy as np
 from memjax import errors
 from memjax import model as model_lib
 from memjax.analysis.run import LoadedRun, load, with_eval_model
+from memjax.model import memories
 from memjax.model.memories import trams
 from memjax.runtime import storage
 from memjax.training import evaluation
 from memjax.training import experiment
-from memjax.training import saved_run
 from memjax.training import metrics as metrics_lib
+from memjax.training import saved_run
 from memjax.training import step as train_step_lib
 
 THRESHOLD = 0.01  # The paper's: a context step that gains less than 1 % ends the search.
@@ -188,16 +189,19 @@ KINDS = ('none', *WINDOW_KINDS, 'trams')
 
 
 def context_settings(kind: str, context: int) -> dict:
-    """The config.eval.model fields under which a run scored as memory kind `kind` attends
-    `context` positions from every token (itself included), with `same_length`:
+    """The config.eval.model fields under which a run scored as memory kind `kind` has a context of
+    `context` positions:
 
-    - Transformer-XL and LaMemo: `mem_len=context`, the whole attention. The recurrence still
-      carries older information through the memory's hidden states, which is what RECL can show
-      beyond the attention length.
-    - the infinity-former: the short-term memory; its long-term memory keeps the whole past beside it.
-    - TRAMS: `context` attended rows (`trams_select`), chosen from a pool of twice as many
-      (`memories.trams.attending`).
-    - 'none' (no memory): {} (`window_token_losses` gives every token its window of `context`).
+    - Transformer-XL and LaMemo: every token attends `context` positions, itself included
+      (`mem_len=context, same_length=True`): the whole attention. The recurrence still carries
+      older information through the memory's hidden states, which is what RECL can show beyond
+      the attention length.
+    - the infinity-former: the same short-term memory; its long-term memory keeps the whole past
+      beside it.
+    - TRAMS: `context` attended memory rows (`trams_select`) chosen from a pool of twice as many
+      (`memories.trams.attending`), each token also attending its segment up to itself, as TRAMS
+      does. (With `same_length` the newest keys would hide the chosen rows from most queries.)
+    - 'none' (no memory): a window of `context` inputs per token (`window_token_losses`).
     """
     if kind not in KINDS:
         raise errors.UsageError(
@@ -206,17 +210,18 @@ def context_settings(kind: str, context: int) -> dict:
     if context < 1:
         raise errors.UsageError(f'context {context} must be >= 1.')
     if kind == 'none':
-        return {}
+        return {'memory': 'none'}
     if kind == 'trams':
-        return {'memory': 'trams', **trams.attending(int(context)), 'same_length': True}
+        return {'memory': 'trams', **trams.attending(int(context))}
     return {'mem_len': int(context), 'same_length': True}
 
 
 def member(spec: str) -> tuple[str, str]:
     """(workdir, memory kind it is scored as or '') of a group member `WORKDIR[@KIND]`: `runs/xl@trams`
-    scores an XL run's parameters as TRAMS (a kind that runs on them)."""
+    scores an XL run's parameters as TRAMS (a kind that runs on them). A path may hold '@' itself:
+    only a suffix without '/' is read as a kind."""
     workdir, at, kind = spec.rpartition('@')
-    return (workdir, kind) if at and workdir else (spec, '')
+    return (workdir, kind) if at and workdir and '/' not in kind else (spec, '')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,18 +247,26 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
     a model that extrapolates badly there (LaMemo) scatters its per-token losses, and the relative
     loss's minimum counts the lucky ones as gains."""
     contexts = sorted(set(int(c) for c in contexts))
+    if max_batches == 0 or max_batches < -1:
+        raise errors.UsageError(f'max_batches={max_batches}: give -1 (the whole split) or a count >= 1.')
     parsed, kinds, layout = [member(spec) for spec in members], [], None
     for spec, (workdir, scored_as) in zip(members, parsed):  # Every member checked before any is scored.
         exp = experiment.setup(saved_run.saved_config(workdir), workdir, training=False)
-        kinds.append(scored_as or exp.run.model.memory)
+        # A run whose config evaluates it as another kind (TRAMS on XL) is scored as that; not as the
+        # kind evaluation picks by default for speed (xl_cached for xl), which computes the same.
+        trained, evaluated = exp.run.model.memory, exp.eval_mcfg.memory
+        chosen = evaluated not in (trained, memories.kind_class(trained).evaluated_by)
+        kinds.append(scored_as or (evaluated if chosen else trained))
         settings = {**context_settings(kinds[-1], contexts[-1]), **_clamped(clamp_len)}  # Refuses a kind without one.
-        if scored_as or clamp_len is not None:
-            config = exp.run.as_config_dict()
-            config.eval.model.update(settings)
-            try:
-                experiment.setup(config, workdir, training=False)
-            except errors.UserError as error:
-                raise errors.UsageError(f'{spec}: {" ".join(str(error).split())}') from None
+        config = exp.run.as_config_dict()
+        config.eval.model.update(settings)
+        try:
+            checked = experiment.setup(config, workdir, training=False).eval_mcfg
+        except errors.UserError as error:
+            raise errors.UsageError(f'{spec}: {" ".join(str(error).split())}') from None
+        if kinds[-1] == 'none' and checked.positions == 'learned_absolute' and contexts[-1] > checked.n_positions:
+            raise errors.UsageError(f'{spec}: a window of {contexts[-1]} tokens exceeds its learned position table '
+                                    f'(n_positions={checked.n_positions}): give contexts up to {checked.n_positions}.')
         read_as = (exp.tokenizer.fingerprint, exp.run.eval.batch_size, exp.run.eval.tgt_len)
         if layout is not None and read_as != layout:
             raise errors.UsageError(
@@ -298,15 +311,15 @@ def _scored(run: LoadedRun, kind: str, context: int, split: str, max_batches: in
     batches and clamp), else scored and kept there."""
     workdir = run.workdir
     where = workdir if storage.is_remote(workdir) else storage.path(workdir).resolve().as_posix()
-    # The clamp joins the key only when given, so losses kept without one still read back.
-    named = [where, run.step, kind, context, split, max_batches] + ([clamp_len] if clamp_len is not None else [])
+    settings = {**context_settings(kind, context), **_clamped(clamp_len)}
+    # Everything that decides the losses: other settings for a kind are never read back as these.
+    named = [where, run.step, kind, context, split, max_batches, sorted(settings.items())]
     key = hashlib.sha256(json.dumps(named).encode()).hexdigest()[:16]
     path = storage.join(out, f'losses_{key}.npy')
     if storage.path(path).exists():
         with storage.path(path).open('rb') as f:
             return np.load(f, allow_pickle=False), True
-    settings = {**context_settings(kind, context), **_clamped(clamp_len)}
-    scored = with_eval_model(run, **settings) if settings else run
+    scored = with_eval_model(run, **settings)
     if kind == 'none':
         losses = window_token_losses(scored, context, split, max_batches)
     else:

@@ -24,6 +24,7 @@ from memjax.training import saved_run
 from memjax.training import step as train_step_lib
 from memjax.training import workdir as workdir_lib
 
+
 @dataclasses.dataclass
 class Experiment:
     """Everything derived from the resolved run before any compilation."""

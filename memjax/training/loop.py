@@ -1,7 +1,8 @@
 """The training loop: restore or initialise, then step, report, validate, checkpoint and stop.
 
-The rooms it calls: `experiment` (the run resolved, sized and compiled), `state` (where the state
-comes from), `progress` (what the run reports), `checkpoints`, `preemption` and `files`."""
+The rooms it calls: `experiment` (the run resolved, sized and compiled), `restore` (where the state
+comes from), `progress` (what the run reports), `run_lock` (one run per workdir), `checkpoints`,
+`preemption` and `run_files` (config.json and the summary)."""
 
 import json
 import time
@@ -24,13 +25,14 @@ from memjax.runtime import storage
 from memjax.training import checkpoints as checkpointing
 from memjax.training import evaluation
 from memjax.training import experiment
-from memjax.training import run_files
 from memjax.training import metrics as metrics_lib
 from memjax.training import preemption
 from memjax.training import progress as progress_lib
 from memjax.training import restore
-from memjax.training import workdir as workdir_lib
+from memjax.training import run_files
 from memjax.training import run_lock
+from memjax.training import workdir as workdir_lib
+
 
 def train_and_evaluate(config: ml_collections.ConfigDict | config_lib.RunConfig, workdir: str) -> dict:
     """Trains (resuming from the newest intact checkpoint in workdir) and validates.
@@ -195,7 +197,6 @@ def _write_summary(exp: experiment.Experiment, workdir: str, step: int, final: d
     run_files.write_result(path, summary)
     logging.info('Done: %s', json.dumps(summary))
     return summary
-
 
 
 class _PhasedTrainStep:

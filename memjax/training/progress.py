@@ -14,9 +14,10 @@ from memjax.model import memories
 from memjax.runtime import storage
 from memjax.training import evaluation
 from memjax.training import experiment
-from memjax.training import run_files
 from memjax.training import metrics as metrics_lib
+from memjax.training import run_files
 from memjax.training import step as train_step_lib
+
 
 def log_start(exp: experiment.Experiment, workdir: str, params: Any) -> None:
     """What the run is (`params`: their shapes), before the data and the parameters are prepared,

@@ -17,12 +17,13 @@ from memjax.runtime import distributed
 from memjax.runtime import storage
 from memjax.training import checkpoints as checkpointing
 from memjax.training import experiment
-from memjax.training import run_files
 from memjax.training import resume
+from memjax.training import run_files
+from memjax.training import run_lock
 from memjax.training import saved_run
 from memjax.training import step as train_step_lib
 from memjax.training import workdir as workdir_lib
-from memjax.training import run_lock
+
 
 def newest_params(exp: experiment.Experiment, workdir: str) -> tuple[int, Any]:
     """(step, parameters) of the workdir's newest intact checkpoint, placed on the current mesh.

@@ -148,7 +148,7 @@ def check_same_params(saved: dict, requested: Any, source: str, purpose: str) ->
     `purpose` is 'Evaluation' or 'config.train.init_from'.
     """
     blocking = [c for c in differences(saved, requested) if shapes_params(c[0])]
-    if purpose == 'Evaluation':  # It reads the parameters in either layer layout (trainer.newest_params).
+    if purpose == 'Evaluation':  # It reads the parameters in either layer layout (restore.newest_params).
         blocking = [c for c in blocking if c[0] != 'model.scan_layers']
     old, new = next(((old, new) for name, old, new in blocking if name == 'model.memory'), (None, None))
     if purpose == 'Evaluation' and new in memories.names() and old in memories.kind_class(new).runs_on:

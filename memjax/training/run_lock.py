@@ -27,7 +27,7 @@ from absl import logging
 
 from memjax import errors
 from memjax.runtime import storage
-from memjax.training.workdir import LOCK_FILE, gcs_bounded, gcs_client
+from memjax.training import workdir as workdir_lib
 
 HEARTBEAT_S = 60.0
 STALE_AFTER_S = 600.0
@@ -115,7 +115,7 @@ class _LockObject:
         self._bucket, _, self._name = url[len('gs://'):].partition('/')
 
     def _blob(self):
-        return gcs_client().bucket(self._bucket).blob(self._name)
+        return workdir_lib.gcs_client().bucket(self._bucket).blob(self._name)
 
     @contextlib.contextmanager
     def _refusal_is_one_line(self) -> Iterator[None]:
@@ -169,7 +169,7 @@ class _LockObject:
     def touch(self, version: Any, text: str) -> Any:
         """Rewrites the lock if it still is `version` (raises otherwise): its new generation."""
         blob = self._blob()
-        blob.upload_from_string(text, if_generation_match=version, **gcs_bounded())
+        blob.upload_from_string(text, if_generation_match=version, **workdir_lib.gcs_bounded())
         return blob.generation
 
 
@@ -177,7 +177,7 @@ class RunLock:
     """Holds `<workdir>/.memjax.lock` from `acquire()` to `release()` (a context manager)."""
 
     def __init__(self, workdir: str, user: str = 'training run'):
-        self.path = storage.join(workdir, LOCK_FILE)
+        self.path = storage.join(workdir, workdir_lib.LOCK_FILE)
         self.user = user  # What holds such a lock, in a refusal: 'training run', 'comparison'.
         self._store = _LockObject(self.path) if storage.is_remote(workdir) else _LockFile(self.path)
         self._owner = {'host': socket.gethostname(), 'pid': os.getpid(),
@@ -208,7 +208,7 @@ class RunLock:
         return holder
 
     def _refusal(self, holder: dict) -> errors.WorkdirError:
-        workdir = self.path[:-len(LOCK_FILE) - 1]
+        workdir = self.path[:-len(workdir_lib.LOCK_FILE) - 1]
         if holder:
             return errors.WorkdirError(
                 f'{workdir} is in use by another {self.user} (process {holder["pid"]} on '

@@ -9,9 +9,10 @@ from memjax import config_lib
 from memjax import errors
 from memjax.runtime import storage
 from memjax.training import checkpoints as checkpointing
-from memjax.training import run_files
 from memjax.training import resume
+from memjax.training import run_files
 from memjax.training import workdir as workdir_lib
+
 
 def check_saved_config(run: config_lib.RunConfig, workdir: str, training: bool) -> None:
     """Compares `run` with the one the workdir's newest readable checkpoint was saved with.
