@@ -191,6 +191,48 @@ def test_a_memoryless_run_scores_each_token_from_its_window_alone(trained, memor
         np.testing.assert_allclose(losses, naive, rtol=2e-5, atol=2e-5)
 
 
+def test_windows_stop_at_each_documents_start_and_skip_padding(trained, memoryless, monkeypatch):
+    """Streams of whole documents (config.data.reset_at_doc_boundary): a document starts a fresh
+    segment with a reset, in the middle of a stream, after the padded end of the one before; a
+    window never reaches back over it. Against one hand pass per token over its document's inputs."""
+    _, corpus = trained
+    run = analysis_run.load(memoryless)
+    tokens = np.frombuffer(open(os.path.join(corpus, 'valid.txt'), 'rb').read(), np.uint8).astype(np.int32)
+    offsets = np.array([0, 11, 12, 40, 53, 90, 131])  # A one-token document (11:12) has nothing to score.
+    batch_size, tgt, per_batch = 2, 8, 2
+    layout = pipeline.document_layout(offsets, batch_size, tgt)
+    batches = -(-layout.start.shape[1] // per_batch)
+    pad = [(0, 0), (0, batches * per_batch - layout.start.shape[1])]
+    start, valid_count, reset = (np.pad(x, pad) for x in (layout.start, layout.num_valid, layout.reset))
+
+    class Streams:  # The batches LMStreams gives for this layout.
+        num_batches = batches
+
+        def iterator(self):
+            for i in range(batches):
+                ks = slice(i * per_batch, (i + 1) * per_batch)
+                valid = np.arange(tgt) < valid_count[:, ks].T[..., None]
+                index = np.where(valid, start[:, ks].T[..., None] + np.arange(tgt), 0)
+                yield {'inputs': np.where(valid, tokens[index], 0), 'targets': np.where(valid, tokens[index + 1], 0),
+                       'mask': valid.astype(np.float32), 'reset': reset[:, ks].T}
+
+    Streams.batch_size = batch_size
+    monkeypatch.setattr(recl_lib.evaluation, 'eval_streams', lambda *args: Streams())
+    apply = jax.jit(lambda p, x, y: run.model.apply({'params': p}, x, model_lib.init_memory(run.config, 1),
+                                                    targets=y)[0].target_logprobs)
+    for context in (3, 9):
+        naive = []
+        for k in range(start.shape[1]):
+            for b in range(batch_size):
+                for t in range(valid_count[b, k]):
+                    at = start[b, k] + t
+                    first = max(offsets[offsets <= at].max(), at - context + 1)
+                    logprobs = apply(run.params, tokens[None, first:at + 1], tokens[None, first + 1:at + 2])
+                    naive.append(-float(logprobs[0, -1]))
+        assert len(naive) == sum(max(0, int(n) - 1) for n in np.diff(offsets))
+        np.testing.assert_allclose(recl_lib.window_token_losses(run, context), naive, rtol=2e-5, atol=2e-5)
+
+
 def test_the_command_scores_a_group_reports_its_recl_and_resumes_from_what_it_kept(trained, tmp_path, monkeypatch):
     workdir, corpus = trained
     other = str(tmp_path / 'other')  # A second run of the group: a longer training memory.
