@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from memjax import compare
+from memjax import compare_report
 from memjax import config_lib
 from memjax import errors
 from memjax.analysis import recl as recl_lib
@@ -114,12 +115,12 @@ def _row(method, seed, loss):
 def test_gaps_inside_the_seed_spread_are_named_and_learned_methods_are_not():
     report = {'unigram_loss': 3.0, 'rows': [_row('xl', 0, 1.30), _row('xl', 1, 1.34), _row('lamemo', 0, 1.33),
                                             _row('lamemo', 1, 1.35), _row('none', 0, 1.40), _row('none', 1, 1.41)]}
-    notes = compare._warnings(report, seeds=2)
+    notes = compare_report.notes(report, seeds=2)
     # xl [1.30, 1.34] and lamemo [1.33, 1.35] overlap; none [1.40, 1.41] stands apart.
     assert notes == ["Within the seeds' spread at eval memory 64, clamp_len trained: xl and lamemo "
                      '(their seed ranges overlap).']
     apart = dict(report, rows=[r for r in report['rows'] if r['method'] != 'lamemo'])
-    assert compare._warnings(apart, seeds=2) == []
+    assert compare_report.notes(apart, seeds=2) == []
 
 
 def test_a_curve_joins_only_validations_of_the_same_amount(tmp_path):
@@ -128,7 +129,7 @@ def test_a_curve_joins_only_validations_of_the_same_amount(tmp_path):
     for step, loss, tokens in ((10, 2.0, 640), (20, 1.75, 640), (30, 1.5, 640), (40, 1.25, 5000)):
         writer.write_scalars(step, 'valid', {'loss': loss, 'num_tokens': tokens})
     writer.close()
-    assert compare._curve(str(tmp_path))['valid'] == [(10, 2.0), (20, 1.75), (30, 1.5)]
+    assert compare_report.curve(str(tmp_path))['valid'] == [(10, 2.0), (20, 1.75), (30, 1.5)]
 
 
 def test_a_second_run_reads_everything_back(compared, corpus):

@@ -257,7 +257,7 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
         trained, evaluated = exp.run.model.memory, exp.eval_mcfg.memory
         chosen = evaluated not in (trained, memories.kind_class(trained).evaluated_by)
         kinds.append(scored_as or (evaluated if chosen else trained))
-        settings = {**context_settings(kinds[-1], contexts[-1]), **_clamped(clamp_len)}  # Refuses a kind without one.
+        settings = _settings(kinds[-1], contexts[-1], clamp_len)  # Refuses a kind without a context.
         config = exp.run.as_config_dict()
         config.eval.model.update(settings)
         try:
@@ -300,8 +300,9 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
                        num_tokens=int(losses.shape[2]), split=split, gains=gain_table(losses, rs[0]))
 
 
-def _clamped(clamp_len: Optional[int]) -> dict:
-    return {} if clamp_len is None else {'clamp_len': int(clamp_len)}
+def _settings(kind: str, context: int, clamp_len: Optional[int]) -> dict:
+    """config.eval.model fields of scoring as `kind` at `context`, with the clamp when one is given."""
+    return {**context_settings(kind, context), **({} if clamp_len is None else {'clamp_len': int(clamp_len)})}
 
 
 def _scored(run: LoadedRun, kind: str, context: int, split: str, max_batches: int, out: str,
@@ -311,7 +312,7 @@ def _scored(run: LoadedRun, kind: str, context: int, split: str, max_batches: in
     batches and clamp), else scored and kept there."""
     workdir = run.workdir
     where = workdir if storage.is_remote(workdir) else storage.path(workdir).resolve().as_posix()
-    settings = {**context_settings(kind, context), **_clamped(clamp_len)}
+    settings = _settings(kind, context, clamp_len)
     # Everything that decides the losses: other settings for a kind are never read back as these.
     named = [where, run.step, kind, context, split, max_batches, sorted(settings.items())]
     key = hashlib.sha256(json.dumps(named).encode()).hexdigest()[:16]
