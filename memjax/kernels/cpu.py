@@ -196,25 +196,23 @@ def _rows(a: jax.Array, dims: int = 1) -> jax.Array:
 
 
 def _on_cpu(reference: Callable, forward: Callable, gradients: Optional[Callable], *operands):
-    """`reference(*operands)`, computed by `forward` on CPU and its gradient by
-    `gradients(*operands, grad)` there; elsewhere the reference and XLA's gradient of it. Without
-    `gradients` (a kernel that only evaluates) the gradient is the reference's on CPU too, its
-    forward pass computed again where it needs one (XLA drops what it does not need). Which runs
-    is chosen per platform when the program is lowered."""
+    """`reference(*operands)` computed by `forward`, its gradient by `gradients(*operands, grad)`.
+    Without `gradients` (a kernel that only evaluates) the gradient is the reference's, its forward
+    pass computed again where it needs one (XLA drops what it does not need). Called where `applies`
+    holds: the program runs on this CPU, so only the kernel's side is traced."""
     def reference_gradients(*operands_and_grad):
         return jax.vjp(reference, *operands_and_grad[:-1])[1](operands_and_grad[-1])
 
     @jax.custom_vjp
     def run(*xs):
-        return jax.lax.platform_dependent(*xs, cpu=forward, default=reference)
+        return forward(*xs)
 
     def run_forward(*xs):
         return run(*xs), xs
 
     def run_backward(xs, grad):
         grad = jax.tree.map(lambda g: g.astype(jnp.float32), grad)
-        return jax.lax.platform_dependent(*xs, grad, cpu=gradients or reference_gradients,
-                                          default=reference_gradients)
+        return (gradients or reference_gradients)(*xs, grad)
 
     run.defvjp(run_forward, run_backward)
     return run(*operands)
@@ -246,7 +244,7 @@ def relative_softmax(reference: Callable, content_query: jax.Array, key: jax.Arr
 
     @jax.custom_vjp
     def run(cq, k, pq, r, ok):
-        return jax.lax.platform_dependent(cq, k, pq, r, ok, cpu=forward, default=softmax)
+        return forward(cq, k, pq, r, ok)
 
     def run_forward(cq, k, pq, r, ok):
         probs, log_norm = run(cq, k, pq, r, ok)
@@ -257,16 +255,9 @@ def relative_softmax(reference: Callable, content_query: jax.Array, key: jax.Arr
         return tuple(jax.ffi.ffi_call(SOFTMAX_GRADIENT_TARGET, out)(probs, grad_probs, grad_log_norm, cq, k, pq, r,
                                                                     ok, scale=np.float32(scale)))
 
-    def reference_gradients(cq, k, pq, r, ok, probs, grad_probs, grad_log_norm):
-        # d/ds of softmax(s) . g and of logsumexp(s) g': p (g - <p, g>) and p g'.
-        grad_scores = probs * (grad_probs - jnp.sum(grad_probs * probs, axis=-1, keepdims=True)
-                               + grad_log_norm[..., None])
-        return jax.vjp(lambda *x: reference(*x, ok), cq, k, pq, r)[1](grad_scores)
-
     def run_backward(residuals, grads):
         operands, probs = residuals
-        return (*jax.lax.platform_dependent(*operands, probs, *grads, cpu=kernel_gradients,
-                                            default=reference_gradients), None)
+        return (*kernel_gradients(*operands, probs, *grads), None)
 
     run.defvjp(run_forward, run_backward)
     probs, log_norm = run(content_query, key, position_query, pos_key, valid)
@@ -339,29 +330,21 @@ def cluster_logprobs(reference: Callable, x: jax.Array, table: jax.Array, bias: 
         lse, picked = jax.ffi.ffi_call(CLUSTER_TARGET, out)(x, table, bias, index, rows)
         return picked - lse, lse
 
-    def reference_with_lse(*xs):
-        return reference(*xs), jnp.zeros(xs[0].shape[:1], jnp.float32)  # The reference's gradient needs no lse.
-
     @jax.custom_vjp
     def run(*xs):
-        return jax.lax.platform_dependent(*xs, cpu=forward, default=reference_with_lse)[0]
+        return forward(*xs)[0]
 
     def run_forward(*xs):
-        out, lse = jax.lax.platform_dependent(*xs, cpu=forward, default=reference_with_lse)
+        out, lse = forward(*xs)
         return out, (xs, lse)
 
     def kernel_gradients(x, table, bias, index, rows, lse, grad):
         out = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, table, bias))
         return tuple(jax.ffi.ffi_call(CLUSTER_GRADIENT_TARGET, out)(x, table, bias, index, rows, lse, grad))
 
-    def reference_gradients(x, table, bias, index, rows, lse, grad):
-        del lse
-        return jax.vjp(lambda *a: reference(*a, index, rows), x, table, bias)[1](grad)
-
     def run_backward(residuals, grad):
         xs, lse = residuals
-        grads = jax.lax.platform_dependent(*xs, lse, grad.astype(jnp.float32), cpu=kernel_gradients,
-                                           default=reference_gradients)
+        grads = kernel_gradients(*xs, lse, grad.astype(jnp.float32))
         return (*grads, None, None)
 
     run.defvjp(run_forward, run_backward)
