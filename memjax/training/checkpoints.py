@@ -53,33 +53,34 @@ _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
 @jax.jit
-def _checksums(x: jax.Array) -> jax.Array:
-    """Two position-weighted wrapping sums of a leaf's bits.
+def _checksums(leaves: list) -> list:
+    """Two position-weighted wrapping sums of each leaf's bits.
 
     Integer sums mod 2^32 are exact in any order, so the result is the same for every
     sharding, mesh and process count; it is computed where the shards live, so no
-    process has to gather arrays that span other hosts. One program per leaf shape, not one
-    per tree: a model's layers and its optimizer moments repeat a few shapes, and a tree's
-    program (hundreds of leaves) took as long to compile as a small train step.
+    process has to gather arrays that span other hosts.
     """
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize])
-    bits = bits.astype(jnp.uint32).reshape(-1)
-    index = jnp.arange(bits.size, dtype=jnp.uint32)
-    weight_a = index * jnp.uint32(_WEIGHT_A) | jnp.uint32(1)
-    weight_b = (index + jnp.uint32(_OFFSET_B)) * jnp.uint32(_WEIGHT_B) | jnp.uint32(1)
-    return jnp.stack([jnp.sum(bits * weight_a, dtype=jnp.uint32),
-                      jnp.sum(bits * weight_b, dtype=jnp.uint32)])
+    def one(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        if x.dtype == jnp.bool_:
+            x = x.astype(jnp.uint8)
+        bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize])
+        bits = bits.astype(jnp.uint32).reshape(-1)
+        index = jnp.arange(bits.size, dtype=jnp.uint32)
+        weight_a = index * jnp.uint32(_WEIGHT_A) | jnp.uint32(1)
+        weight_b = (index + jnp.uint32(_OFFSET_B)) * jnp.uint32(_WEIGHT_B) | jnp.uint32(1)
+        return jnp.stack([jnp.sum(bits * weight_a, dtype=jnp.uint32),
+                          jnp.sum(bits * weight_b, dtype=jnp.uint32)])
+
+    return [one(x) for x in leaves]
 
 
 def fingerprint(tree: Any) -> str:
     """SHA-256 over the dtypes, shapes and bit checksums of every leaf, in tree order."""
     leaves = jax.tree_util.tree_leaves(tree)
     digest = hashlib.sha256()
-    for leaf, sums in zip(leaves, jax.device_get([_checksums(leaf) for leaf in leaves])):
+    for leaf, sums in zip(leaves, jax.device_get(_checksums(leaves))):
         digest.update(f'{leaf.dtype}{tuple(leaf.shape)}'.encode())
         digest.update(np.asarray(sums, np.uint32).tobytes())
     return digest.hexdigest()
