@@ -350,7 +350,8 @@ def _recl(config: ml_collections.ConfigDict, section: ml_collections.ConfigDict,
         try:
             # With the comparison's first clamp: a context longer than trained is scored as its rows are.
             result = recl_lib.group_recl(members, contexts, rs, out, split=config.eval.split,
-                                         max_batches=section.get('recl_batches', -1), clamp_len=section.clamp_lens[0])
+                                         max_batches=section.get('recl_batches', -1), clamp_len=section.clamp_lens[0],
+                                         clamp_setting=f"--config.compare.clamp_lens='({memories.CLAMP_TRAINED}, ...)'")
         except Exception as error:  # pylint: disable=broad-except  (reported; the table goes on)
             failures[f'recl/seed{seed}'] = _failure(error, f'RECL of seed {seed}')
             continue

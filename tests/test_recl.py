@@ -247,6 +247,10 @@ def test_the_command_scores_a_group_reports_its_recl_and_resumes_from_what_it_ke
                           cwd=training_fixtures.REPO, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert 'RECL: 6/6' in done.stderr and 'eta' in done.stderr
+    # TRAMS at context 8 scores its chosen rows at their true distances, up to 23 (trained: 0-15): the
+    # warning names this command's own flag for the clamp.
+    assert 'training scored at most 15: the longer ones are extrapolated; --clamp_len=-2 clamps them' in done.stderr
+    assert '--config.eval.model.clamp_len' not in done.stderr
     with open(out / 'recl.json') as f:
         record = json.load(f)
     # The kept losses are what token_losses scores, and the reported RECL is recl() of them.
@@ -298,6 +302,11 @@ def test_a_group_that_reads_the_split_otherwise_or_a_kind_without_a_context_is_r
         recl_lib.group_recl([f'{workdir}@none'], [4, 8], [1.0], str(tmp_path / 'recl'))
     with pytest.raises(errors.UsageError, match='max_batches=0: give -1'):
         recl_lib.group_recl([workdir], [4, 8], [1.0], str(tmp_path / 'recl'), max_batches=0)
+    # A workdir without a checkpoint: train it first (this command takes no --config to offer).
+    (tmp_path / 'untrained').mkdir()
+    with pytest.raises(errors.CheckpointError, match=r'no readable checkpoint .*: train first with '
+                                                     r'python -m memjax\.train --workdir=\S+ \.\.\.\.$'):
+        recl_lib.group_recl([str(tmp_path / 'untrained')], [4, 8], [1.0], str(tmp_path / 'recl'))
     # A path may hold '@': only a suffix without '/' names a kind.
     assert recl_lib.member('gs://b/user@host/run') == ('gs://b/user@host/run', '')
     assert recl_lib.member('runs/a@b/xl@trams') == ('runs/a@b/xl', 'trams')

@@ -48,6 +48,8 @@ from memjax.training import saved_run
 from memjax.training import step as train_step_lib
 
 THRESHOLD = 0.01  # The paper's: a context step that gains less than 1 % ends the search.
+# memjax.recl's setting that clamps at the trained distances, named where a context reaches further.
+CLAMP_SETTING = f'--clamp_len={memories.CLAMP_TRAINED}'
 
 
 def hard_tokens(baseline: np.ndarray, r: float) -> np.ndarray:
@@ -238,20 +240,23 @@ class GroupResult:
 
 
 def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[float], out: str,
-               split: str = 'validation', max_batches: int = -1, clamp_len: Optional[int] = None) -> GroupResult:
+               split: str = 'validation', max_batches: int = -1, clamp_len: Optional[int] = None,
+               clamp_setting: str = CLAMP_SETTING) -> GroupResult:
     """Scores every member of the group (`WORKDIR[@KIND]`, `member`) at every context (per-token
     losses kept in `out`, so that a stopped run resumes where it was) and computes RECL at each r.
     The runs must read the split alike: one tokenizer, one evaluation batch size and segment length.
     `clamp_len` (None: each run's own config.eval.model setting; -2: the longest distance it was
     trained on) bounds the relative distances of a context longer than training scored: unclamped,
     a model that extrapolates badly there (LaMemo) scatters its per-token losses, and the relative
-    loss's minimum counts the lucky ones as gains."""
+    loss's minimum counts the lucky ones as gains. `clamp_setting`: how the caller clamps at the trained
+    distances, named by the warning for a context longer than training scored."""
     contexts = sorted(set(int(c) for c in contexts))
     if max_batches == 0 or max_batches < -1:
         raise errors.UsageError(f'max_batches={max_batches}: give -1 (the whole split) or a count >= 1.')
     parsed, kinds, layout = [member(spec) for spec in members], [], None
     for spec, (workdir, scored_as) in zip(members, parsed):  # Every member checked before any is scored.
-        exp = experiment.setup(saved_run.saved_config(workdir), workdir, training=False)
+        exp = experiment.setup(saved_run.saved_config(workdir, config_flag=False), workdir, training=False,
+                               clamp_setting=clamp_setting)
         # A run whose config evaluates it as another kind (TRAMS on XL) is scored as that; not as the
         # kind evaluation picks by default for speed (xl_cached for xl), which computes the same.
         trained, evaluated = exp.run.model.memory, exp.eval_mcfg.memory
@@ -261,7 +266,7 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
         config = exp.run.as_config_dict()
         config.eval.model.update(settings)
         try:
-            checked = experiment.setup(config, workdir, training=False).eval_mcfg
+            checked = experiment.setup(config, workdir, training=False, clamp_setting=clamp_setting).eval_mcfg
         except errors.UserError as error:
             raise errors.UsageError(f'{spec}: {" ".join(str(error).split())}') from None
         if kinds[-1] == 'none' and checked.positions == 'learned_absolute' and contexts[-1] > checked.n_positions:
@@ -284,7 +289,7 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
     for i, ((workdir, _), kind) in enumerate(zip(parsed, kinds)):
         run = load(workdir)  # Its parameters once, for every context.
         for c, context in enumerate(contexts):
-            rows[c][i], read_back = _scored(run, kind, context, split, max_batches, out, clamp_len)
+            rows[c][i], read_back = _scored(run, kind, context, split, max_batches, out, clamp_len, clamp_setting)
             done += 1
             elapsed = time.time() - start
             logging.info('RECL: %d/%d (%s, context %d%s) | eta %s', done, total, members[i], context,
@@ -306,7 +311,7 @@ def _settings(kind: str, context: int, clamp_len: Optional[int]) -> dict:
 
 
 def _scored(run: LoadedRun, kind: str, context: int, split: str, max_batches: int, out: str,
-            clamp_len: Optional[int] = None) -> tuple[np.ndarray, bool]:
+            clamp_len: Optional[int] = None, clamp_setting: str = CLAMP_SETTING) -> tuple[np.ndarray, bool]:
     """(the run's per-token losses scored as `kind` at `context`, whether they were read back): from
     `out` when an earlier run of the command scored them (the same checkpoint step, kind, split,
     batches and clamp), else scored and kept there."""
@@ -320,7 +325,7 @@ def _scored(run: LoadedRun, kind: str, context: int, split: str, max_batches: in
     if storage.path(path).exists():
         with storage.path(path).open('rb') as f:
             return np.load(f, allow_pickle=False), True
-    scored = with_eval_model(run, **settings)
+    scored = with_eval_model(run, clamp_setting=clamp_setting, **settings)
     if kind == 'none':
         losses = window_token_losses(scored, context, split, max_batches)
     else:

@@ -13,6 +13,7 @@ from flax import traverse_util
 
 from memjax import model as model_lib
 from memjax.data.tokenizers import Tokenizer
+from memjax.model import memories
 from memjax.training import evaluation
 from memjax.training import experiment
 from memjax.training import restore
@@ -53,12 +54,14 @@ def load(workdir: str, config: Optional[ml_collections.ConfigDict] = None, **eva
     return LoadedRun(exp, params, step, workdir)
 
 
-def with_eval_model(run: LoadedRun, **eval_model: Any) -> LoadedRun:
+def with_eval_model(run: LoadedRun, clamp_setting: str = memories.EVAL_CLAMP_SETTING,
+                    **eval_model: Any) -> LoadedRun:
     """`run`'s parameters evaluated with other `config.eval.model` fields (mem_len=..., same_length=...):
-    the checkpoint is not read again."""
+    the checkpoint is not read again. `clamp_setting`: as experiment.setup's."""
     config = run.exp.run.as_config_dict()
     config.eval.model.update(eval_model)
-    return dataclasses.replace(run, exp=experiment.setup(config, run.workdir, training=False))
+    return dataclasses.replace(run, exp=experiment.setup(config, run.workdir, training=False,
+                                                         clamp_setting=clamp_setting))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,16 +65,19 @@ def resolved(config: ml_collections.ConfigDict | config_lib.RunConfig, device_co
 
 
 def setup(config: ml_collections.ConfigDict | config_lib.RunConfig, workdir: str,
-          devices: Optional[list[jax.Device]] = None, training: bool = True) -> Experiment:
+          devices: Optional[list[jax.Device]] = None, training: bool = True,
+          clamp_setting: str = memories.EVAL_CLAMP_SETTING) -> Experiment:
     """Checks the run against the workdir's saved one, builds (or loads) the tokenizer and the
     model; compiles nothing.
 
     The mesh spans `devices` (default: every device of every process). For evaluation
-    (`training=False`) the workdir must exist and nothing is written into it.
+    (`training=False`) the workdir must exist and nothing is written into it. `clamp_setting`: how
+    the calling command clamps evaluation at the trained distances, named by the warning that
+    evaluation scores distances training never did.
     """
     devices = jax.devices() if devices is None else devices
     run = resolved(config, len(devices))
-    unseen = memories.unseen_distances(run.model, run.eval_model)
+    unseen = memories.unseen_distances(run.model, run.eval_model, clamp_setting)
     if unseen:
         logging.warning(unseen)
     workdir_lib.check(workdir, create=training)

@@ -50,8 +50,9 @@ def saved_with(ckpt: checkpointing.Checkpointer, step: Optional[int] = None) -> 
         storage.join(ckpt.directory.rpartition('/')[0], run_files.CONFIG_FILE))
 
 
-def saved_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config the workdir's newest readable checkpoint was saved with."""
+def saved_config(workdir: str, config_flag: bool = True) -> ml_collections.ConfigDict:
+    """The config the workdir's newest readable checkpoint was saved with. `config_flag`: whether
+    the calling command takes a --config instead, which the error for a workdir without one offers."""
     workdir_lib.check(workdir, create=False)
     directory = run_files.checkpoint_dir(workdir)
     saved = None
@@ -62,8 +63,9 @@ def saved_config(workdir: str) -> ml_collections.ConfigDict:
         finally:
             ckpt.close()
     if saved is None:
+        otherwise = ', or pass --config' if config_flag else ''
         raise errors.CheckpointError(f'no readable checkpoint with its config in {directory}: train first with '
-                                     f'python -m memjax.train --workdir={workdir} ..., or pass --config.')
+                                     f'python -m memjax.train --workdir={workdir} ...{otherwise}.')
     return config_lib.from_saved(saved)
 
 

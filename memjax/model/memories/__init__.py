@@ -305,14 +305,21 @@ def scored_distance(config: ModelConfig) -> Optional[int]:
     return min(longest, config.clamp_len) if config.clamp_len > 0 else longest
 
 
+# How memjax.evaluate (and a config) clamps evaluation at the trained distances; commands with a flag
+# of their own for it name theirs.
+EVAL_CLAMP_SETTING = f'--config.eval.model.clamp_len={CLAMP_TRAINED}'
+
+
 def trained_distance(trained: ModelConfig) -> int:
     """The longest distance training scored: mem_len + tgt_len - 1 for Transformer-XL's memory
     (less under a training clamp_len or same_length). What clamp_len=-2 resolves to."""
     return scored_distance(trained) or 0
 
 
-def unseen_distances(trained: ModelConfig, evaluated: ModelConfig) -> Optional[str]:
-    """One line when evaluation scores distances training never produced, else None.
+def unseen_distances(trained: ModelConfig, evaluated: ModelConfig,
+                     clamp_setting: str = EVAL_CLAMP_SETTING) -> Optional[str]:
+    """One line when evaluation scores distances training never produced, else None; it names
+    `clamp_setting`, how the command at hand clamps the evaluation's distances at the trained maximum.
 
     A relative position beyond the trained range is an input the model has not learned to weigh:
     LaMemo trained with segments and memory of 128 sends up to 0.92 of a lower layer's attention there
@@ -322,7 +329,7 @@ def unseen_distances(trained: ModelConfig, evaluated: ModelConfig) -> Optional[s
         return None
     return (f'evaluation scores relative distances up to {longest} (memory {evaluated.mem_len}, segments of '
             f'{evaluated.segment_len}, clamp_len={evaluated.clamp_len}) but training scored at most {trained_max}: '
-            f'the longer ones are extrapolated; --config.eval.model.clamp_len={CLAMP_TRAINED} clamps them at '
+            f'the longer ones are extrapolated; {clamp_setting} clamps them at '
             f'{trained_max}, the trained maximum.')
 
 
