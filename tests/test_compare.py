@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import shutil
@@ -141,7 +142,8 @@ def test_a_second_run_reads_everything_back(compared, corpus):
     assert before == {name: os.stat(os.path.join(checkpoints, name)).st_mtime_ns for name in os.listdir(checkpoints)}
 
 
-def test_asked_for_recl_the_table_gains_each_methods_recl_from_one_group(compared, corpus, tmp_path):
+def test_asked_for_recl_the_table_gains_each_methods_recl_from_one_group(compared, corpus, tmp_path,
+                                                                       caplog):
     """Run again with RECL contexts, a comparison trains and evaluates nothing again and adds the
     RECL of every method from one group per seed: the run without memory (scored by windows), the
     XL run, and the XL run scored as TRAMS."""
@@ -149,8 +151,13 @@ def test_asked_for_recl_the_table_gains_each_methods_recl_from_one_group(compare
     shutil.copytree(compared[0], workdir)
     config = tiny_comparison(corpus)
     config.compare.update({'recl_contexts': (4, 8), 'recl_rs': (0.5, 1.0), 'recl_batches': 1})
-    report = compare.run_comparison(config, workdir)
+    with caplog.at_level(logging.WARNING):
+        report = compare.run_comparison(config, workdir)
     assert report['rows'] == compared[1]['rows'] and not report['failures']
+    # TRAMS at context 8 scores its chosen rows beyond the trained distances: the warning names the
+    # comparison's own setting for the clamp its RECL uses.
+    warned = [r.getMessage() for r in caplog.records if 'extrapolated' in r.getMessage()]
+    assert warned and all("--config.compare.clamp_lens='(-2, ...)' clamps them" in m for m in warned), warned
     run = lambda method: os.path.join(workdir, method, 'seed0')
     group = recl_lib.group_recl([run('none'), run('xl'), run('xl') + '@trams'], [4, 8], [0.5, 1.0],
                                 str(tmp_path / 'scored_again'), max_batches=1)

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from memjax import model as model_lib
-from memjax.kernels import cpu as cpu_kernels
 from memjax.analysis import lamemo as analysis_lamemo
+from memjax.kernels import cpu as cpu_kernels
 from memjax.model import ModelConfig
 from memjax.model.memories import lamemo
 from memjax.model.positions import relative_sinusoid_table, sinusoid_encoding

@@ -86,4 +86,5 @@ def test_the_warning_is_logged_exactly_when_evaluation_scores_an_untrained_dista
         assert warned == []
     else:
         assert len(warned) == 1 and '\n' not in warned[0]
-        assert f'up to {longest} ' in warned[0] and 'at most 15' in warned[0] and '--config.eval.model.clamp_len=-2 clamps them' in warned[0]
+        assert f'up to {longest} ' in warned[0] and 'at most 15' in warned[0]
+        assert '--config.eval.model.clamp_len=-2 clamps them' in warned[0]

@@ -305,7 +305,7 @@ def test_a_group_that_reads_the_split_otherwise_or_a_kind_without_a_context_is_r
     # A workdir without a checkpoint: train it first (this command takes no --config to offer).
     (tmp_path / 'untrained').mkdir()
     with pytest.raises(errors.CheckpointError, match=r'no readable checkpoint .*: train first with '
-                                                     r'python -m memjax\.train --workdir=\S+ \.\.\.\.$'):
+                                                     r'python -m memjax\.train --config=\.\.\. --workdir=\S+\.$'):
         recl_lib.group_recl([str(tmp_path / 'untrained')], [4, 8], [1.0], str(tmp_path / 'recl'))
     # A path may hold '@': only a suffix without '/' names a kind.
     assert recl_lib.member('gs://b/user@host/run') == ('gs://b/user@host/run', '')

@@ -46,7 +46,7 @@ def newest_params(exp: experiment.Experiment, workdir: str) -> tuple[int, Any]:
         damaged = f'{directory}_damaged'
         aside = f'; {damaged} holds the damaged steps a training start set aside' if storage.listdir(damaged) else ''
         raise errors.CheckpointError(f'no readable checkpoint in {directory}: {why}{aside}. Train first with '
-                                     f'python -m memjax.train --workdir={workdir} ...')
+                                     f'{saved_run.training_command(workdir)}.')
     return found
 
 

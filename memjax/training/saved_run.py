@@ -50,6 +50,11 @@ def saved_with(ckpt: checkpointing.Checkpointer, step: Optional[int] = None) -> 
         storage.join(ckpt.directory.rpartition('/')[0], run_files.CONFIG_FILE))
 
 
+def training_command(workdir: str) -> str:
+    """The command that trains `workdir`, as the errors for a workdir without a checkpoint give it."""
+    return f'python -m memjax.train --config=... --workdir={workdir}'
+
+
 def saved_config(workdir: str, config_flag: bool = True) -> ml_collections.ConfigDict:
     """The config the workdir's newest readable checkpoint was saved with. `config_flag`: whether
     the calling command takes a --config instead, which the error for a workdir without one offers."""
@@ -65,7 +70,7 @@ def saved_config(workdir: str, config_flag: bool = True) -> ml_collections.Confi
     if saved is None:
         otherwise = ', or pass --config' if config_flag else ''
         raise errors.CheckpointError(f'no readable checkpoint with its config in {directory}: train first with '
-                                     f'python -m memjax.train --workdir={workdir} ...{otherwise}.')
+                                     f'{training_command(workdir)}{otherwise}.')
     return config_lib.from_saved(saved)
 
 
