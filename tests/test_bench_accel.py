@@ -147,8 +147,8 @@ def test_a_step_that_does_not_fit_halves_its_batch(monkeypatch):
     monkeypatch.setattr(accel, '_memory_limit', lambda: 1)  # No step fits in one byte.
     suite = accel.Suite(harness.Context(size='tiny', warmup=0, repeats=1))
     mcfg = workload.model_config(None, mem_len=4, **accel.TINY_MODEL)
-    work, compiled = suite.compile_fitting(mcfg, batch=2, tgt_len=4)
-    assert work.batch_size == 1 and accel._step_memory(compiled) > 1
+    case = suite.compile_fitting(mcfg, batch=2, tgt_len=4)
+    assert case.work.batch_size == 1 and case.compiled.live_bytes > 1
 
 
 def test_parts_are_checked_in_one_line():

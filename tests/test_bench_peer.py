@@ -245,7 +245,7 @@ def test_scaling_suite_json(tmp_path_factory):
     train = {r['mem_len']: r['live_mib'] for r in rows if r['sweep'] == 'mem_len' and r['mode'] == 'train'}
     small, large = setup.mem_lens[0], setup.mem_lens[-1]
     model = scaling.SETUPS['tiny'].model
-    buffer_growth = (large - small) * model['n_layer'] * setup.batch_size * model['d_model'] * 4 / scaling.MIB
+    buffer_growth = (large - small) * model['n_layer'] * setup.batch_size * model['d_model'] * 4 / harness.MIB
     assert train[large] - train[small] >= buffer_growth
     assert 'train_mem_len_us_per_token_vs_keys_slope' in report['figures']
 

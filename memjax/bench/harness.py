@@ -35,6 +35,7 @@ from memjax.kernels import cpu as cpu_kernels
 from memjax.errors import BenchError  # re-exported for the suites
 
 SIZES = ('tiny', 'full')
+MIB, GIB = 2.0 ** 20, 2.0 ** 30
 _SUITES: dict[str, Callable[['Context'], 'SuiteResult']] = {}
 
 
@@ -220,6 +221,14 @@ class Compiled:
                  'temp_size_in_bytes', 'generated_code_size_in_bytes')
         return {name.replace('_in_bytes', '_bytes'): int(getattr(stats, name)) for name in names}
 
+    @property
+    def live_bytes(self) -> int:
+        """Bytes a call holds at its peak by XLA's buffer assignment, if every temporary were alive at
+        once (an upper bound; XLA's CPU client reports no finer peak): its arguments, its temporaries
+        and the outputs that do not reuse a donated argument."""
+        m = self.memory()
+        return m['argument_size_bytes'] + m['output_size_bytes'] - m['alias_size_bytes'] + m['temp_size_bytes']
+
 
 def compile_fn(fn: Callable, *args, clock: Callable[[], float] = time.perf_counter,
                **jit_kwargs) -> Compiled:
@@ -232,6 +241,13 @@ def compile_fn(fn: Callable, *args, clock: Callable[[], float] = time.perf_count
     print(f'[bench] compiled in {compiled.lower_s:.1f} s + {compiled.compile_s:.1f} s', file=sys.stderr,
           flush=True)
     return compiled
+
+
+def compile_and_time(fn: Callable, *args, ctx: 'Context') -> tuple[Compiled, Timing]:
+    """`fn` compiled for `args` (`compile_fn`), then its calls on them timed (`time_fn`, the
+    context's warm-up and repeats): for a function without state to carry."""
+    compiled = compile_fn(fn, *args)
+    return compiled, time_fn(compiled.executable, *args, warmup=ctx.warmup, repeats=ctx.repeats)
 
 
 # (vendor_id, cpu family) -> [(first model, last model, microarchitecture)]: a VM often reports a

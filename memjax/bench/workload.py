@@ -1,9 +1,14 @@
-"""The training step the benchmark suites measure: one segment, forward, backward, Adam.
+"""The steps the benchmark suites time, and the `Case` each timed thing is.
 
-One implementation for every suite (train, compile, memory, devices, and the suites built on
-them), so their figures describe the same computation. It is deliberately the plain step of
+The training step: one segment, forward, backward, Adam. It is deliberately the plain step of
 the recipe (no segment scan, no gradient accumulation, no metrics) so that its FLOPs are exactly
 those `memjax.bench.flops` counts; the optimizer is the project's own (`memjax.training.optim`).
+The evaluation step is the project's own (`train_step.eval_step_fn`), one segment per call.
+One implementation of each for every suite, so that their figures describe the same computation.
+
+A suite builds a `Case` per thing it measures (`train_case`, `eval_case`: the step compiled for
+its shapes, with the loop that calls it and feeds its donated state back) and times the cases'
+loops with `memjax.bench.harness`: one at a time, or round-robin when their ratio is the figure.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import optax
 from memjax import config_lib
 from memjax import model as model_lib
 from memjax.training import optim
+from memjax.training import step as train_step_lib
 from memjax.bench import harness
 
 BYTE_VOCAB = 256  # Used when the config takes its vocabulary from a tokenizer (vocab_size=-1).
@@ -130,11 +136,123 @@ class StepLoop:
         return out
 
 
+def copy_tree(tree: Any) -> Any:
+    return jax.tree_util.tree_map(jnp.copy, tree)
+
+
 def copy_state(work: TrainWorkload) -> TrainWorkload:
     """A workload whose state arrays are fresh copies (a donating loop consumes the originals)."""
-    copy = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)
-    return dataclasses.replace(work, params=copy(work.params), opt_state=copy(work.opt_state),
-                               memory=copy(work.memory))
+    return dataclasses.replace(work, params=copy_tree(work.params), opt_state=copy_tree(work.opt_state),
+                               memory=copy_tree(work.memory))
+
+
+# ----------------------------------------------------------------------------------------------
+# The evaluation step, one segment per call.
+
+
+def eval_batch(inputs: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+    """One segment as `train_step.eval_step_fn` takes it: [segments=1, B, T], nothing masked."""
+    return {'inputs': inputs[None], 'targets': targets[None],
+            'mask': jnp.ones(inputs.shape, jnp.float32)[None],
+            'reset': jnp.zeros((1, inputs.shape[0]), bool)}
+
+
+class EvalLoop:
+    """Calls a compiled evaluation step per segment, feeding its (donated) memory back in
+    (`memory`: the current one)."""
+
+    def __init__(self, executable: Callable, params, memory, batch, key):
+        self._executable = executable
+        self._params = params
+        self.memory = memory
+        self._batch = batch
+        self._key = key
+
+    def __call__(self):
+        self.memory, metrics = self._executable(self._params, self.memory, self._batch, self._key)
+        return metrics
+
+    def starting_from(self, memory) -> 'EvalLoop':
+        """The same step's loop from `memory` (which it consumes)."""
+        return EvalLoop(self._executable, self._params, memory, self._batch, self._key)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases: what a suite times.
+
+
+@dataclasses.dataclass
+class Case:
+    """A compiled step and the loop that calls it: one thing a suite times.
+
+    `loop()` runs one step on the case's own state (a training step's parameters, optimizer state
+    and memory, an evaluation's memory), which it feeds back; `tokens` is what a call processes
+    (batch x segment), `work` the training workload (None for an evaluation)."""
+    compiled: harness.Compiled
+    loop: Callable[[], Any]
+    tokens: int
+    work: Optional[TrainWorkload] = None
+
+    @property
+    def seconds_to_compile(self) -> float:
+        """Tracing and lowering plus XLA's compile."""
+        return self.compiled.lower_s + self.compiled.compile_s
+
+    def on(self, work: TrainWorkload) -> 'Case':
+        """The same compiled training step, its loop on `work`'s state and batch (same shapes)."""
+        return Case(self.compiled, StepLoop(self.compiled.executable, work), work.tokens_per_step, work)
+
+    def fill(self, context: int, tgt_len: int) -> 'Case':
+        """Runs the steps that fill the memory with `context` tokens of the segment (rounded up),
+        so that what is timed attends real keys, as in a long evaluation."""
+        for _ in range(-(-context // tgt_len)):
+            self.loop()
+        return self
+
+    def time_alone(self, ctx: harness.Context) -> harness.Timing:
+        """The loop's calls timed after the context's warm-up (`harness.time_fn`); cases compared
+        with each other are timed together instead (`time_together`)."""
+        return harness.time_fn(self.loop, warmup=ctx.warmup, repeats=ctx.repeats)
+
+    def figures(self, timing: harness.Timing) -> dict[str, Any]:
+        """A timed row's common figures: the median call in ms, tokens/s and every timed call."""
+        return {'step_ms': timing.median_s * 1e3, 'tokens_per_s': self.tokens / timing.median_s,
+                'timing': timing.as_dict()}
+
+
+def train_case(work: TrainWorkload, donate: bool = True, **jit_kwargs: Any) -> Case:
+    """The workload's training step compiled (`compile_step`) and its loop on the workload's state
+    (consumed by the loop when donated: `copy_state` first to reuse the workload)."""
+    compiled = compile_step(work, donate=donate, **jit_kwargs)
+    return Case(compiled, StepLoop(compiled.executable, work), work.tokens_per_step, work)
+
+
+def eval_case(mcfg: model_lib.ModelConfig, params, inputs: jax.Array, targets: jax.Array) -> Case:
+    """`train_step.eval_step_fn` compiled for one [B, T] segment with the memory donated, its loop
+    starting from an empty memory."""
+    batch = eval_batch(inputs, targets)
+    memory = model_lib.init_memory(mcfg, inputs.shape[0])
+    key = jax.random.PRNGKey(0)
+    compiled = harness.compile_fn(train_step_lib.eval_step_fn(model_lib.build_model(mcfg)), params,
+                                  memory, batch, key, donate_argnums=(1,))
+    return Case(compiled, EvalLoop(compiled.executable, params, memory, batch, key), inputs.size)
+
+
+def random_eval_case(mcfg: model_lib.ModelConfig, batch_size: int, tgt_len: int,
+                     trained: Optional[model_lib.ModelConfig] = None) -> Case:
+    """`eval_case` on fresh parameters of `trained` (default: `mcfg`, which may be its evaluation
+    config) and a random segment."""
+    trained = trained or mcfg
+    params = model_lib.init_params(trained, jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (batch_size, tgt_len + 1), 0, trained.vocab_size, jnp.int32)
+    return eval_case(mcfg, params, tokens[:, :-1], tokens[:, 1:])
+
+
+def time_together(cases: dict[str, Case], ctx: harness.Context) -> dict[str, harness.Timing]:
+    """The cases' loops timed round-robin (`harness.time_interleaved`): for cases whose ratios are
+    the figures, so that the machine's drift falls on all of them alike."""
+    return harness.time_interleaved({label: case.loop for label, case in cases.items()},
+                                    warmup=ctx.warmup, repeats=ctx.repeats)
 
 
 def measure(work: TrainWorkload, ctx: harness.Context, **jit_kwargs: Any) -> dict[str, Any]:
@@ -142,8 +260,8 @@ def measure(work: TrainWorkload, ctx: harness.Context, **jit_kwargs: Any) -> dic
 
     Returns compile times, the median step time, tokens/s and XLA's FLOP count of one step.
     """
-    compiled = compile_step(work, **jit_kwargs)
-    timing = harness.time_fn(StepLoop(compiled.executable, work), warmup=ctx.warmup, repeats=ctx.repeats)
-    return {'lower_s': compiled.lower_s, 'compile_s': compiled.compile_s, 'step_s': timing.median_s,
-            'tokens_per_s': work.tokens_per_step / timing.median_s, 'xla_flops': compiled.flops,
+    case = train_case(work, **jit_kwargs)
+    timing = case.time_alone(ctx)
+    return {'lower_s': case.compiled.lower_s, 'compile_s': case.compiled.compile_s, 'step_s': timing.median_s,
+            'tokens_per_s': work.tokens_per_step / timing.median_s, 'xla_flops': case.compiled.flops,
             'timing': timing.as_dict()}

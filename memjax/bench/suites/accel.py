@@ -47,7 +47,6 @@ from memjax import model as model_lib
 from memjax.bench import flops
 from memjax.bench import harness
 from memjax.bench import workload
-from memjax.bench.suites import eval_speed
 from memjax.bench.suites import peak
 from memjax.bench.suites import peer
 from memjax.kernels import fused_choice
@@ -107,7 +106,6 @@ SETUPS = {
 }
 COLUMNS = ('part', 'case', 'dtype', 'batch', 'tgt_len', 'mem_len', 'compile_s', 'step_ms', 'tokens_per_s',
            'tflops_per_s', 'mfu_datasheet_percent', 'mfu_percent', 'step_memory_gib', 'vs', 'ratio', 'memory_ratio', 'flops_ratio')
-GIB = 2.0 ** 30
 # Largest |difference| between memjax's attention outputs and a fused variant's that computes the
 # same attention: bf16 rounding of values ~1 (seen: < 0.02 on CPU); a wrong bias gives ~1.
 ATTENTION_TOLERANCE = 0.05
@@ -117,13 +115,6 @@ def _memory_limit() -> Optional[int]:
     """Bytes the first device may allocate (None where the backend does not say: CPUs)."""
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get('bytes_limit')
-
-
-def _step_memory(compiled: harness.Compiled) -> int:
-    """Bytes a call of the compiled step holds at its peak: its arguments, its temporaries and the
-    outputs that do not reuse a donated argument (XLA's own buffer assignment)."""
-    m = compiled.memory()
-    return m['argument_size_bytes'] + m['temp_size_bytes'] + m['output_size_bytes'] - m['alias_size_bytes']
 
 
 def _out_of_memory(error: Exception) -> bool:
@@ -157,7 +148,7 @@ class Suite:
                 'mem_len': mcfg.mem_len, 'step_ms': step_s * 1e3, 'tokens_per_s': batch * tgt_len / step_s,
                 'tflops_per_s': achieved / 1e3, 'model_flops_per_step': model_flops,
                 'compile_s': compiled.lower_s + compiled.compile_s if compiled else None,
-                'step_memory_gib': _step_memory(compiled) / GIB if compiled else None,
+                'step_memory_gib': compiled.live_bytes / harness.GIB if compiled else None,
                 'scan_layers': mcfg.scan_layers, 'remat': mcfg.remat, 'model': mcfg.as_dict(), **mfu, **extra}
 
     # ------------------------------------------------------------------------------------------
@@ -173,19 +164,19 @@ class Suite:
                       'step_ms': row['median_ms'], 'tflops_per_s': row['gflops_per_s'] / 1e3,
                       'mfu_datasheet_percent': row['datasheet_percent'], 'timing': row['timing']})
 
-    def compile_fitting(self, mcfg: model_lib.ModelConfig, batch: int, tgt_len: int, donate: bool = True):
-        """(workload, compiled step) at `batch`, halved (at most twice) while XLA's buffer assignment
+    def compile_fitting(self, mcfg: model_lib.ModelConfig, batch: int, tgt_len: int,
+                        donate: bool = True) -> workload.Case:
+        """The training step's case at `batch`, halved (at most twice) while XLA's buffer assignment
         says the step does not fit the device."""
         limit = _memory_limit()
         for _ in range(3):
-            work = workload.build(mcfg, batch, tgt_len, self.ctx.config)
-            compiled = workload.compile_step(work, donate=donate)
-            if limit is None or _step_memory(compiled) <= limit or batch == 1:
-                return work, compiled
-            self.ctx.log(f'accel: batch {batch} needs {_step_memory(compiled) / GIB:.1f} GiB of '
-                         f'{limit / GIB:.1f}; trying {batch // 2}')
+            case = workload.train_case(workload.build(mcfg, batch, tgt_len, self.ctx.config), donate=donate)
+            if limit is None or case.compiled.live_bytes <= limit or batch == 1:
+                return case
+            self.ctx.log(f'accel: batch {batch} needs {case.compiled.live_bytes / harness.GIB:.1f} GiB of '
+                         f'{limit / harness.GIB:.1f}; trying {batch // 2}')
             batch //= 2
-        return work, compiled
+        return case
 
     def train_row(self, part: str, step: Step, dtype: str, vs: Optional[dict] = None, donate: bool = True,
                   **fields) -> Optional[dict]:
@@ -194,23 +185,25 @@ class Suite:
                                      dropatt=0.0, **{'scan_layers': True, **step.model, **fields})
         case = step.name + ''.join(f' {k}={v}' for k, v in fields.items()) + ('' if donate else ' not donated')
         self.ctx.log(f'accel: {part} {case} {dtype} batch {step.batch} tgt = mem = {step.tgt_len}')
-        work = None
+        fitted = None
         try:
-            work, compiled = self.compile_fitting(mcfg, step.batch, step.tgt_len, donate)
-            loop = workload.StepLoop(compiled.executable, work)
-            timing = harness.time_fn(loop, warmup=self.ctx.warmup, repeats=self.ctx.repeats)
+            fitted = self.compile_fitting(mcfg, step.batch, step.tgt_len, donate)
+            timing = fitted.time_alone(self.ctx)
         except Exception as error:  # pylint: disable=broad-except
             if not _out_of_memory(error):
                 raise
-            return self.add({'part': part, 'case': case, 'dtype': dtype, 'batch': work.batch_size if work else step.batch,
+            return self.add({'part': part, 'case': case, 'dtype': dtype,
+                             'batch': fitted.work.batch_size if fitted else step.batch,
                              'error': f'out of device memory: {str(error)[:200]}'})
-        row = self.throughput(part, case, mcfg, work.batch_size, step.tgt_len, timing.median_s,
-                              flops.train_step_flops(mcfg, work.batch_size, step.tgt_len), compiled,
-                              donated=donate, xla_flops_per_step=compiled.flops, timing=timing.as_dict())
+        batch = fitted.work.batch_size
+        row = self.throughput(part, case, mcfg, batch, step.tgt_len, timing.median_s,
+                              flops.train_step_flops(mcfg, batch, step.tgt_len), fitted.compiled,
+                              donated=donate, xla_flops_per_step=fitted.compiled.flops, timing=timing.as_dict())
         if vs is not None and 'step_ms' in vs:
             row.update(vs=vs['case'], ratio=row['step_ms'] / vs['step_ms'] * vs['batch'] / row['batch'])
         device = jax.devices()[0].memory_stats() or {}
-        row['device_peak_gib_so_far'] = device['peak_bytes_in_use'] / GIB if 'peak_bytes_in_use' in device else None
+        row['device_peak_gib_so_far'] = (device['peak_bytes_in_use'] / harness.GIB if 'peak_bytes_in_use' in device
+                                         else None)
         return self.add(row)
 
     def train(self) -> None:
@@ -229,16 +222,13 @@ class Suite:
                 mcfg = memories.evaluation_config(trained, self.setup['eval_model'], segment_len=step.tgt_len)
                 self.ctx.log(f'accel: {part} {step.name} {dtype} ({mcfg.memory}, mem {mcfg.mem_len}, batch '
                              f'{step.batch}, attention {impl})')
-                params = model_lib.init_params(trained, jax.random.PRNGKey(0))
-                tokens = jax.random.randint(jax.random.PRNGKey(1), (step.batch, step.tgt_len + 1), 0, trained.vocab_size)
-                compiled, loop = eval_speed.compile_eval(mcfg, params,
-                                                         eval_speed.eval_batch(tokens[:, :-1], tokens[:, 1:]))
-                timing = harness.time_fn(loop, warmup=self.ctx.warmup, repeats=self.ctx.repeats)
+                evaluation = workload.random_eval_case(mcfg, step.batch, step.tgt_len, trained=trained)
+                timing = evaluation.time_alone(self.ctx)
                 model_flops = sum(flops.forward_flops(mcfg, step.batch, step.tgt_len).values())
                 impl_name = '' if impl == 'auto' else f' attention_impl={impl}'
                 row = self.throughput(part, f'{step.name} {mcfg.memory} clamp {mcfg.clamp_len} same_length{impl_name}',
-                                      mcfg, step.batch, step.tgt_len, timing.median_s, model_flops, compiled,
-                                      timing=timing.as_dict())
+                                      mcfg, step.batch, step.tgt_len, timing.median_s, model_flops,
+                                      evaluation.compiled, timing=timing.as_dict())
                 if base is not None:
                     row.update(vs=base['case'], ratio=row['step_ms'] / base['step_ms'])
                 base = base or row
@@ -250,20 +240,18 @@ class Suite:
         kinds = {'xl': {}, 'lamemo': {'memory': 'lamemo'},
                  'infinity': {**INFINITY, 'segment_len': step.tgt_len,
                               **({'ltm_basis': 8, 'ltm_widths': (0.05, 0.1)} if self.ctx.tiny else {})}}
-        loops, compiled, works = {}, {}, {}
+        cases = {}
         for name, fields in kinds.items():
             mcfg = workload.model_config(self.ctx.config, mem_len=step.tgt_len, compute_dtype='bfloat16',
                                          dropout=0.0, dropatt=0.0, scan_layers=True, **step.model, **fields)
             self.ctx.log(f'accel: methods {step.name} {name} batch {step.batch}')
-            works[name] = workload.build(mcfg, step.batch, step.tgt_len, self.ctx.config)
-            compiled[name] = workload.compile_step(works[name])
-            loops[name] = workload.StepLoop(compiled[name].executable, works[name])
-        timings = harness.time_interleaved(loops, warmup=self.ctx.warmup, repeats=self.ctx.repeats)
-        flop_counts = {n: flops.train_step_flops(works[n].mcfg, step.batch, step.tgt_len) for n in kinds}
-        for name in kinds:
+            cases[name] = workload.train_case(workload.build(mcfg, step.batch, step.tgt_len, self.ctx.config))
+        timings = workload.time_together(cases, self.ctx)
+        flop_counts = {n: flops.train_step_flops(cases[n].work.mcfg, step.batch, step.tgt_len) for n in kinds}
+        for name, case in cases.items():
             self.add(self.throughput(
-                'methods', f'{step.name} {name}', works[name].mcfg, step.batch, step.tgt_len, timings[name].median_s,
-                flop_counts[name], compiled[name], vs=f'{step.name} xl',
+                'methods', f'{step.name} {name}', case.work.mcfg, step.batch, step.tgt_len, timings[name].median_s,
+                flop_counts[name], case.compiled, vs=f'{step.name} xl',
                 ratio=timings[name].median_s / timings['xl'].median_s,
                 flops_ratio=flop_counts[name] / flop_counts['xl'], timing=timings[name].as_dict()))
         # The head dim the tensor cores tile (a multiple of 16): what wt103-base's 41 costs.
@@ -313,8 +301,7 @@ class Suite:
                 difference = float(jnp.abs(jax.jit(fn)(*operands).astype(jnp.float32) - reference).max())
                 if products == 3 and not difference < ATTENTION_TOLERANCE:  # Not plain attention: must be memjax's.
                     raise AssertionError(f'{name} differs from memjax\'s attention by {difference:.3g}; not timed')
-                compiled = harness.compile_fn(grad, *operands)
-                timing = harness.time_fn(compiled.executable, *operands, warmup=self.ctx.warmup, repeats=self.ctx.repeats)
+                compiled, timing = harness.compile_and_time(grad, *operands, ctx=self.ctx)
             except Exception as error:  # pylint: disable=broad-except  (cuDNN refuses some shapes and dtypes)
                 self.add({'part': 'attention', 'case': name, 'dtype': 'bfloat16', 'batch': batch,
                           'error': f'{type(error).__name__}: {str(error)[:300]}'})
@@ -364,9 +351,7 @@ class Suite:
                     case = f'{name} {mode} tgt = mem = {length}'
                     self.ctx.log(f'accel: fused {case}, batch {batch}')
                     try:
-                        compiled = harness.compile_fn(call, *operands)
-                        timing = harness.time_fn(compiled.executable, *operands, warmup=self.ctx.warmup,
-                                                 repeats=self.ctx.repeats)
+                        compiled, timing = harness.compile_and_time(call, *operands, ctx=self.ctx)
                     except Exception as error:  # pylint: disable=broad-except
                         if not _out_of_memory(error):
                             raise
@@ -398,25 +383,17 @@ class Suite:
             check = peer.check_same_model(hf_model, mcfg, params, shape)
         tokens = peer.random_tokens(vocab.vocab_size, shape.batch_size, shape.tgt_len + 1, seed=2)
         bf16 = mcfg.replace(compute_dtype='bfloat16')
-        ours = peer.memjax_loops(bf16, params, tokens, shape, reprojecting=False)
+        ours = peer.memjax_cases(bf16, params, tokens, shape, reprojecting=False)
         impls = {'hf_eager': hf_model}
         if not self.ctx.tiny:  # torch.compile takes minutes; the CPU test suite cannot wait.
             impls['hf_compiled'] = torch.compile(hf_model)
         theirs = {impl: peer.hf_loops(hf_model, forward, tokens, shape, autocast='bfloat16')
                   for impl, forward in impls.items()}
         for mode in ('train', 'eval'):
-            calls, compile_s = {'memjax': ours[mode][0]}, {'memjax': ours[mode][1]}
-            for impl in impls:
-                self.ctx.log(f'accel: peer {impl} {mode}: first call')
-                try:
-                    compile_s[impl] = peer.first_call_seconds(theirs[impl][mode])
-                    calls[impl] = theirs[impl][mode]
-                except Exception as error:  # pylint: disable=broad-except  (torch.compile failures vary)
-                    if impl == 'hf_eager':
-                        raise
-                    self.notes.append(f'torch.compile failed in {mode}: {type(error).__name__}: {str(error)[:300]}')
-            timings = harness.time_interleaved(calls, warmup=max(self.ctx.warmup - 1, 0), repeats=self.ctx.repeats,
-                                               settle=1)
+            failed = {}
+            timings, compile_s = peer.time_against_hf(self.ctx, f'accel: peer {mode}', {'memjax': ours[mode]},
+                                                      {impl: theirs[impl][mode] for impl in impls}, failed)
+            self.notes += [f'torch.compile failed in {mode}: {error}' for error in failed.values()]
             model_flops = (flops.train_step_flops(mcfg, shape.batch_size, shape.tgt_len) if mode == 'train'
                            else sum(flops.forward_flops(mcfg, shape.batch_size, shape.tgt_len).values()))
             for impl, timing in timings.items():
@@ -429,7 +406,7 @@ class Suite:
                           'HF under torch.autocast(bfloat16), memjax compute_dtype=bfloat16; '
                           f'log-probs agreed to {check["max_abs_logprob_diff"]:.2g} in float32 before timing; '
                           'ratio = the row\'s step time over memjax\'s (memjax\'s speed-up).')
-        del impls, theirs, hf_model, calls
+        del impls, theirs, hf_model, ours
         if device == 'cuda':
             gc.collect()
             torch.cuda.empty_cache()  # Back to the large steps' allocator.
@@ -479,7 +456,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     figures = {'chip': suite.peak['chip'] if suite.peak else None, 'parts': list(parts),
                'wall_s': time.perf_counter() - started,
                'persistent_compilation_cache': 'off', 'device_memory_limit_gib':
-                   _memory_limit() / GIB if _memory_limit() else None}
+                   _memory_limit() / harness.GIB if _memory_limit() else None}
     if suite.peak:
         for dtype in peak.DTYPES:
             figures[f'peak_tflops_per_s_{dtype}'] = suite.peak['peak_gflops_per_s'][dtype] / 1e3

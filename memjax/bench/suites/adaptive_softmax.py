@@ -23,7 +23,6 @@ FULL = dict(model=dict(vocab_size=267735, cutoffs=(20000, 40000, 200000), div_va
 TINY = dict(model=dict(vocab_size=300, cutoffs=(50, 150), div_val=2, d_model=16, d_embed=16, n_layer=1,
                        n_head=2, d_head=8, d_inner=32),
             batch=2, seq=8)
-MIB = 2.0 ** 20
 
 
 def targets_with_tail_share(vocab_size: int, shortlist: int, shape: tuple[int, int], share: float,
@@ -43,9 +42,9 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     shortlist = mcfg.cutoffs[0]
     ctx.log(f'adaptive-softmax: compiling (vocabulary {mcfg.vocab_size}, cutoffs {mcfg.cutoffs})')
     work = workload.build(mcfg, batch, seq, ctx.config)
-    compiled = workload.compile_step(work)
-    temp_mib = compiled.memory()['temp_size_bytes'] / MIB
-    full_tail_mib = batch * seq * (mcfg.vocab_size - shortlist) * 4 / MIB
+    case = workload.train_case(work)  # Compiled once; each share runs it on a copy of the state.
+    temp_mib = case.compiled.memory()['temp_size_bytes'] / harness.MIB
+    full_tail_mib = batch * seq * (mcfg.vocab_size - shortlist) * 4 / harness.MIB
 
     rows = []
     for i, share in enumerate(TAIL_SHARES):
@@ -54,12 +53,10 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
         fresh = workload.copy_state(work)
         fresh.batch = {'inputs': jnp.asarray(inputs), 'targets': jnp.asarray(targets)}
         ctx.log(f'adaptive-softmax: {share:.0%} of targets in the tail')
-        timing = harness.time_fn(workload.StepLoop(compiled.executable, fresh), warmup=ctx.warmup,
-                                 repeats=ctx.repeats)
+        shared = case.on(fresh)
+        timing = shared.time_alone(ctx)
         rows.append({'tail_share': share, 'measured_tail_share': float((targets >= shortlist).mean()),
-                     'step_ms': timing.median_s * 1e3, 'tokens_per_s': batch * seq / timing.median_s,
-                     'temp_mib': temp_mib, 'full_tail_logits_mib': full_tail_mib,
-                     'timing': timing.as_dict()})
+                     **shared.figures(timing), 'temp_mib': temp_mib, 'full_tail_logits_mib': full_tail_mib})
     for row in rows:
         row['time_vs_no_tail'] = row['step_ms'] / rows[0]['step_ms']
     return harness.SuiteResult(
@@ -67,7 +64,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
         columns=('tail_share', 'measured_tail_share', 'step_ms', 'tokens_per_s', 'time_vs_no_tail',
                  'temp_mib', 'full_tail_logits_mib'),
         figures={'temp_mib': temp_mib, 'full_tail_logits_mib': full_tail_mib,
-                 'compile_s': compiled.compile_s,
+                 'compile_s': case.compiled.compile_s,
                  **{f'time_tail_{row["tail_share"]:g}_vs_no_tail': row['time_vs_no_tail'] for row in rows}},
         config={'model': setting['model'], 'batch': batch, 'tgt_len': seq, 'mem_len': seq,
                 'dtype': mcfg.compute_dtype, 'step': 'the train suite\'s step, compiled once, dropout 0',

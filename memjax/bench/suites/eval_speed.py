@@ -10,8 +10,6 @@ makes its last position attend L keys; XL runs with `mem_len = L` and `same_leng
 every query of a segment attends exactly L keys (its memory part cached, not recomputed).
 The vanilla per-token cost does not depend on which token is predicted, so a few windows are
 timed, not a whole stream.
-
-This module also holds the one-segment evaluation step loop the other suites time.
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from memjax import model as model_lib
-from memjax.training import step as train_step_lib
 from memjax.bench import harness
+from memjax.bench import workload
 
 PAPER_SPEEDUP = {3800: 1874, 2800: 1409, 1800: 773, 800: 363}  # Table 7, one GPU.
 
@@ -45,42 +43,6 @@ SETUPS = {
     'tiny': Setup(attn_lens=(12, 24), tgt_len=4, batch_size=2, model=dict(
         vocab_size=64, n_layer=2, d_model=32, n_head=2, d_head=16, d_inner=64)),
 }
-
-
-# ----------------------------------------------------------------------------------------------
-# The project's evaluation step, one segment per call (also used by the peer and scaling suites).
-
-
-def eval_batch(inputs: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
-    """One segment as `train_step.eval_step_fn` takes it: [segments=1, B, T], nothing masked."""
-    return {'inputs': inputs[None], 'targets': targets[None],
-            'mask': jnp.ones(inputs.shape, jnp.float32)[None],
-            'reset': jnp.zeros((1, inputs.shape[0]), bool)}
-
-
-class EvalLoop:
-    """Calls a compiled evaluation step per segment, feeding its (donated) memory back in
-    (`memory`: the current one)."""
-
-    def __init__(self, executable: Callable, params, memory, batch, key):
-        self._executable = executable
-        self._params = params
-        self.memory = memory
-        self._batch = batch
-        self._key = key
-
-    def __call__(self):
-        self.memory, metrics = self._executable(self._params, self.memory, self._batch, self._key)
-        return metrics
-
-
-def compile_eval(mcfg: model_lib.ModelConfig, params, batch: dict) -> tuple[harness.Compiled, EvalLoop]:
-    """`train_step.eval_step_fn` compiled for `batch`'s shapes with the memory donated."""
-    memory = model_lib.init_memory(mcfg, batch['inputs'].shape[1])
-    key = jax.random.PRNGKey(0)
-    compiled = harness.compile_fn(train_step_lib.eval_step_fn(model_lib.build_model(mcfg)), params,
-                                  memory, batch, key, donate_argnums=(1,))
-    return compiled, EvalLoop(compiled.executable, params, memory, batch, key)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -153,24 +115,20 @@ def measure(mcfg: model_lib.ModelConfig, params, setup: Setup, attn_len: int,
     rng = np.random.RandomState(attn_len)
     batch, tgt = setup.batch_size, setup.tgt_len
     segment = jnp.asarray(rng.randint(0, mcfg.vocab_size, (batch, tgt + 1)), jnp.int32)
-    xl_compiled, xl_loop = compile_eval(xl_config(mcfg, attn_len), params, eval_batch(segment[:, :-1], segment[:, 1:]))
-    # Carry the memory until it is full, so the timed segments attend real (valid) keys.
-    for _ in range(-(-attn_len // tgt)):
-        xl_loop()
-    xl = harness.time_fn(xl_loop, warmup=ctx.warmup, repeats=ctx.repeats)
+    # The memory carried until it is full, so the timed segments attend real (valid) keys.
+    xl_case = workload.eval_case(xl_config(mcfg, attn_len), params, segment[:, :-1], segment[:, 1:]).fill(attn_len, tgt)
+    xl = xl_case.time_alone(ctx)
 
     windows = jnp.asarray(rng.randint(0, mcfg.vocab_size, (batch, attn_len)), jnp.int32)
     targets = jnp.asarray(rng.randint(0, mcfg.vocab_size, (batch,)), jnp.int32)
-    vanilla_compiled = harness.compile_fn(vanilla_step_fn(mcfg), params, windows, targets)
-    vanilla = harness.time_fn(vanilla_compiled.executable, params, windows, targets,
-                              warmup=ctx.warmup, repeats=ctx.repeats)
+    vanilla_compiled, vanilla = harness.compile_and_time(vanilla_step_fn(mcfg), params, windows, targets, ctx=ctx)
 
     xl_per_token = xl.median_s / (batch * tgt)
     vanilla_per_token = vanilla.median_s / batch
     return {'attn_len': attn_len, 'xl_mem_len': attn_len, 'xl_tgt_len': tgt,
             'xl_us_per_token': xl_per_token * 1e6, 'vanilla_us_per_token': vanilla_per_token * 1e6,
             'speedup': vanilla_per_token / xl_per_token, 'paper_speedup': PAPER_SPEEDUP.get(attn_len),
-            'xl_compile_s': xl_compiled.lower_s + xl_compiled.compile_s,
+            'xl_compile_s': xl_case.seconds_to_compile,
             'vanilla_compile_s': vanilla_compiled.lower_s + vanilla_compiled.compile_s,
             'xl_timing': xl.as_dict(), 'vanilla_timing': vanilla.as_dict()}
 

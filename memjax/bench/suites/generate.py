@@ -136,12 +136,8 @@ def measure(name: str, hf_model, mcfg, params, setup: Setup, batch: int, ctx: ha
 
 @harness.register('generate')
 def run(ctx: harness.Context) -> harness.SuiteResult:
-    torch, transformers = peer.import_torch()
     setup = SETUPS[ctx.size]
-    threads = peer.jax_cpu_cores()
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with peer.torch_on_jax_cores() as (torch, transformers, threads):
         ctx.log('generate: building the Transformer-XL pair and checking its log-probs')
         shape = dataclasses.replace(setup.shape, batch_size=setup.batches[0])
         hf_xl, xl_cfg, xl_params = peer.build_pair(shape, setup.vocab)
@@ -153,8 +149,6 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
         for batch in setup.batches:
             rows += measure('transformer_xl', hf_xl.eval(), xl_cfg, xl_params, setup, batch, ctx, compare_all=False)
             rows += measure('gpt2', hf_gpt, gpt_cfg, gpt_params, setup, batch, ctx, compare_all=True)
-    finally:
-        torch.set_num_threads(previous_threads)
     figures = {f'memjax_over_{r["impl"]}_{r["model"]}_batch{r["batch"]}': r['memjax_speedup']
                for r in rows if r['impl'] != 'memjax'}
     figures['max_abs_logprob_diff_transformer_xl'] = check['max_abs_logprob_diff']

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 from memjax.bench import harness
 from memjax.bench import workload
-from memjax.bench.suites import eval_speed
 
 SHAPES = {
     'full': dict(contexts=(2048, 8192, 32768), batch=1, tgt_len=256, model=dict(
@@ -33,10 +30,6 @@ OVERHEAD = {'full': (GPT2_SMALL, 512), 'tiny': (dict(GPT2_SMALL, n_layer=1, d_mo
                                                       d_inner=64, vocab_size=64, ltm_basis=8), 8)}
 
 
-def _copy(tree):
-    return jax.tree.map(lambda x: x.copy(), tree)
-
-
 def _per_token(timings, tokens: int) -> dict:
     return {name: t.median_s * 1e3 / tokens for name, t in timings.items()}
 
@@ -46,18 +39,15 @@ def _loops(ctx, mcfg, batch_size: int, tgt_len: int, contexts: tuple) -> dict:
     text (reached by real evaluation steps). One compiled train and eval step serve every context
     (the shapes do not change)."""
     work = workload.build(mcfg, batch_size, tgt_len, ctx.config)
-    batch = eval_speed.eval_batch(work.batch['inputs'], work.batch['targets'])
-    compiled_eval, filler = eval_speed.compile_eval(mcfg, work.params, batch)
+    evaluation = workload.eval_case(mcfg, work.params, work.batch['inputs'], work.batch['targets'])
     memories, filled = {}, 0
     for context in sorted(contexts):
-        for _ in range((context - filled) // tgt_len):
-            filler()
+        memories[context] = workload.copy_tree(evaluation.fill(context - filled, tgt_len).loop.memory)
         filled = context
-        memories[context] = _copy(filler.memory)
     step = workload.compile_step(work).executable
-    key = jax.random.PRNGKey(0)
-    return {c: (workload.StepLoop(step, dataclasses.replace(workload.copy_state(work), memory=_copy(m))),
-                eval_speed.EvalLoop(compiled_eval.executable, work.params, _copy(m), batch, key))
+    copy = workload.copy_tree
+    return {c: (workload.StepLoop(step, dataclasses.replace(workload.copy_state(work), memory=copy(m))),
+                evaluation.loop.starting_from(copy(m)))
             for c, m in memories.items()}
 
 

@@ -31,27 +31,22 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     roofline = measured_peak['peak_gflops_per_s']
     rows, figures = [], {}
     for name, shape, batch, seq in TINY if ctx.tiny else FULL:
-        works, steps = {}, {}
+        cases = {}
         for memory in MEMORIES:
             mcfg = workload.model_config(ctx.config, memory=memory, mem_len=seq, **shape)
             ctx.log(f'lamemo: {name}, memory={memory} ({mcfg.compute_dtype}, batch {batch}, tgt = mem = {seq})')
-            works[memory] = workload.build(mcfg, batch, seq, ctx.config)
-            steps[memory] = workload.compile_step(works[memory])
-        timings = harness.time_interleaved(
-            {m: workload.StepLoop(steps[m].executable, works[m]) for m in MEMORIES},
-            warmup=ctx.warmup, repeats=ctx.repeats)
-        for memory in MEMORIES:
-            mcfg, step_s = works[memory].mcfg, timings[memory].median_s
+            cases[memory] = workload.train_case(workload.build(mcfg, batch, seq, ctx.config))
+        timings = workload.time_together(cases, ctx)
+        for memory, case in cases.items():
+            mcfg, step_s = case.work.mcfg, timings[memory].median_s
             model_flops = flops.train_step_flops(mcfg, batch, seq)
             rows.append({
                 'size': name, 'memory': memory, 'dtype': mcfg.compute_dtype, 'batch': batch, 'tgt_len': seq,
-                'mem_len': seq, 'params_M': works[memory].num_params / 1e6, 'compile_s': steps[memory].compile_s,
-                'step_ms': step_s * 1e3, 'tokens_per_s': batch * seq / step_s,
-                'gflop_per_step': model_flops / 1e9,
-                'xla_over_analytic': steps[memory].flops / model_flops if steps[memory].flops else float('nan'),
+                'mem_len': seq, 'params_M': case.work.num_params / 1e6, 'compile_s': case.compiled.compile_s,
+                **case.figures(timings[memory]), 'gflop_per_step': model_flops / 1e9,
+                'xla_over_analytic': case.compiled.flops / model_flops if case.compiled.flops else float('nan'),
                 **peak.mfu_percents(model_flops / step_s / 1e9, mcfg.compute_dtype, measured_peak),
-                'forward_flops_by_part': flops.forward_flops(mcfg, batch, seq),
-                'timing': timings[memory].as_dict(), 'model': shape})
+                'forward_flops_by_part': flops.forward_flops(mcfg, batch, seq), 'model': shape})
         xl, lamemo = rows[-2], rows[-1]
         for r in (xl, lamemo):
             r['time_vs_xl'] = r['step_ms'] / xl['step_ms']

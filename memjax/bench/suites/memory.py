@@ -15,7 +15,6 @@ from memjax.bench import workload
 POLICIES = ('none', 'full', 'dots_saveable')
 FULL = dict(shape=dict(n_layer=12, d_model=512, n_head=8, d_head=64, d_inner=2048), batch=4, seq=256)
 TINY = dict(shape=dict(n_layer=1, d_model=16, n_head=2, d_head=8, d_inner=32), batch=2, seq=8)
-MIB = 2.0 ** 20
 
 
 @harness.register('memory')
@@ -29,13 +28,10 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
             ctx.log(f'memory: remat={remat}, scan={scan}')
             compiled = workload.compile_step(workload.build(mcfg, setting['batch'], setting['seq'], ctx.config))
             sizes = compiled.memory()
-            peak = (sizes['argument_size_bytes'] + sizes['output_size_bytes'] - sizes['alias_size_bytes']
-                    + sizes['temp_size_bytes'])
             rows.append({'remat': remat, 'scan_layers': scan,
-                         'argument_mib': sizes['argument_size_bytes'] / MIB,
-                         'output_mib': sizes['output_size_bytes'] / MIB,
-                         'alias_mib': sizes['alias_size_bytes'] / MIB,
-                         'temp_mib': sizes['temp_size_bytes'] / MIB, 'peak_mib': peak / MIB,
+                         **{f'{part}_mib': sizes[f'{part}_size_bytes'] / harness.MIB
+                            for part in ('argument', 'output', 'alias', 'temp')},
+                         'peak_mib': compiled.live_bytes / harness.MIB,
                          'compile_s': compiled.compile_s, 'bytes': sizes})
     temp = {(r['remat'], r['scan_layers']): r['temp_mib'] for r in rows}
     return harness.SuiteResult(

@@ -165,12 +165,12 @@ def measure_vocab(vocab: peer.Vocab, shape: peer.Shape, ctx: harness.Context, pe
     hf_model, mcfg, params = peer.build_pair(shape, vocab)
     peer.check_same_model(hf_model, mcfg, params, shape)
     tokens = peer.random_tokens(vocab.vocab_size, shape.batch_size, shape.tgt_len + 1, seed=2)
-    ours = peer.memjax_loops(mcfg, params, tokens, shape)
+    ours = peer.memjax_cases(mcfg, params, tokens, shape)
     forwards = {'hf_eager': hf_model, **({'hf_compiled': torch.compile(hf_model)} if try_compile else {})}
     theirs = {impl: peer.hf_loops(hf_model, forward, tokens, shape) for impl, forward in forwards.items()}
     rows, figures = [], {}
     for mode in ('train', 'eval'):
-        loop, _, hlo = ours[mode]
+        loop, hlo = ours[mode].loop, ours[mode].compiled.executable.as_text()
         ctx.log(f'ops: {vocab.name} memjax {mode}: profiling {ctx.repeats} steps')
         sources = hlo_op_sources(hlo)
         profiles = {'memjax': tuple(by_source(values, sources)
@@ -299,38 +299,32 @@ def attention_kernel_rates(shape: peer.Shape, ctx: harness.Context) -> dict[str,
 
 @harness.register('ops')
 def run(ctx: harness.Context) -> harness.SuiteResult:
-    torch, transformers = peer.import_torch()
-    shape = peer.SHAPES[ctx.size]
-    threads = peer.jax_cpu_cores()
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try_compile = not ctx.tiny
-    peak_rows = []
-    for name, matmul in peak_suite.matmul_shapes(shape.batch_size, shape.tgt_len, shape.mem_len, shape.d_model,
-                                                 shape.n_head, shape.d_head, shape.d_inner):
-        ctx.log(f'ops: model-shaped matmul {name}: XLA, memjax\'s CPU kernel, torch, round-robin')
-        peak_rows.append({'matmul': name, **dict(zip(('batch', 'm', 'k', 'n'), matmul)), **matmul_rates(matmul, ctx)})
-    # The best rate any of them reaches on the model's shapes: what this machine is shown to do.
-    peak, peak_impl, peak_product = max((r[impl], impl, r['matmul'].split()[0])
-                                        for r in peak_rows for impl in IMPLS if impl in r)
-    rows, figures = [], {'matmul_peak_gflops_per_s': peak, 'matmul_peak_by': f'{peak_product} {peak_impl}',
-                         'torch_threads': threads}
-    for r in peak_rows:
-        for impl in IMPLS:
-            if impl in r:
-                figures[f'matmul_{r["matmul"].split()[0]}_{impl}_gflops_per_s'] = r[impl]
-    ctx.log('ops: memjax\'s attention kernels alone at one layer\'s shapes, forward and gradient')
-    attention_rates = attention_kernel_rates(shape, ctx)
-    figures.update({f'attention_kernels_{k}': v for k, v in attention_rates.items()})
-    for name in ('forward', 'gradient') if attention_rates else ():
-        figures[f'attention_kernels_{name}_of_matmul_peak'] = attention_rates[f'{name}_gflops_per_s'] / peak
-    try:
+    shape, try_compile = peer.SHAPES[ctx.size], not ctx.tiny
+    with peer.torch_on_jax_cores() as (torch, transformers, threads):
+        peak_rows = []
+        for name, matmul in peak_suite.matmul_shapes(shape.batch_size, shape.tgt_len, shape.mem_len, shape.d_model,
+                                                     shape.n_head, shape.d_head, shape.d_inner):
+            ctx.log(f'ops: model-shaped matmul {name}: XLA, memjax\'s CPU kernel, torch, round-robin')
+            peak_rows.append({'matmul': name, **dict(zip(('batch', 'm', 'k', 'n'), matmul)),
+                              **matmul_rates(matmul, ctx)})
+        # The best rate any of them reaches on the model's shapes: what this machine is shown to do.
+        peak, peak_impl, peak_product = max((r[impl], impl, r['matmul'].split()[0])
+                                            for r in peak_rows for impl in IMPLS if impl in r)
+        rows, figures = [], {'matmul_peak_gflops_per_s': peak, 'matmul_peak_by': f'{peak_product} {peak_impl}',
+                             'torch_threads': threads}
+        for r in peak_rows:
+            for impl in IMPLS:
+                if impl in r:
+                    figures[f'matmul_{r["matmul"].split()[0]}_{impl}_gflops_per_s'] = r[impl]
+        ctx.log('ops: memjax\'s attention kernels alone at one layer\'s shapes, forward and gradient')
+        attention_rates = attention_kernel_rates(shape, ctx)
+        figures.update({f'attention_kernels_{k}': v for k, v in attention_rates.items()})
+        for name in ('forward', 'gradient') if attention_rates else ():
+            figures[f'attention_kernels_{name}_of_matmul_peak'] = attention_rates[f'{name}_gflops_per_s'] / peak
         for vocab in peer.VOCABS[ctx.size]:
             vocab_rows, vocab_figures = measure_vocab(vocab, shape, ctx, peak, try_compile)
             rows += vocab_rows
             figures.update(vocab_figures)
-    finally:
-        torch.set_num_threads(previous_threads)
     return harness.SuiteResult(
         rows=rows,
         columns=COLUMNS,

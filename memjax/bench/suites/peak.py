@@ -53,8 +53,7 @@ def measure(shape: tuple[int, int, int, int], dtype: str, ctx: harness.Context) 
     def matmul(a, b):
         return jnp.einsum('bmk,bkn->bmn', a, b, preferred_element_type=jnp.float32)
 
-    compiled = harness.compile_fn(matmul, lhs, rhs)
-    timing = harness.time_fn(compiled.executable, lhs, rhs, warmup=ctx.warmup, repeats=ctx.repeats)
+    _, timing = harness.compile_and_time(matmul, lhs, rhs, ctx=ctx)
     flops = 2.0 * batch * m * k * n
     chip = chips.datasheet(jax.devices()[0].device_kind)
     return {'dtype': dtype, 'batch': batch, 'm': m, 'k': k, 'n': n, 'gflop': flops / 1e9,

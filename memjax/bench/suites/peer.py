@@ -44,7 +44,6 @@ from memjax import model as model_lib
 from memjax.model import memories
 from memjax.bench import harness
 from memjax.bench import workload
-from memjax.bench.suites import eval_speed
 
 LEARNING_RATE = 1e-4
 LOGPROB_TOLERANCE = 1e-3  # float32 over a few layers agrees to ~1e-5; a wrong weight shows as O(1).
@@ -99,6 +98,19 @@ def jax_cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def torch_on_jax_cores():
+    """(torch, transformers, threads) with torch's thread count set to the cores XLA's CPU client
+    uses, as the sides of a comparison must be; the previous count restored afterwards."""
+    torch, transformers = import_torch()
+    previous, threads = torch.get_num_threads(), jax_cpu_cores()
+    torch.set_num_threads(threads)
+    try:
+        yield torch, transformers, threads
+    finally:
+        torch.set_num_threads(previous)
 
 
 def build_pair(shape: Shape, vocab: Vocab, seed: int = 0, device: str = 'cpu') -> tuple[Any, model_lib.ModelConfig, dict]:
@@ -244,27 +256,48 @@ class HFEvalLoop:
         _synchronize(self._inputs.device)
 
 
-def memjax_loops(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape: Shape,
-                 reprojecting: bool = True) -> dict[str, Any]:
-    """Compiled memjax train and eval loops on the peer's weights and tokens: per mode (loop, compile
-    seconds, the optimized HLO text, whose op names the profiler reports). 'eval' is the model
-    `memjax.evaluate` runs, 'eval_reprojecting' (unless not `reprojecting`) the trained kind's own."""
+def memjax_cases(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape: Shape,
+                 reprojecting: bool = True) -> dict[str, workload.Case]:
+    """memjax's compiled train and eval steps on the peer's weights and tokens, by mode (a case's
+    optimized HLO names the ops the profiler reports). 'eval' is the model `memjax.evaluate` runs,
+    'eval_reprojecting' (unless not `reprojecting`) the trained kind's own."""
     inputs = jnp.asarray(tokens[:, :shape.tgt_len], jnp.int32)
     targets = jnp.asarray(tokens[:, 1:shape.tgt_len + 1], jnp.int32)
     tx = optax.adam(LEARNING_RATE)
     work = workload.TrainWorkload(
         mcfg=mcfg, batch_size=shape.batch_size, tgt_len=shape.tgt_len, tx=tx,
         step=workload.train_step_fn(model_lib.build_model(mcfg), tx),
-        params=jax.tree_util.tree_map(jnp.copy, params), opt_state=tx.init(params),
+        params=workload.copy_tree(params), opt_state=tx.init(params),
         memory=model_lib.init_memory(mcfg, shape.batch_size),
         batch={'inputs': inputs, 'targets': targets}, key=jax.random.PRNGKey(0))
-    train = workload.compile_step(work)
-    loops = {'train': (workload.StepLoop(train.executable, work), train.lower_s + train.compile_s,
-                       train.executable.as_text())}
+    cases = {'train': workload.train_case(work)}
     for mode, eval_mcfg in (('eval', memories.evaluation_config(mcfg, {})), ('eval_reprojecting', mcfg))[:1 + reprojecting]:
-        evaluate, eval_loop = eval_speed.compile_eval(eval_mcfg, params, eval_speed.eval_batch(inputs, targets))
-        loops[mode] = (eval_loop, evaluate.lower_s + evaluate.compile_s, evaluate.executable.as_text())
-    return loops
+        cases[mode] = workload.eval_case(eval_mcfg, params, inputs, targets)
+    return cases
+
+
+def time_against_hf(ctx: harness.Context, label: str, ours: dict[str, workload.Case], theirs: dict[str, Callable],
+                    errors: dict[str, str]) -> tuple[dict[str, harness.Timing], dict[str, float]]:
+    """memjax's cases and HF's loops of one mode timed round-robin, each timed step after an
+    untimed one of its own: (timings, seconds of each one's first call; memjax's: its compile).
+    An HF variant whose first call fails (torch.compile's failures vary) is left out, its error
+    in `errors`; eager HF's failure is raised."""
+    calls = {name: case.loop for name, case in ours.items()}
+    first_s = {name: case.seconds_to_compile for name, case in ours.items()}
+    for call in calls.values():
+        first_call_seconds(call)
+    for impl, call in theirs.items():
+        ctx.log(f'{label} {impl}: first call')
+        try:
+            first_s[impl] = first_call_seconds(call)
+        except Exception as error:  # pylint: disable=broad-except
+            if impl == 'hf_eager':
+                raise
+            errors[impl] = f'{type(error).__name__}: {str(error)[:300]}'
+            continue
+        calls[impl] = call
+    ctx.log(f'{label}: timing {", ".join(calls)} interleaved')
+    return harness.time_interleaved(calls, warmup=max(ctx.warmup - 1, 0), repeats=ctx.repeats, settle=1), first_s
 
 
 def _criterion_in_float32(hf_model) -> None:
@@ -327,7 +360,7 @@ def measure_vocab(vocab: Vocab, shape: Shape, ctx: harness.Context, try_compile:
     tokens_per_step = shape.batch_size * shape.tgt_len
     rows, errors = [], {}
 
-    memjax_modes = memjax_loops(mcfg, params, tokens, shape)
+    ours = memjax_cases(mcfg, params, tokens, shape)
     threads = torch.get_num_threads()
     # One thread too: on a shared machine torch's OpenMP threads can stall each other for seconds
     # when the cores are oversubscribed, which the 2-thread rows alone would hide.
@@ -335,27 +368,18 @@ def measure_vocab(vocab: Vocab, shape: Shape, ctx: harness.Context, try_compile:
     if try_compile:
         impls['hf_compiled'] = (torch.compile(hf_model), threads)
     theirs = {impl: hf_loops(hf_model, forward, tokens, shape) for impl, (forward, _) in impls.items()}
-    for mode in ('train', 'eval'):
-        calls = {'memjax': memjax_modes[mode][0]}
-        compile_s = {'memjax': memjax_modes[mode][1]}
-        if mode == 'eval':
-            calls['memjax_reprojecting'], compile_s['memjax_reprojecting'] = memjax_modes['eval_reprojecting'][:2]
-            first_call_seconds(calls['memjax_reprojecting'])
-        first_call_seconds(calls['memjax'])
-        for impl, (_, impl_threads) in impls.items():
-            ctx.log(f'peer: {vocab.name} {impl} {mode}: first call')
-            call = with_torch_threads(theirs[impl][mode], impl_threads)
-            try:
-                first_s = first_call_seconds(call)
-            except Exception as error:  # pylint: disable=broad-except  (torch.compile failures vary)
-                if impl == 'hf_eager':
-                    raise
-                errors[f'{impl}_{mode}'] = f'{type(error).__name__}: {str(error)[:300]}'
-                continue
-            calls[impl] = call
-            compile_s[impl] = first_s if impl == 'hf_compiled' else None  # Its first call compiles.
-        ctx.log(f'peer: {vocab.name} {mode}: timing {", ".join(calls)} interleaved')
-        timings = harness.time_interleaved(calls, warmup=max(ctx.warmup - 1, 0), repeats=ctx.repeats, settle=1)
+    memjax_sides = {'train': {'memjax': ours['train']},
+                    'eval': {'memjax': ours['eval'], 'memjax_reprojecting': ours['eval_reprojecting']}}
+    for mode, sides in memjax_sides.items():
+        failed = {}
+        timings, first_s = time_against_hf(
+            ctx, f'peer: {vocab.name} {mode}', sides,
+            {impl: with_torch_threads(theirs[impl][mode], impl_threads) for impl, (_, impl_threads) in impls.items()},
+            failed)
+        errors.update({f'{impl}_{mode}': error for impl, error in failed.items()})
+        # An HF first call is a compile for torch.compile only; memjax's compile is its own.
+        compile_s = {impl: seconds if impl in sides or impl == 'hf_compiled' else None
+                     for impl, seconds in first_s.items()}
         rows += [_row(vocab, mode, impl, timing, tokens_per_step, compile_s[impl])
                  for impl, timing in timings.items()]
     torch.set_num_threads(threads)
@@ -369,16 +393,9 @@ def measure_vocab(vocab: Vocab, shape: Shape, ctx: harness.Context, try_compile:
 
 @harness.register('peer')
 def run(ctx: harness.Context) -> harness.SuiteResult:
-    torch, transformers = import_torch()
-    shape = SHAPES[ctx.size]
-    threads = jax_cpu_cores()
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try_compile = not ctx.tiny
-    try:
+    shape, try_compile = SHAPES[ctx.size], not ctx.tiny
+    with torch_on_jax_cores() as (torch, transformers, threads):
         results = [measure_vocab(vocab, shape, ctx, try_compile) for vocab in VOCABS[ctx.size]]
-    finally:
-        torch.set_num_threads(previous_threads)
 
     rows = [row for result in results for row in result['rows']]
     figures = {'torch_threads': threads, 'jax_cpu_cores': threads}

@@ -17,16 +17,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from memjax import model as model_lib
 from memjax.bench import harness
 from memjax.bench import workload
-from memjax.bench.suites import eval_speed
-
-MIB = 2.0 ** 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,36 +49,18 @@ SWEEPS = (('mem_len', 'mem_lens', ('train', 'eval')), ('batch_size', 'batch_size
           ('tgt_len', 'tgt_lens', ('train',)))
 
 
-def memory_figures(compiled: harness.Compiled) -> dict[str, float]:
-    sizes = compiled.memory()
-    live = (sizes['argument_size_bytes'] + sizes['output_size_bytes'] - sizes['alias_size_bytes']
-            + sizes['temp_size_bytes'])
-    return {'live_mib': live / MIB, 'temp_mib': sizes['temp_size_bytes'] / MIB}
-
-
-def measure_train(mcfg: model_lib.ModelConfig, batch_size: int, tgt_len: int, ctx: harness.Context) -> dict:
-    work = workload.build(mcfg, batch_size, tgt_len, ctx.config)
-    compiled = workload.compile_step(work)
-    timing = harness.time_fn(workload.StepLoop(compiled.executable, work), warmup=ctx.warmup, repeats=ctx.repeats)
-    return {'compiled': compiled, 'timing': timing}
-
-
-def measure_eval(mcfg: model_lib.ModelConfig, batch_size: int, tgt_len: int, ctx: harness.Context) -> dict:
-    params = model_lib.init_params(mcfg, jax.random.PRNGKey(0))
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (batch_size, tgt_len + 1), 0, mcfg.vocab_size, jnp.int32)
-    compiled, loop = eval_speed.compile_eval(mcfg, params, eval_speed.eval_batch(tokens[:, :-1], tokens[:, 1:]))
-    return {'compiled': compiled, 'timing': harness.time_fn(loop, warmup=ctx.warmup, repeats=ctx.repeats)}
-
-
 def measure_point(mcfg: model_lib.ModelConfig, mode: str, batch_size: int, tgt_len: int,
                   ctx: harness.Context) -> dict[str, Any]:
-    measured = (measure_train if mode == 'train' else measure_eval)(mcfg, batch_size, tgt_len, ctx)
-    compiled, timing = measured['compiled'], measured['timing']
-    tokens = batch_size * tgt_len
+    if mode == 'train':
+        case = workload.train_case(workload.build(mcfg, batch_size, tgt_len, ctx.config))
+    else:
+        case = workload.random_eval_case(mcfg, batch_size, tgt_len)
+    timing = case.time_alone(ctx)
     return {'mode': mode, 'mem_len': mcfg.mem_len, 'batch_size': batch_size, 'tgt_len': tgt_len,
-            'attn_keys': mcfg.mem_len + tgt_len, 'us_per_token': timing.median_s / tokens * 1e6,
-            'tokens_per_s': tokens / timing.median_s, **memory_figures(compiled),
-            'compile_s': compiled.lower_s + compiled.compile_s, 'timing': timing.as_dict()}
+            'attn_keys': mcfg.mem_len + tgt_len, 'us_per_token': timing.median_s / case.tokens * 1e6,
+            'tokens_per_s': case.tokens / timing.median_s, 'live_mib': case.compiled.live_bytes / harness.MIB,
+            'temp_mib': case.compiled.memory()['temp_size_bytes'] / harness.MIB,
+            'compile_s': case.seconds_to_compile, 'timing': timing.as_dict()}
 
 
 def affine_fit(x: list[float], y: list[float]) -> dict[str, float]:

@@ -58,14 +58,13 @@ def _skipped_k(ctx, name, shape, batch, seq) -> list[dict]:
     work = workload.build(mcfg, batch, seq, ctx.config)
     layers = mcfg.n_layer
     work.batch['skip'] = jnp.zeros(layers, bool)
-    compiled = workload.compile_step(work)
+    case = workload.train_case(work)  # One executable: the pattern is an argument.
     rows = []
     for skipped in sorted({0, layers // 4, layers // 2, 3 * layers // 4, layers}):
         ctx.log(f'skip: {name}, {skipped} of {layers} layers skipped')
         run_work = workload.copy_state(work)
         run_work.batch = dict(work.batch, skip=jnp.arange(layers) < skipped)
-        timing = harness.time_fn(workload.StepLoop(compiled.executable, run_work),
-                                 warmup=ctx.warmup, repeats=ctx.repeats)
+        timing = case.on(run_work).time_alone(ctx)
         rows.append({'row': 'k of N', 'size': name, 'layers_skipped': skipped, 'n_layer': layers,
                      'step_ms': timing.median_s * 1e3})
     for row in rows:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from memjax.bench import harness
 from memjax.bench import workload
-from memjax.bench.suites import eval_speed
 
 SHAPES = {
     'full': dict(batch=10, tgt_len=64, select=200, remain=150, pool=600, model=dict(
@@ -41,16 +40,13 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     seg, batch = shape['tgt_len'], shape['batch']
     base = workload.model_config(ctx.config, memory='xl', mem_len=shape['select'], dropout=0.0, **shape['model'])
     work = workload.build(base, batch, seg, ctx.config)
-    inputs = eval_speed.eval_batch(work.batch['inputs'], work.batch['targets'])
-    loops = {}
+    cases = {}
     for label, fields in variants(shape).items():
         ctx.log(f'trams: {label}')
-        compiled, loop = eval_speed.compile_eval(base.replace(**fields), work.params, inputs)
-        for _ in range(-(-shape['pool'] // seg)):  # Fill the memory: every pool row is real.
-            loop()
-        loops[label] = loop
+        cases[label] = workload.eval_case(base.replace(**fields), work.params, work.batch['inputs'],
+                                          work.batch['targets']).fill(shape['pool'], seg)  # Every pool row real.
     ctx.log('trams: timing (interleaved)')
-    timings = harness.time_interleaved(loops, warmup=ctx.warmup, repeats=ctx.repeats)
+    timings = workload.time_together(cases, ctx)
     equal, whole = (f"xl m={shape[k]}" for k in ('select', 'pool'))
     rows = []
     for label, fields in variants(shape).items():
