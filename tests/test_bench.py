@@ -12,6 +12,7 @@ import pytest
 
 from memjax.bench import flops
 from memjax.bench import harness
+from memjax.bench import hlo
 from memjax.bench import workload
 from memjax.bench.suites import programs
 
@@ -183,8 +184,8 @@ def test_program_fingerprints_ignore_source_locations_and_see_every_op():
         jnp.tanh(a @ a) + 1.0).lower(x).compile()
     third = jax.jit(lambda a: jnp.tanh(a @ a) + 2.0).lower(x).compile()
     assert first.as_text() != second.as_text()
-    assert programs.program_text(first) == programs.program_text(second)
-    assert programs.program_text(first) != programs.program_text(third)
+    assert hlo.program_text(first) == hlo.program_text(second)
+    assert hlo.program_text(first) != hlo.program_text(third)
 
 
 def _check_memory(report):
@@ -308,6 +309,22 @@ def test_suite_runs_tiny_from_the_command_line(suite, command_line_reports):
     for row in report['rows']:
         assert set(report['columns']) <= set(row)
     CHECKS[suite](report)
+
+
+def test_reports_list_the_programs_their_suites_compiled(command_line_reports):
+    """A report's `programs` are the fingerprints of what its suite compiled, in order: the same
+    program compiled by another suite of the process has the same one, another program another."""
+    _, out = command_line_reports
+    found = {s: json.loads((out / f'{s}.json').read_text())['programs']
+             for s in ('peak', 'train', 'lamemo', 'compile', 'devices')}
+    peak = found['peak']
+    assert len(peak) == 4 and len(set(peak)) == 4  # Two products, each in two dtypes.
+    # The train and lamemo suites measure the same peak first (their MFU's denominator).
+    assert found['train'][:4] == peak == found['lamemo'][:4]
+    assert len(found['train']) == 4 + 3 and len(set(found['train'][4:])) == 3  # One step per model size.
+    assert len(found['lamemo']) == 4 + 4 and len(set(found['lamemo'][4:])) == 4  # Two shapes x XL, LaMemo.
+    assert len(found['compile']) == 4 and len(set(found['compile'])) == 4  # Depth x scan, once each.
+    assert len(found['devices']) == 2 and len(set(found['devices'])) == 2  # 1 and 8 devices, from workers.
 
 
 @pytest.mark.parametrize('cpuinfo,expected', [

@@ -37,6 +37,9 @@ from memjax.errors import BenchError  # re-exported for the suites
 SIZES = ('tiny', 'full')
 MIB, GIB = 2.0 ** 20, 2.0 ** 30
 _SUITES: dict[str, Callable[['Context'], 'SuiteResult']] = {}
+# The fingerprints of the programs `compile_fn` compiled since the running suite started, in order:
+# its report lists them, so two reports show whether they timed the same programs.
+_programs: list[str] = []
 
 
 def register(name: str) -> Callable:
@@ -238,9 +241,20 @@ def compile_fn(fn: Callable, *args, clock: Callable[[], float] = time.perf_count
     lowered_at = clock()
     executable = lowered.compile()
     compiled = Compiled(executable, lowered_at - start, clock() - lowered_at)
+    _programs.append(hlo.fingerprint(hlo.program_text(executable)))
     print(f'[bench] compiled in {compiled.lower_s:.1f} s + {compiled.compile_s:.1f} s', file=sys.stderr,
           flush=True)
     return compiled
+
+
+def compiled_programs() -> list[str]:
+    """The fingerprints (`hlo.fingerprint`) of what `compile_fn` compiled since the suite started."""
+    return list(_programs)
+
+
+def add_compiled_programs(fingerprints: Sequence[str]) -> None:
+    """Counts programs a suite's worker process compiled as the suite's own."""
+    _programs.extend(fingerprints)
 
 
 def compile_and_time(fn: Callable, *args, ctx: 'Context') -> tuple[Compiled, Timing]:
@@ -396,6 +410,7 @@ def run_suite(name: str, ctx: Context, command: Optional[Sequence[str]] = None) 
         raise BenchError(f'the {name} suite has no parts; leave out --parts.')
     started = datetime.datetime.now(datetime.timezone.utc)
     start = time.perf_counter()
+    _programs.clear()
     result = suite(ctx)
     return _jsonable({
         'suite': name,
@@ -411,6 +426,7 @@ def run_suite(name: str, ctx: Context, command: Optional[Sequence[str]] = None) 
         'columns': list(result.columns),
         'rows': result.rows,
         'notes': result.notes,
+        'programs': compiled_programs(),
     })
 
 

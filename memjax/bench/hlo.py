@@ -1,9 +1,11 @@
 """Reading XLA's optimized HLO text: the FLOPs of each op's matrix products, memjax's CPU kernels
-included (which XLA's cost analysis does not see), and which ops are control flow."""
+included (which XLA's cost analysis does not see), which ops are control flow, and a program's
+fingerprint."""
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
 import re
 
@@ -12,6 +14,21 @@ from memjax.kernels import cpu as cpu_kernels
 INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\([^)]*\)|\S+?)(?:\{[^}]*\})? (\w[\w\-]*)\((.*)$')
 _COMPUTATION = re.compile(r'^\s*(?:ENTRY\s+)?%?([\w.\-]+) \(.*\{\s*$')
 _SHAPE = re.compile(r'\w+\[([\d,]*)\]')
+_LOCATION_LINE = re.compile(r'^\d+ (\{file_name_id=|\{file_location_id=|")')
+_METADATA = re.compile(r',? ?(metadata=\{[^}]*\}|stack_frame_id=\d+)')
+
+
+def program_text(compiled) -> str:
+    """A compiled program's (`jax.stages.Compiled`) optimized HLO without anything that names a
+    source location: they move with every edited line, the program does not."""
+    lines = compiled.as_text().splitlines()
+    return '\n'.join(_METADATA.sub('', line) for line in lines if not _LOCATION_LINE.match(line))
+
+
+def fingerprint(text: str) -> str:
+    """16 hex digits of `program_text`'s SHA-256: equal on one machine and jax version for the same
+    program."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _dims(shape: str) -> list[int]:

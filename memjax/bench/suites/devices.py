@@ -55,7 +55,7 @@ def measure_on_all_devices(request: dict[str, Any]) -> dict[str, Any]:
                                     out_shardings=in_shardings[:3] + (partitioner.replicated,))
     return {'device_count': jax.device_count(), 'mesh': dict(partitioner.mesh.shape),
             'batch_rows_per_device': shard_rows,
-            'xla_flags': os.environ.get('XLA_FLAGS', ''), **measured}
+            'xla_flags': os.environ.get('XLA_FLAGS', ''), 'programs': harness.compiled_programs(), **measured}
 
 
 def _run_worker(device_count: int, request: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +87,7 @@ def _suite():
         for count in DEVICE_COUNTS:
             ctx.log(f'devices: {count} simulated device(s), global batch {setting["batch"]}')
             result = _run_worker(count, request)
+            harness.add_compiled_programs(result['programs'])
             rows.append({'devices': result['device_count'], 'mesh': result['mesh'],
                          'global_batch': setting['batch'], 'per_device_batch': result['batch_rows_per_device'],
                          'tgt_len': setting['seq'], 'compile_s': result['compile_s'],

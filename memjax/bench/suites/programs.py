@@ -12,8 +12,6 @@ the same programs.
 
 from __future__ import annotations
 
-import hashlib
-import re
 import tempfile
 
 import jax
@@ -22,6 +20,7 @@ import jax.numpy as jnp
 from memjax import config_lib
 from memjax import model as model_lib
 from memjax.bench import harness
+from memjax.bench import hlo
 from memjax.training import experiment
 
 # Model field overrides of each case over the small model below.
@@ -34,15 +33,6 @@ CASES = {
 }
 SHAPE = dict(d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=128, mem_len=16, dropout=0.1)
 TINY_SHAPE = dict(d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, mem_len=8, dropout=0.1)
-_LOCATION_LINE = re.compile(r'^\d+ (\{file_name_id=|\{file_location_id=|")')
-_METADATA = re.compile(r',? ?(metadata=\{[^}]*\}|stack_frame_id=\d+)')
-
-
-def program_text(compiled: jax.stages.Compiled) -> str:
-    """The optimized HLO without anything that names a source location."""
-    lines = compiled.as_text().splitlines()
-    return '\n'.join(_METADATA.sub('', line) for line in lines if not _LOCATION_LINE.match(line))
-
 
 def _experiment(overrides: dict, shape: dict, batch: int, tgt_len: int) -> experiment.Experiment:
     config = config_lib.base_config()
@@ -76,8 +66,8 @@ def fingerprints(overrides: dict, shape: dict, batch: int = 4, tgt_len: int = 16
     """{'train': {...}, 'eval': {...}}: each step's fingerprint and size, for one model."""
     out = {}
     for name, program in lowered_steps(_experiment(overrides, shape, batch, tgt_len)).items():
-        text = program_text(program.compile())
-        out[name] = {'fingerprint': hashlib.sha256(text.encode()).hexdigest()[:16],
+        text = hlo.program_text(program.compile())
+        out[name] = {'fingerprint': hlo.fingerprint(text),
                      'instructions': sum(1 for line in text.splitlines() if ' = ' in line)}
     return out
 
