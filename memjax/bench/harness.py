@@ -13,6 +13,7 @@ invocation, because this machine is shared and absolute numbers drift between ru
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib
@@ -24,7 +25,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 import ml_collections
@@ -37,9 +38,10 @@ from memjax.errors import BenchError  # re-exported for the suites
 SIZES = ('tiny', 'full')
 MIB, GIB = 2.0 ** 20, 2.0 ** 30
 _SUITES: dict[str, Callable[['Context'], 'SuiteResult']] = {}
-# The fingerprints of the programs `compile_fn` compiled since the running suite started, in order:
-# its report lists them, so two reports show whether they timed the same programs.
-_programs: list[str] = []
+# The fingerprints of the programs `compile_fn` compiled since the running suite started, in order
+# (None: no suite running): its report lists them, so two reports show whether they timed the same
+# programs.
+_programs: Optional[list[str]] = None
 
 
 def register(name: str) -> Callable:
@@ -208,6 +210,11 @@ class Compiled:
     compile_s: float
 
     @property
+    def total_s(self) -> float:
+        """Tracing and lowering plus XLA's compile."""
+        return self.lower_s + self.compile_s
+
+    @property
     def flops(self) -> Optional[float]:
         """XLA's cost-analysis FLOP count of one call plus the products of memjax's CPU kernels in
         it, which that analysis cannot see (None where the backend gives no count)."""
@@ -227,8 +234,8 @@ class Compiled:
     @property
     def live_bytes(self) -> int:
         """Bytes a call holds at its peak by XLA's buffer assignment, if every temporary were alive at
-        once (an upper bound; XLA's CPU client reports no finer peak): its arguments, its temporaries
-        and the outputs that do not reuse a donated argument."""
+        once (an upper bound where the backend reports no finer peak, as XLA's CPU client does): its
+        arguments, its temporaries and the outputs that do not reuse a donated argument."""
         m = self.memory()
         return m['argument_size_bytes'] + m['output_size_bytes'] - m['alias_size_bytes'] + m['temp_size_bytes']
 
@@ -241,20 +248,29 @@ def compile_fn(fn: Callable, *args, clock: Callable[[], float] = time.perf_count
     lowered_at = clock()
     executable = lowered.compile()
     compiled = Compiled(executable, lowered_at - start, clock() - lowered_at)
-    _programs.append(hlo.fingerprint(hlo.program_text(executable)))
+    if _programs is not None:
+        _programs.append(hlo.fingerprint(hlo.program_text(executable)))
     print(f'[bench] compiled in {compiled.lower_s:.1f} s + {compiled.compile_s:.1f} s', file=sys.stderr,
           flush=True)
     return compiled
 
 
-def compiled_programs() -> list[str]:
-    """The fingerprints (`hlo.fingerprint`) of what `compile_fn` compiled since the suite started."""
-    return list(_programs)
+@contextlib.contextmanager
+def recording_programs() -> Iterator[list[str]]:
+    """The list that collects the fingerprints (`hlo.fingerprint`) of what `compile_fn` compiles
+    inside the block (a suite, or a suite's worker process)."""
+    global _programs  # pylint: disable=global-statement
+    _programs = []
+    try:
+        yield _programs
+    finally:
+        _programs = None
 
 
 def add_compiled_programs(fingerprints: Sequence[str]) -> None:
     """Counts programs a suite's worker process compiled as the suite's own."""
-    _programs.extend(fingerprints)
+    if _programs is not None:
+        _programs.extend(fingerprints)
 
 
 def compile_and_time(fn: Callable, *args, ctx: 'Context') -> tuple[Compiled, Timing]:
@@ -410,8 +426,8 @@ def run_suite(name: str, ctx: Context, command: Optional[Sequence[str]] = None) 
         raise BenchError(f'the {name} suite has no parts; leave out --parts.')
     started = datetime.datetime.now(datetime.timezone.utc)
     start = time.perf_counter()
-    _programs.clear()
-    result = suite(ctx)
+    with recording_programs() as compiled_programs:
+        result = suite(ctx)
     return _jsonable({
         'suite': name,
         'size': ctx.size,
@@ -426,7 +442,7 @@ def run_suite(name: str, ctx: Context, command: Optional[Sequence[str]] = None) 
         'columns': list(result.columns),
         'rows': result.rows,
         'notes': result.notes,
-        'programs': compiled_programs(),
+        'programs': compiled_programs,
     })
 
 

@@ -21,7 +21,7 @@ _METADATA = re.compile(r',? ?(metadata=\{[^}]*\}|stack_frame_id=\d+)')
 def program_text(compiled) -> str:
     """A compiled program's (`jax.stages.Compiled`) optimized HLO without anything that names a
     source location: they move with every edited line, the program does not."""
-    lines = compiled.as_text().splitlines()
+    lines = (compiled.as_text() or '').splitlines()  # None where a backend has no text form.
     return '\n'.join(_METADATA.sub('', line) for line in lines if not _LOCATION_LINE.match(line))
 
 

@@ -187,16 +187,13 @@ class Case:
 
     `loop()` runs one step on the case's own state (a training step's parameters, optimizer state
     and memory, an evaluation's memory), which it feeds back; `tokens` is what a call processes
-    (batch x segment), `work` the training workload (None for an evaluation)."""
+    (batch x segment), `work` the training workload (None for an evaluation). Once the loop has run,
+    the workload's state arrays are consumed (donated): its other fields, the model config and
+    shapes, are still there to read."""
     compiled: harness.Compiled
     loop: Callable[[], Any]
     tokens: int
     work: Optional[TrainWorkload] = None
-
-    @property
-    def seconds_to_compile(self) -> float:
-        """Tracing and lowering plus XLA's compile."""
-        return self.compiled.lower_s + self.compiled.compile_s
 
     def on(self, work: TrainWorkload) -> 'Case':
         """The same compiled training step, its loop on `work`'s state and batch (same shapes)."""
@@ -242,7 +239,7 @@ def random_eval_case(mcfg: model_lib.ModelConfig, batch_size: int, tgt_len: int,
                      trained: Optional[model_lib.ModelConfig] = None) -> Case:
     """`eval_case` on fresh parameters of `trained` (default: `mcfg`, which may be its evaluation
     config) and a random segment."""
-    trained = trained or mcfg
+    trained = mcfg if trained is None else trained
     params = model_lib.init_params(trained, jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (batch_size, tgt_len + 1), 0, trained.vocab_size, jnp.int32)
     return eval_case(mcfg, params, tokens[:, :-1], tokens[:, 1:])

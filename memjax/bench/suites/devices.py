@@ -50,12 +50,13 @@ def measure_on_all_devices(request: dict[str, Any]) -> dict[str, Any]:
     work = workload.TrainWorkload(**{**work.__dict__, **dict(zip(
         ('params', 'opt_state', 'memory', 'batch', 'key'), placed))})
     shard_rows = work.batch['inputs'].addressable_shards[0].data.shape[0]
-    with partitioner.context():  # The model's activation constraints apply during tracing.
+    # The model's activation constraints apply during tracing.
+    with partitioner.context(), harness.recording_programs() as programs:
         measured = workload.measure(work, ctx, in_shardings=in_shardings,
                                     out_shardings=in_shardings[:3] + (partitioner.replicated,))
     return {'device_count': jax.device_count(), 'mesh': dict(partitioner.mesh.shape),
             'batch_rows_per_device': shard_rows,
-            'xla_flags': os.environ.get('XLA_FLAGS', ''), 'programs': harness.compiled_programs(), **measured}
+            'xla_flags': os.environ.get('XLA_FLAGS', ''), 'programs': programs, **measured}
 
 
 def _run_worker(device_count: int, request: dict[str, Any]) -> dict[str, Any]:

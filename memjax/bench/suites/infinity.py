@@ -44,9 +44,8 @@ def _loops(ctx, mcfg, batch_size: int, tgt_len: int, contexts: tuple) -> dict:
     for context in sorted(contexts):
         memories[context] = workload.copy_tree(evaluation.fill(context - filled, tgt_len).loop.memory)
         filled = context
-    step = workload.compile_step(work).executable
-    copy = workload.copy_tree
-    return {c: (workload.StepLoop(step, dataclasses.replace(workload.copy_state(work), memory=copy(m))),
+    training, copy = workload.train_case(work), workload.copy_tree
+    return {c: (training.on(dataclasses.replace(workload.copy_state(work), memory=copy(m))).loop,
                 evaluation.loop.starting_from(copy(m)))
             for c, m in memories.items()}
 

@@ -165,7 +165,7 @@ def measure_vocab(vocab: peer.Vocab, shape: peer.Shape, ctx: harness.Context, pe
     hf_model, mcfg, params = peer.build_pair(shape, vocab)
     peer.check_same_model(hf_model, mcfg, params, shape)
     tokens = peer.random_tokens(vocab.vocab_size, shape.batch_size, shape.tgt_len + 1, seed=2)
-    ours = peer.memjax_cases(mcfg, params, tokens, shape)
+    ours = peer.memjax_cases(mcfg, params, tokens, shape, reprojecting=False)
     forwards = {'hf_eager': hf_model, **({'hf_compiled': torch.compile(hf_model)} if try_compile else {})}
     theirs = {impl: peer.hf_loops(hf_model, forward, tokens, shape) for impl, forward in forwards.items()}
     rows, figures = [], {}

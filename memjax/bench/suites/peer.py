@@ -276,14 +276,14 @@ def memjax_cases(mcfg: model_lib.ModelConfig, params, tokens: np.ndarray, shape:
     return cases
 
 
-def time_against_hf(ctx: harness.Context, label: str, ours: dict[str, workload.Case], theirs: dict[str, Callable],
-                    errors: dict[str, str]) -> tuple[dict[str, harness.Timing], dict[str, float]]:
+def time_against_hf(ctx: harness.Context, label: str, ours: dict[str, workload.Case], theirs: dict[str, Callable]
+                    ) -> tuple[dict[str, harness.Timing], dict[str, float], dict[str, str]]:
     """memjax's cases and HF's loops of one mode timed round-robin, each timed step after an
-    untimed one of its own: (timings, seconds of each one's first call; memjax's: its compile).
-    An HF variant whose first call fails (torch.compile's failures vary) is left out, its error
-    in `errors`; eager HF's failure is raised."""
+    untimed one of its own: (timings, seconds of each one's first call (memjax's: its compile),
+    errors). An HF variant whose first call fails (torch.compile's failures vary) is left out, its
+    error in `errors`; eager HF's failure is raised."""
     calls = {name: case.loop for name, case in ours.items()}
-    first_s = {name: case.seconds_to_compile for name, case in ours.items()}
+    first_s, errors = {name: case.compiled.total_s for name, case in ours.items()}, {}
     for call in calls.values():
         first_call_seconds(call)
     for impl, call in theirs.items():
@@ -297,7 +297,8 @@ def time_against_hf(ctx: harness.Context, label: str, ours: dict[str, workload.C
             continue
         calls[impl] = call
     ctx.log(f'{label}: timing {", ".join(calls)} interleaved')
-    return harness.time_interleaved(calls, warmup=max(ctx.warmup - 1, 0), repeats=ctx.repeats, settle=1), first_s
+    timings = harness.time_interleaved(calls, warmup=max(ctx.warmup - 1, 0), repeats=ctx.repeats, settle=1)
+    return timings, first_s, errors
 
 
 def _criterion_in_float32(hf_model) -> None:
@@ -360,22 +361,20 @@ def measure_vocab(vocab: Vocab, shape: Shape, ctx: harness.Context, try_compile:
     tokens_per_step = shape.batch_size * shape.tgt_len
     rows, errors = [], {}
 
-    ours = memjax_cases(mcfg, params, tokens, shape)
-    threads = torch.get_num_threads()
+    cases = memjax_cases(mcfg, params, tokens, shape)
+    threads = torch.get_num_threads()  # Set back at the end: the 1-thread variant changes it.
     # One thread too: on a shared machine torch's OpenMP threads can stall each other for seconds
     # when the cores are oversubscribed, which the 2-thread rows alone would hide.
     impls = {'hf_eager': (hf_model, threads), 'hf_eager_1thread': (hf_model, 1)}
     if try_compile:
         impls['hf_compiled'] = (torch.compile(hf_model), threads)
     theirs = {impl: hf_loops(hf_model, forward, tokens, shape) for impl, (forward, _) in impls.items()}
-    memjax_sides = {'train': {'memjax': ours['train']},
-                    'eval': {'memjax': ours['eval'], 'memjax_reprojecting': ours['eval_reprojecting']}}
+    memjax_sides = {'train': {'memjax': cases['train']},
+                    'eval': {'memjax': cases['eval'], 'memjax_reprojecting': cases['eval_reprojecting']}}
     for mode, sides in memjax_sides.items():
-        failed = {}
-        timings, first_s = time_against_hf(
+        timings, first_s, failed = time_against_hf(
             ctx, f'peer: {vocab.name} {mode}', sides,
-            {impl: with_torch_threads(theirs[impl][mode], impl_threads) for impl, (_, impl_threads) in impls.items()},
-            failed)
+            {impl: with_torch_threads(theirs[impl][mode], impl_threads) for impl, (_, impl_threads) in impls.items()})
         errors.update({f'{impl}_{mode}': error for impl, error in failed.items()})
         # An HF first call is a compile for torch.compile only; memjax's compile is its own.
         compile_s = {impl: seconds if impl in sides or impl == 'hf_compiled' else None
