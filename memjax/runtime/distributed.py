@@ -9,7 +9,9 @@ under `--distributed=on`).
 
 Every wait is bounded: joining gives up after `--initialization_timeout` seconds with
 an error that says which side is missing, and a peer not heard from for `--heartbeat_timeout`
-seconds ends every other process with a line that names it (memjax/runtime/peer_watch.py).
+seconds ends every other process with a line that names it (memjax/runtime/peer_watch.py). Process
+0 hosts JAX's coordination service: when it is lost, JAX aborts the others at once, and their
+standard error guard (memjax/runtime/stderr_guard.py) says so in one line.
 """
 
 import contextlib
@@ -29,6 +31,7 @@ import numpy as np
 from memjax import early_sigterm
 from memjax import errors
 from memjax.runtime import peer_watch
+from memjax.runtime import stderr_guard
 
 MODES = ('auto', 'on', 'off')
 ENV_COORDINATOR = 'MEMJAX_COORDINATOR_ADDRESS'
@@ -235,6 +238,7 @@ def initialize(settings: Settings) -> bool:
                 '--process_id, or use --distributed=auto.') from None
     logging.info('Process %d of %d; %d of %d devices are local.', jax.process_index(),
                  jax.process_count(), jax.local_device_count(), jax.device_count())
+    stderr_guard.start(jax.process_index(), jax.process_count())
     _watch_peers(settings.heartbeat_timeout)
     return True
 
