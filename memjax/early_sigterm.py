@@ -15,17 +15,18 @@ in whatever callback runs then (a crash in a compile thread, an ignored exceptio
 goes on training: Python's own KeyboardInterrupt was lost so). So `install()` blocks both signals
 in the main thread before any other thread exists (every later thread inherits the block, an
 exec'd process too, with a pending signal) and one thread waits for them with sigwait and acts at
-once; `os._exit` skips the interpreter teardown that other threads would trip over. In a
+once; `errors.exit_now` (os._exit) skips the interpreter teardown that other threads would trip over. In a
 multi-process run `hand_over()` gives them back before `jax.distributed.initialize`, whose
 preemption service must own SIGTERM there.
 """
 
 import contextlib
-import os
 import signal
 import sys
 import threading
 from typing import Callable, Iterator, Optional
+
+from memjax import errors
 
 INTERRUPTED = 130  # A shell's status for a command stopped by Ctrl-C.
 _reactions: list[Callable[[], None]] = []  # The innermost diversion answers.
@@ -96,8 +97,7 @@ def stop(message: str = '', exit_code: Optional[int] = None) -> None:
         except Exception:  # pylint: disable=broad-except  (stopping matters more)
             pass
     print(message, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(exit_code)  # pylint: disable=protected-access
+    errors.exit_now(exit_code)
 
 
 @contextlib.contextmanager

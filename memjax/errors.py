@@ -7,7 +7,10 @@ usage error will fail again on a retry, a runtime error may not.
 
 import os
 import sys
-from typing import NoReturn
+from typing import Callable, NoReturn
+
+# Called by `exit_now` before the process ends, each briefly (the standard-error guard's sync).
+_before_exit: list[Callable[[], None]] = []
 
 
 def failed(*checks: tuple[bool, str]) -> list[str]:
@@ -25,7 +28,14 @@ def exit_now(exit_code: int) -> NoReturn:
     never exits holds its cluster allocation."""
     sys.stdout.flush()
     sys.stderr.flush()
+    for hook in _before_exit:
+        hook()
     os._exit(exit_code)  # pylint: disable=protected-access
+
+
+def before_exit(hook: Callable[[], None]) -> None:
+    """`hook()` runs when `exit_now` ends the process (it must return within seconds)."""
+    _before_exit.append(hook)
 
 
 class UserError(Exception):

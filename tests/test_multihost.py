@@ -111,11 +111,11 @@ def _appears(folder, name: str, run: cli_fixtures.Run) -> list[str]:
     raise AssertionError(f'no {name} in {folder}:\n{run.log()[-3000:]}')
 
 
-def _guarded_log(run: cli_fixtures.Run) -> str:
+def _guarded_log(run: cli_fixtures.Run, line: str) -> str:
     """The log of an aborted process once its standard-error guard, which outlives it, has written
-    its line (memjax/runtime/stderr_guard.py)."""
+    `line` (memjax/runtime/stderr_guard.py), or after 10 s."""
     deadline = time.time() + 10
-    while 'memjax: ' not in run.log() and time.time() < deadline:
+    while line not in run.log() and time.time() < deadline:
         time.sleep(0.05)
     return run.log()
 
@@ -158,26 +158,26 @@ def two_process_run(corpus, tmp_path_factory):
     before_restart = dict(checkpoints=sorted(os.listdir(root / 'two' / 'checkpoints')),
                           lock=os.path.exists(root / 'two' / '.memjax.lock'),
                           scalars=metrics_lib.read_scalars(str(root / 'two')))
-    # Killed again while step 24's checkpoint is being written (orbax's temporary folder exists), this
-    # time process 0, which hosts JAX's coordination service: JAX aborts process 1 (SIGABRT).
+    # Killed again while step 24's checkpoint is being written (orbax's temporary folder exists).
     restarted = launch('restarted')
     saving = _appears(root / 'two' / 'checkpoints', '24.orbax-checkpoint-tmp', restarted[0])
-    restarted[0].process.kill()
+    restarted[1].process.kill()
     killed_at = time.time()
-    cli_fixtures.checked(restarted[1], expected_code=-signal.SIGABRT)
+    saving_survivor_log = cli_fixtures.checked(restarted[0], expected_code=3)
     saving_survivor_s = time.time() - killed_at
-    saving_survivor_log = _guarded_log(restarted[1])
-    restarted[0].wait()
+    restarted[1].wait()
     mid_save = dict(seen=saving, checkpoints=sorted(os.listdir(root / 'two' / 'checkpoints')))
     restarted_logs = [cli_fixtures.checked(run) for run in launch('completed')]
-    # An evaluation killed once it has restored the parameters and read the data (compiling or scoring).
+    # An evaluation killed once it has restored the parameters and read the data (compiling or
+    # scoring), this time in process 0, which hosts JAX's coordination service: JAX aborts process 1.
     evaluating = launch('evaluate_killed', module='memjax.evaluate')
     evaluating[0].wait_for_text('Evaluating step')
-    evaluating[1].process.kill()
+    evaluating[0].process.kill()
     killed_at = time.time()
-    evaluating_survivor_log = cli_fixtures.checked(evaluating[0], expected_code=3)
+    cli_fixtures.checked(evaluating[1], expected_code=-signal.SIGABRT)
     evaluating_survivor_s = time.time() - killed_at
-    evaluating[1].wait()
+    evaluating_survivor_log = _guarded_log(evaluating[1], stderr_guard.lost_coordinator_line(1, 2))
+    evaluating[0].wait()
     evaluation_left = os.path.exists(root / 'two' / 'eval_validation.json')
     for run in launch('evaluate', module='memjax.evaluate'):
         cli_fixtures.checked(run)
@@ -232,27 +232,28 @@ def assert_stopped_in_one_line(log: str, seconds: float) -> None:
     assert 'Traceback' not in log and 'Fatal Python error' not in log and 'Checkpoint error' not in log
 
 
-def test_process_0_killed_while_a_checkpoint_is_written_stops_the_other_in_one_line_and_a_restart_resumes(
-        two_process_run):
+def test_a_process_killed_while_a_checkpoint_is_written_leaves_the_previous_one_newest(two_process_run):
+    """The save's own collectives fail at once; the line is still the lost process's (not a disk's),
+    and the half-written step stays orbax's temporary folder, which a restart passes over."""
+    assert_stopped_in_one_line(two_process_run['saving_survivor_log'], two_process_run['saving_survivor_s'])
+    mid_save = two_process_run['mid_save']
+    assert '24' not in mid_save['seen'] and '24' not in mid_save['checkpoints']
+    assert '(step 16)' in two_process_run['restarted_logs'][0]
+
+
+def test_process_0_killed_during_an_evaluation_stops_the_other_at_once_in_one_line(two_process_run):
     """Process 0 hosts JAX's coordination service: without it JAX aborts process 1 at once, and the
     guard of process 1's standard error puts one line in place of JAX's warnings, fatal error and
-    dump. The half-written step stays orbax's temporary folder, which a restart passes over (the
-    dead holder's lock taken over)."""
-    log, seconds = two_process_run['saving_survivor_log'], two_process_run['saving_survivor_s']
+    dump. Nothing is written as the evaluation's result; the evaluation run again afterwards (its
+    lock's dead holder passed over) scores the split (test below)."""
+    log, seconds = two_process_run['evaluating_survivor_log'], two_process_run['evaluating_survivor_s']
     assert seconds < LOSS_BOUND_S
     lines = [line for line in log.splitlines() if line.startswith('memjax: ')]
     assert lines == [stderr_guard.lost_coordinator_line(1, 2)], log[-3000:]
     for jax_abort in ('Terminating process', 'Check failure stack trace', 'Polled an error', 'Socket closed',
                       'Traceback', 'Fatal Python error'):
         assert jax_abort not in log, log[-3000:]
-    mid_save = two_process_run['mid_save']
-    assert '24' not in mid_save['seen'] and '24' not in mid_save['checkpoints']
-    assert '(step 16)' in two_process_run['restarted_logs'][0]
-
-
-def test_a_process_killed_during_an_evaluation_stops_the_other_within_the_bound(two_process_run):
-    assert_stopped_in_one_line(two_process_run['evaluating_survivor_log'], two_process_run['evaluating_survivor_s'])
-    assert not two_process_run['evaluation_left']  # No result written by the stopped evaluation.
+    assert not two_process_run['evaluation_left']
 
 
 def test_two_processes_agree_and_match_one_process(two_process_run):

@@ -1,5 +1,6 @@
 """The standard-error guard of processes 1..N-1: JAX's abort on a lost coordinator becomes one line."""
 
+import select
 import signal
 import subprocess
 import sys
@@ -81,18 +82,36 @@ def test_an_exit_sync_lets_out_what_is_held_and_is_not_written():
     assert lines.feed(b'last\n' + stderr_guard.SYNC[:5], 0.0) == warning.encode() + b'last\n'
     assert lines.syncs == 0
     assert lines.feed(stderr_guard.SYNC[5:] + b'\n', 0.0) == b'' and lines.syncs == 1
+    # After text without its newline (held when it may be JAX's): that text goes out, the sync does not.
+    assert lines.feed(b'Almost' + stderr_guard.SYNC + b'\n', 0.0) == b'Almost' and lines.syncs == 2
 
 
 def test_the_guard_process_forwards_its_input_answers_a_sync_and_outlives_a_ctrl_c():
     """The guard as memjax starts it: stdin to stderr through the filter, SIGINT ignored, each sync
     answered on its stdout once what came before it is out."""
-    guard = subprocess.Popen([sys.executable, '-m', 'memjax.runtime.stderr_guard', '1', '2'],
+    guard = subprocess.Popen([sys.executable, stderr_guard.__file__, '1', '2'],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     guard.stdin.write(b'a line\n' + stderr_guard.SYNC + b'\n')
     guard.stdin.flush()
+    assert select.select([guard.stdout], [], [], 30)[0], 'no answer to the sync'
     assert guard.stdout.read(1) == b'.' and guard.stderr.readline() == b'a line\n'  # Running, signals set.
     guard.send_signal(signal.SIGINT)
     guard.stdin.write(('more\n' + JAX_ABORT).encode())
     guard.stdin.close()
     assert guard.wait(30) == 0
     assert guard.stderr.read().decode() == 'more\n' + LINE
+
+
+def test_a_process_whose_guard_dies_gets_its_standard_error_back():
+    script = ('import os, signal, sys, time\n'
+              'from memjax.runtime import stderr_guard\n'
+              'stderr_guard.start(1, 2)\n'
+              'print("through the guard", file=sys.stderr, flush=True)\n'
+              'stderr_guard.sync()\n'
+              'os.kill(stderr_guard._guarded.guard.pid, signal.SIGKILL)\n'
+              'deadline = time.time() + 30\n'
+              'while stderr_guard._guarded.alive and time.time() < deadline:\n'
+              '    time.sleep(0.01)\n'
+              'print("after its end", file=sys.stderr, flush=True)\n')
+    done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=60, check=False)
+    assert (done.returncode, done.stderr) == (0, 'through the guard\nafter its end\n')

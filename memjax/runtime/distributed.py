@@ -189,7 +189,7 @@ def _deadline(seconds: float, message: str) -> Iterator[None]:
     """
     def expire():
         logging.error(message)
-        os._exit(1)  # The main thread is stuck in C++; nothing else can stop it.
+        errors.exit_now(1)  # The main thread is stuck in C++; nothing else can stop it.
 
     timer = threading.Timer(seconds, expire)
     timer.daemon = True

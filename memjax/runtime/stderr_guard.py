@@ -10,7 +10,12 @@ process of its own, which outlives the abort by construction: it forwards what i
 comes, and when JAX's fatal line says the coordination service cannot be reached, it writes
 memjax's line in its place and leaves out JAX's warnings just before (held for `HOLD_S`) and the
 dump after (the process still ends as JAX ends it: SIGABRT, exit status 134 in a shell). Any other
-output, another fatal error included, passes through unchanged.
+output, another fatal error included, passes through unchanged. A guard that dies gives standard
+error back to the process.
+
+The guard forwards what it reads as it comes, so a process's last lines may reach the terminal just
+after the process has ended; a process ending by `errors.exit_now` or Python's own exit first waits
+(at most `_SYNC_S`) until the guard has written everything before that point.
 """
 
 import atexit
@@ -20,6 +25,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -28,7 +34,7 @@ FATAL = 'Terminating process because the JAX distributed service detected fatal 
 UNREACHABLE = 'Failed to send RPC to coordination service'
 # The lines JAX writes when the service goes away, before its fatal line: held this long, dropped
 # if the fatal line follows, else forwarded.
-HOLD_S = 2.0
+HOLD_S = 5.0
 _NOISE = re.compile(r'^[WE]\d{4} [\d:.]+\s+\d+ (preemption_sync_manager|coordination_service_agent|client)\.|'
                     r'^Additional GRPC error information|^:UNKNOWN:Error received from peer')
 # Written by the guarded process at its exit, answered on the guard's standard output once every
@@ -37,14 +43,15 @@ _NOISE = re.compile(r'^[WE]\d{4} [\d:.]+\s+\d+ (preemption_sync_manager|coordina
 SYNC = b'\0memjax-stderr-guard-sync\0'
 # The first characters of a line that may be JAX's (a log line's severity, its gRPC details) or SYNC.
 _MAY_BE_JAX = tuple(b'IWEFA:\0')
-# How long memjax waits at exit for the guard to write what it still holds.
-_DRAIN_S = 5.0
+# How long an exiting process waits for the guard to have written what came before.
+_SYNC_S = 5.0
 
 
 def lost_coordinator_line(process_id: int, num_processes: int) -> str:
-    return (f'memjax: process 0 of {num_processes}, which hosts the coordination service, cannot be reached '
-            f'(killed, or its host is gone); process {process_id} stops too (JAX aborts it). Start every '
-            'process again with the same command to resume from the newest complete checkpoint.')
+    return (f'memjax: process 0 of {num_processes}, which hosts the coordination service, has ended or cannot '
+            'be reached (its log says which: an error of its own, or nothing if it was killed or its host is '
+            f'gone); process {process_id} stops too (JAX aborts it). Start every process again with the same '
+            'command to resume from the newest complete checkpoint.')
 
 
 class Filter:
@@ -70,9 +77,9 @@ class Filter:
                 self.lost, self._held, self._partial = True, [], b''
                 out.append(self._line)
                 return b''.join(out)
-            if line == SYNC:  # The process exits: nothing is held back any longer.
+            if line.endswith(SYNC):  # The process exits: nothing is held back any longer.
                 self.syncs += 1
-                out += [held for _, held in self._held]
+                out += [held for _, held in self._held] + [line[:-len(SYNC)]]
                 self._held = []
             elif _NOISE.search(text):
                 self._held.append((now, line + b'\n'))
@@ -125,36 +132,62 @@ def _write(fd: int, data: bytes) -> None:
     while data:
         try:
             data = data[os.write(fd, data):]
-        except BrokenPipeError:
+        except OSError:  # Where it went is gone or full: nothing better to do with it.
             return
 
 
-_guard_process: Optional[subprocess.Popen] = None
+class _Guarded:
+    """This process's side: the guard, standard error as it was, and the guard's answers."""
+
+    def __init__(self, process_id: int, num_processes: int):
+        self.guard = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(process_id),
+                                       str(num_processes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.original = os.dup(2)
+        self.answered = threading.Semaphore(0)
+        self.alive = True
+        threading.Thread(target=self._answers, name='memjax-stderr-guard', daemon=True).start()
+        os.dup2(self.guard.stdin.fileno(), 2)
+
+    def _answers(self) -> None:
+        """Counts the guard's answers; if it ends (killed, say), gives standard error back."""
+        while os.read(self.guard.stdout.fileno(), 1):
+            self.answered.release()
+        self.alive = False
+        os.dup2(self.original, 2)
+        self.answered.release()
+
+    def sync(self) -> None:
+        sys.stderr.flush()
+        if not self.alive:
+            return
+        try:
+            os.write(2, SYNC + b'\n')
+        except OSError:
+            return
+        self.answered.acquire(timeout=_SYNC_S)
+
+
+_guarded: Optional[_Guarded] = None
 
 
 def start(process_id: int, num_processes: int) -> None:
     """From now on this process's standard error goes through a guard (processes 1..N-1 of a
     multi-process run, once it has joined)."""
-    global _guard_process  # pylint: disable=global-statement
-    if _guard_process is not None or process_id == 0:
+    from memjax import errors  # pylint: disable=g-import-not-at-top  (the guard, run as a file, needs none)
+    global _guarded  # pylint: disable=global-statement
+    if _guarded is not None or process_id == 0:
         return
     sys.stderr.flush()
-    _guard_process = subprocess.Popen([sys.executable, '-m', __name__, str(process_id), str(num_processes)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    os.dup2(_guard_process.stdin.fileno(), 2)
-    atexit.register(_drain)
+    _guarded = _Guarded(process_id, num_processes)
+    atexit.register(sync)
+    errors.before_exit(sync)
 
 
-def _drain() -> None:
-    """At exit: waits (at most _DRAIN_S) until the guard has written every line before this point."""
-    sys.stderr.flush()
-    try:
-        os.write(2, SYNC + b'\n')
-        ready, _, _ = select.select([_guard_process.stdout], [], [], _DRAIN_S)
-        if ready:
-            os.read(_guard_process.stdout.fileno(), 1)
-    except OSError:  # The guard is gone: nothing to wait for.
-        pass
+def sync() -> None:
+    """Waits (at most `_SYNC_S`) until the guard has written everything this process wrote to
+    standard error so far: before the process ends."""
+    if _guarded is not None:
+        _guarded.sync()
 
 
 if __name__ == '__main__':

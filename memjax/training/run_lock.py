@@ -271,8 +271,7 @@ class RunLock:
               f'{storage.GCS_TIMEOUT_VARIABLE}={storage.gcs_timeout_s():.0f}): the run stops; run the same command '
               'again once the bucket answers, which resumes from the newest complete checkpoint.',
               file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(errors.EXIT_RUNTIME)  # pylint: disable=protected-access
+        errors.exit_now(errors.EXIT_RUNTIME)
 
     def release(self) -> None:
         self._stop.set()
