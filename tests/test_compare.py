@@ -268,10 +268,13 @@ def test_sigterm_stops_the_comparison_after_the_checkpoint_and_a_second_comparis
     env = cli_fixtures.cpu_env(1)
     first = cli_fixtures.Run(command, env, str(tmp_path / 'first.log'))
     first.wait_for_text('step 20/60')
+    # Held still meanwhile (its lock held), so that its training cannot end before the SIGTERM.
+    first.process.send_signal(signal.SIGSTOP)
     second = cli_fixtures.checked(cli_fixtures.Run(command, env, str(tmp_path / 'second.log')), errors.EXIT_RUNTIME)
     assert 'in use by another comparison' in second and 'Traceback' not in second
     assert len([line for line in second.splitlines() if 'Workdir error' in line]) == 1
     first.process.send_signal(signal.SIGTERM)
+    first.process.send_signal(signal.SIGCONT)
     log = cli_fixtures.checked(first, 0)
     assert 'Stopped by SIGTERM' in log and 'Traceback' not in log
     run = os.path.join(workdir, 'none', 'seed0')

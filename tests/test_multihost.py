@@ -174,7 +174,7 @@ def two_process_run(corpus, tmp_path_factory):
     evaluating[0].wait_for_text('Evaluating step')
     evaluating[0].process.kill()
     killed_at = time.time()
-    cli_fixtures.checked(evaluating[1], expected_code=-signal.SIGABRT)
+    evaluating_survivor_code = evaluating[1].wait()
     evaluating_survivor_s = time.time() - killed_at
     evaluating_survivor_log = _guarded_log(evaluating[1], stderr_guard.lost_coordinator_line(1, 2))
     evaluating[0].wait()
@@ -186,6 +186,7 @@ def two_process_run(corpus, tmp_path_factory):
                 restarted_logs=restarted_logs, survivor_log=survivor_log, survivor_s=survivor_s,
                 saving_survivor_log=saving_survivor_log, saving_survivor_s=saving_survivor_s, mid_save=mid_save,
                 evaluating_survivor_log=evaluating_survivor_log, evaluating_survivor_s=evaluating_survivor_s,
+                evaluating_survivor_code=evaluating_survivor_code,
                 evaluation_left=evaluation_left,
                 before_restart=before_restart, preempted_checkpoints=preempted_checkpoints,
                 two=metrics_lib.read_scalars(str(root / 'two')),
@@ -248,6 +249,8 @@ def test_process_0_killed_during_an_evaluation_stops_the_other_at_once_in_one_li
     lock's dead holder passed over) scores the split (test below)."""
     log, seconds = two_process_run['evaluating_survivor_log'], two_process_run['evaluating_survivor_s']
     assert seconds < LOSS_BOUND_S
+    # Ended by JAX's abort: SIGABRT, or SIGSEGV where the abort meets another thread on the way out.
+    assert two_process_run['evaluating_survivor_code'] in (-signal.SIGABRT, -signal.SIGSEGV), log[-3000:]
     lines = [line for line in log.splitlines() if line.startswith('memjax: ')]
     assert lines == [stderr_guard.lost_coordinator_line(1, 2)], log[-3000:]
     for jax_abort in ('Terminating process', 'Check failure stack trace', 'Polled an error', 'Socket closed',

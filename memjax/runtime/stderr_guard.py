@@ -9,7 +9,8 @@ no Python type). So in processes 1..N-1 memjax's standard error passes through t
 process of its own, which outlives the abort by construction: it forwards what it reads as it
 comes, and when JAX's fatal line says the coordination service cannot be reached, it writes
 memjax's line in its place and leaves out JAX's warnings just before (held for `HOLD_S`) and the
-dump after (the process still ends as JAX ends it: SIGABRT, exit status 134 in a shell). Any other
+dump after (the process still ends as JAX ends it, by a signal: SIGABRT, exit status 134 in a shell,
+or SIGSEGV when the abort meets another thread on the way out). Any other
 output, another fatal error included, passes through unchanged. A guard that dies gives standard
 error back to the process.
 
