@@ -35,39 +35,52 @@ def _hlo(fn, *args) -> str:
     return jax.jit(fn).lower(*args).compile().as_text()
 
 
+def _normal(seed: int, *shapes) -> list:
+    """float32 standard normal operands of `shapes`, drawn by numpy: jax.random would compile a
+    program for every shape. The references below run jitted for the same reason (op by op, each of
+    their operations compiles for its shapes): both checks read only the values."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape, np.float32) for shape in shapes]
+
+
+def _perturbed(params, scale: float):
+    """Initial parameters moved off their initialisers' values (zero biases, unit LayerNorm gains)."""
+    leaves, treedef = jax.tree.flatten(jax.device_get(params))
+    return jax.tree.unflatten(treedef, [x + np.float32(scale) * noise for x, noise in
+                                        zip(leaves, _normal(1, *(x.shape for x in leaves)))])
+
+
 @needs_kernel
 @pytest.mark.parametrize('lead,m,k,n', [((2, 3), 7, 5, 37), ((4,), 13, 64, 32), ((1, 2), 6, 3, 3), ((), 1, 1, 1)])
 @pytest.mark.parametrize('transpose_rhs', [False, True])
 def test_product_equals_the_einsum_for_tails_and_leading_axes(lead, m, k, n, transpose_rhs):
     """Rows beyond the 6-row blocks, columns beyond the 32-wide blocks, any leading axes; the
     program really calls the kernel."""
-    ka, kb = jax.random.split(jax.random.PRNGKey(0))
-    lhs = jax.random.normal(ka, lead + (m, k))
-    rhs = jax.random.normal(kb, lead + ((n, k) if transpose_rhs else (k, n)))
+    lhs, rhs = _normal(0, lead + (m, k), lead + ((n, k) if transpose_rhs else (k, n)))
     reference = _nt if transpose_rhs else _nn
     fn = lambda a, b: cpu.product(reference, a, b, transpose_rhs=transpose_rhs)
-    np.testing.assert_allclose(jax.jit(fn)(lhs, rhs), reference(lhs, rhs), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(fn)(lhs, rhs), jax.jit(reference)(lhs, rhs), rtol=1e-5, atol=1e-5)
     assert f'custom_call_target="{cpu.TARGET}"' in _hlo(fn, lhs, rhs)
 
 
 @needs_kernel
 def test_product_gradient_is_the_einsums_and_it_vmaps():
     """Both layouts of rhs; rows of 9 and columns of 40 leave tails in the gradient's products."""
-    ka, kb, kc = jax.random.split(jax.random.PRNGKey(1), 3)
-    lhs, rhs, weight = (jax.random.normal(key, (3, 2, 9, 40)) for key in (ka, kb, kc))
+    lhs, rhs, weight = _normal(1, *3 * [(3, 2, 9, 40)])
     loss = lambda product: lambda a, b: jnp.sum(product(a, b) * weight[..., :9])
-    for reference, transpose_rhs, b in ((_nt, True, rhs), (_nn, False, jnp.swapaxes(rhs, -1, -2))):
+    for reference, transpose_rhs, b in ((_nt, True, rhs), (_nn, False, np.swapaxes(rhs, -1, -2))):
         fn = lambda x, y: cpu.product(reference, x, y, transpose_rhs=transpose_rhs)
         got = jax.jit(jax.grad(loss(fn), (0, 1)))(lhs, b)
-        expected = jax.grad(loss(reference), (0, 1))(lhs, b)
+        expected = jax.jit(jax.grad(loss(reference), (0, 1)))(lhs, b)
         for g, e in zip(got, expected):
             np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
         # The gradient's two products run the kernel too (the loss is linear: no forward is left),
         # one of them reading its lhs transposed.
         hlo = _hlo(jax.grad(loss(fn), (0, 1)), lhs, b)
         assert hlo.count(f'custom_call_target="{cpu.TARGET}"') == 2 and 'transpose_lhs = true' in hlo
-    batched = jax.jit(jax.vmap(lambda a, b: cpu.product(_nn, a, b)))(lhs, jnp.swapaxes(rhs, -1, -2))
-    np.testing.assert_allclose(batched, _nn(lhs, jnp.swapaxes(rhs, -1, -2)), rtol=1e-5, atol=1e-5)
+    batched = jax.jit(jax.vmap(lambda a, b: cpu.product(_nn, a, b)))(lhs, np.swapaxes(rhs, -1, -2))
+    np.testing.assert_allclose(batched, np.einsum('...mk,...kn->...mn', lhs, np.swapaxes(rhs, -1, -2)),
+                               rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
@@ -77,15 +90,12 @@ def test_a_long_contraction_of_few_products_is_the_einsum(lead, m, k, n):
     """Fewer products than threads (a weight gradient): columns split over the threads; a
     contraction past one chunk (128 terms) summed chunk by chunk, a partial last chunk and column
     tails included, an empty contraction all zeros; the lhs read transposed, as a weight gradient's x^T g."""
-    ka, kb = jax.random.split(jax.random.PRNGKey(5))
-    lhs = jax.random.normal(ka, lead + (k, m))
-    rhs = jax.random.normal(kb, lead + (k, n))
+    lhs, rhs = _normal(5, lead + (k, m), lead + (k, n))
+    expected = np.einsum('...km,...kn->...mn', lhs.astype(np.float64), rhs)
     got = jax.jit(lambda a, b: cpu._kernel(a, b, transpose_lhs=True))(lhs, rhs)
-    np.testing.assert_allclose(got, jnp.einsum('...km,...kn->...mn', lhs, rhs, precision='highest'),
-                               rtol=1e-4, atol=1e-4)
-    got = jax.jit(cpu._kernel)(jnp.swapaxes(lhs, -1, -2), rhs)
-    np.testing.assert_allclose(got, jnp.einsum('...km,...kn->...mn', lhs, rhs, precision='highest'),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    got = jax.jit(cpu._kernel)(np.swapaxes(lhs, -1, -2), rhs)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
 
 
 @needs_kernel
@@ -94,15 +104,13 @@ def test_a_long_contraction_of_few_products_is_the_einsum(lead, m, k, n):
 def test_linear_and_its_gradient_are_the_tensordots(x_shape, kernel_shape, in_dims):
     """A layer's linear map: the value and both gradients are XLA's tensordot's, the weight
     gradient computed by the kernel (x read transposed, no transpose of the output gradient)."""
-    kx, kk, kw = jax.random.split(jax.random.PRNGKey(6), 3)
-    x, kernel = jax.random.normal(kx, x_shape), jax.random.normal(kk, kernel_shape)
-    weight = jax.random.normal(kw, x_shape[:len(x_shape) - in_dims] + kernel_shape[in_dims:])
+    x, kernel, weight = _normal(6, x_shape, kernel_shape, x_shape[:len(x_shape) - in_dims] + kernel_shape[in_dims:])
     loss = lambda fn: lambda a, b: jnp.sum(fn(a, b) * weight)
     linear = lambda a, b: cpu.linear(a, b, in_dims)
     reference = lambda a, b: jnp.tensordot(a, b, axes=in_dims, precision='highest')
-    np.testing.assert_allclose(jax.jit(linear)(x, kernel), reference(x, kernel), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(linear)(x, kernel), jax.jit(reference)(x, kernel), rtol=1e-5, atol=1e-5)
     for got, expected in zip(jax.jit(jax.grad(loss(linear), (0, 1)))(x, kernel),
-                             jax.grad(loss(reference), (0, 1))(x, kernel)):
+                             jax.jit(jax.grad(loss(reference), (0, 1)))(x, kernel)):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     hlo = _hlo(jax.grad(loss(linear), (0, 1)), x, kernel)
     assert hlo.count(f'custom_call_target="{cpu.TARGET}"') == 1 and 'transpose_lhs = true' in hlo
@@ -112,13 +120,13 @@ def test_linear_and_its_gradient_are_the_tensordots(x_shape, kernel_shape, in_di
 def test_linear_transposed_and_its_gradient_are_the_einsums():
     """Scores against a table stored a row per output ([V, d], a vocabulary's): value and both
     gradients are the einsum's, the table's gradient from the kernel without transposing g."""
-    kx, kt, kw = jax.random.split(jax.random.PRNGKey(7), 3)
-    x, table, weight = jax.random.normal(kx, (3, 50, 24)), jax.random.normal(kt, (37, 24)), jax.random.normal(kw, (3, 50, 37))
+    x, table, weight = _normal(7, (3, 50, 24), (37, 24), (3, 50, 37))
     reference = lambda a, b: jnp.einsum('...d,vd->...v', a, b, precision='highest')
     loss = lambda fn: lambda a, b: jnp.sum(fn(a, b) * weight)
-    np.testing.assert_allclose(jax.jit(cpu.linear_transposed)(x, table), reference(x, table), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(jax.jit(cpu.linear_transposed)(x, table), jax.jit(reference)(x, table),
+                               rtol=1e-5, atol=1e-5)
     for got, expected in zip(jax.jit(jax.grad(loss(cpu.linear_transposed), (0, 1)))(x, table),
-                             jax.grad(loss(reference), (0, 1))(x, table)):
+                             jax.jit(jax.grad(loss(reference), (0, 1)))(x, table)):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
     hlo = _hlo(jax.grad(loss(cpu.linear_transposed), (0, 1)), x, table)
     assert hlo.count(f'custom_call_target="{cpu.TARGET}"') == 1 and 'transpose_lhs = true' in hlo
@@ -145,15 +153,14 @@ def test_attend_is_the_einsum_and_its_gradient(t, k, d, causal):
     head sizes and keys beyond the register blocks. Causal weights (zero after each query's own key):
     the kernel skips the zeros' terms; the weights' gradient is the einsum's inside the span and zero
     beyond it, which is what the softmax that made the zeros passes back."""
-    ka, kb, kc = jax.random.split(jax.random.PRNGKey(7), 3)
     inside = np.arange(k)[None, :] <= (k - t) + np.arange(t)[:, None] if causal else np.ones((t, k), bool)
-    weights = jnp.where(inside, jax.random.uniform(ka, (2, 3, t, k)), 0.0)
-    values, grad = jax.random.normal(kb, (2, k, 3, d)), jax.random.normal(kc, (2, t, 3, d))
+    weights = np.where(inside, np.random.default_rng(7).random((2, 3, t, k), np.float32), np.float32(0))
+    values, grad = _normal(7, (2, k, 3, d), (2, t, 3, d))
     reference = lambda p, v: jnp.einsum('bhtk,bkhd->bthd', p, v)
     fn = lambda p, v: cpu.attend(p, v, causal=causal)
     out, vjp = jax.vjp(jax.jit(fn), weights, values)
-    np.testing.assert_allclose(out, reference(weights, values), rtol=1e-5, atol=1e-5)
-    expected = jax.vjp(reference, weights, values)[1](grad)
+    np.testing.assert_allclose(out, jax.jit(reference)(weights, values), rtol=1e-5, atol=1e-5)
+    expected = jax.jit(lambda p, v, g: jax.vjp(reference, p, v)[1](g))(weights, values, grad)
     got = vjp(grad)
     np.testing.assert_allclose(got[0], np.where(inside, expected[0], 0.0), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(got[0])[..., ~inside], 0.0)
@@ -164,14 +171,14 @@ def test_attend_is_the_einsum_and_its_gradient(t, k, d, causal):
 
 def test_xla_products_where_the_kernel_does_not_apply(monkeypatch):
     """Switched off, or in bfloat16, the product is the einsum itself, bit for bit."""
-    a, b = jax.random.normal(jax.random.PRNGKey(2), (2, 4, 8)), jax.random.normal(jax.random.PRNGKey(3), (2, 8, 4))
+    a, b = _normal(2, (2, 4, 8), (2, 8, 4))
     monkeypatch.setenv(cpu.SWITCH, 'off')
     assert not cpu.applies(a, b)
     fn = lambda x, y: cpu.product(_nn, x, y)
     assert cpu.TARGET not in _hlo(fn, a, b)
     np.testing.assert_array_equal(jax.jit(fn)(a, b), jax.jit(_nn)(a, b))
     monkeypatch.setenv(cpu.SWITCH, 'on')
-    assert not cpu.applies(a.astype(jnp.bfloat16), b)
+    assert not cpu.applies(jnp.asarray(a, jnp.bfloat16), b)
 
 
 def test_a_failed_build_is_one_log_line_and_no_kernel(caplog, tmp_path, monkeypatch):
@@ -209,10 +216,9 @@ def _naive_span_scores(cq, k, pq, r, valid, scale):
 
 
 def _span_operands(batch, qlen, klen, heads, dim, seed=4):
-    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
-    cq, pq = (jax.random.normal(key, (batch, qlen, heads, dim)) for key in keys[:2])
-    k, r = jax.random.normal(keys[2], (batch, klen, heads, dim)), jax.random.normal(keys[3], (klen, heads, dim))
-    valid = jax.random.bernoulli(keys[4], 0.8, (batch, klen)).at[:, klen - qlen:].set(True)
+    cq, pq, k, r = _normal(seed, *2 * [(batch, qlen, heads, dim)], (batch, klen, heads, dim), (klen, heads, dim))
+    valid = np.random.default_rng(seed).random((batch, klen)) < 0.8
+    valid[:, klen - qlen:] = True
     return cq, k, pq, r, valid
 
 
@@ -262,16 +268,18 @@ def test_span_softmax_of_a_row_with_no_visible_key_is_uniform_as_xlas():
     always valid) gets XLA's softmax of equal scores, every key 1 / K, not NaNs, and no gradient."""
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
     cq, k, pq, r, valid = _span_operands(2, 4, 11, 2, 8)
-    operands = (cq, k, pq, r, valid.at[0].set(False))
+    valid[0] = False
+    operands = (cq, k, pq, r, valid)
     reference = lambda *x: attention.span_scores_masked(0.3, *x)
-    got = jax.jit(lambda *x: cpu.relative_softmax(reference, *x, 0.3))(*operands)
-    expected = _softmax_of(reference(*operands))
+    got = jax.device_get(jax.jit(lambda *x: cpu.relative_softmax(reference, *x, 0.3))(*operands))
+    expected = jax.device_get(jax.jit(lambda *x: _softmax_of(reference(*x)))(*operands))
     np.testing.assert_allclose(got[0][0], np.full((2, 4, 11), 1 / 11), rtol=1e-6)
     np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(got[1][0], expected[1][0])
     loss = lambda weights: lambda *x: jnp.sum(weights(*x)[0] * jnp.arange(11.0))
     fused = jax.grad(loss(lambda *x: cpu.relative_softmax(reference, *x, 0.3)), (0, 1, 2, 3))
-    for g, e in zip(jax.jit(fused)(*operands), jax.grad(loss(lambda *x: _softmax_of(reference(*x))), (0, 1, 2, 3))(*operands)):
+    unfused = jax.grad(loss(lambda *x: _softmax_of(reference(*x))), (0, 1, 2, 3))
+    for g, e in zip(jax.jit(fused)(*operands), jax.jit(unfused)(*operands)):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
 
 
@@ -285,13 +293,12 @@ def test_span_softmax_gradient_is_the_references(batch, qlen, klen, heads, dim):
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
     operands = _span_operands(batch, qlen, klen, heads, dim, seed=5)
     reference = lambda *x: attention.span_scores_masked(0.3, *x)
-    keys = jax.random.split(jax.random.PRNGKey(6))
-    weight = jax.random.normal(keys[0], (batch, heads, qlen, klen))
-    norm_weight = jax.random.normal(keys[1], (batch, heads, qlen))
+    weight, norm_weight = _normal(6, (batch, heads, qlen, klen), (batch, heads, qlen))
     loss = lambda weights: lambda *x: jnp.sum(weights(*x)[0] * weight) + jnp.sum(weights(*x)[1] * norm_weight)
     fused = jax.grad(loss(lambda *x: cpu.relative_softmax(reference, *x, 0.3)), (0, 1, 2, 3))
     got = jax.jit(fused)(*operands)
-    for g, e in zip(got, jax.grad(loss(lambda *x: _softmax_of(reference(*x))), (0, 1, 2, 3))(*operands)):
+    unfused = jax.grad(loss(lambda *x: _softmax_of(reference(*x))), (0, 1, 2, 3))
+    for g, e in zip(got, jax.jit(unfused)(*operands)):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
     assert f'custom_call_target="{cpu.SOFTMAX_GRADIENT_TARGET}"' in _hlo(fused, *operands)
 
@@ -307,7 +314,7 @@ def test_evaluation_attention_equals_its_definition_and_its_gradient(batch, qlen
     path's, and it runs the one-pass kernel."""
     from memjax.model import attention  # pylint: disable=g-import-not-at-top
     cq, k, pq, r, valid = _span_operands(batch, qlen, mlen + qlen, heads, dim, seed=7)
-    v = jax.random.normal(jax.random.PRNGKey(8), k.shape)
+    v, = _normal(8, k.shape)
     blocks = lambda x: (x[:, :mlen], x[:, mlen:])
     operands = (cq, *blocks(k), pq, r, valid, *blocks(v))
     reference = lambda *x: attention.span_attention(0.3, *x)
@@ -318,10 +325,10 @@ def test_evaluation_attention_equals_its_definition_and_its_gradient(batch, qlen
         np.testing.assert_allclose(got[0], attended, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got[1], log_norm, rtol=1e-5, atol=1e-5)
     assert f'custom_call_target="{cpu.SPAN_ATTENTION_TARGET}"' in _hlo(fn, *operands)
-    weight = jax.random.normal(jax.random.PRNGKey(9), (batch, qlen, heads, dim))
+    weight, = _normal(9, (batch, qlen, heads, dim))
     loss = lambda attention_of: lambda *x: jnp.sum(attention_of(*x)[0] * weight) + jnp.sum(attention_of(*x)[1])
     wrt = (0, 1, 2, 3, 4, 6, 7)
-    for g, e in zip(jax.jit(jax.grad(loss(fn), wrt))(*operands), jax.grad(loss(reference), wrt)(*operands)):
+    for g, e in zip(jax.jit(jax.grad(loss(fn), wrt))(*operands), jax.jit(jax.grad(loss(reference), wrt))(*operands)):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
 
 
@@ -336,8 +343,8 @@ def test_evaluation_runs_the_one_pass_attention_and_scores_as_training_does(over
     from memjax.model import ModelConfig, build_model, init_memory, init_params  # pylint: disable=g-import-not-at-top
     cfg = ModelConfig(vocab_size=40, d_model=32, n_layer=2, n_head=2, d_head=16, d_inner=48, dropout=0.0, **overrides)
     model, params = build_model(cfg), init_params(cfg, jax.random.key(0))
-    params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(1), x.shape), params)
-    tokens = jax.random.randint(jax.random.key(2), (2, 3, 8), 0, 40)
+    params = _perturbed(params, 0.05)
+    tokens = np.random.default_rng(2).integers(0, 40, (2, 3, 8), dtype=np.int32)
 
     def scores(deterministic, mutable=False):
         def run(tokens):
@@ -374,11 +381,10 @@ def test_cluster_logprobs_and_gradient_are_the_log_softmax_at_the_index(rows, di
     in part, widths beyond the register blocks, spread logits, none selected. The other rows are 0
     and get no gradient."""
     from memjax.model import adaptive  # pylint: disable=g-import-not-at-top
-    keys = jax.random.split(jax.random.PRNGKey(10), 6)
-    x = 3 * jax.random.normal(keys[0], (rows, dim))
-    table, bias = jax.random.normal(keys[1], (vocab, dim)), jax.random.normal(keys[2], (vocab,))
-    index = jax.random.randint(keys[3], (rows,), 0, vocab)
-    chosen = jax.random.bernoulli(keys[4], selected, (rows,))
+    x, table, bias, weight = _normal(10, (rows, dim), (vocab, dim), (vocab,), (rows,))
+    x *= 3
+    rng = np.random.default_rng(11)
+    index, chosen = rng.integers(0, vocab, rows, dtype=np.int32), rng.random(rows) < selected
     reference = adaptive._dense_picked_logprobs  # pylint: disable=protected-access
     fn = lambda x, table, bias: cpu.cluster_logprobs(reference, x, table, bias, index, chosen)
     logits = np.asarray(x, np.float64) @ np.asarray(table, np.float64).T + np.asarray(bias, np.float64)
@@ -386,7 +392,6 @@ def test_cluster_logprobs_and_gradient_are_the_log_softmax_at_the_index(rows, di
     expected = logits[np.arange(rows), np.asarray(index)] - top - np.log(np.exp(logits - top[:, None]).sum(axis=1))
     np.testing.assert_allclose(jax.jit(fn)(x, table, bias), np.where(chosen, expected, 0.0), rtol=1e-5, atol=1e-5)
     # d/dlogits of sum_n w_n logp_n: w_n (onehot - softmax) on the selected rows.
-    weight = jax.random.normal(keys[5], (rows,))
     probs = np.exp(logits - top[:, None])
     dlogits = -probs / probs.sum(axis=1, keepdims=True)
     dlogits[np.arange(rows), np.asarray(index)] += 1
@@ -394,7 +399,7 @@ def test_cluster_logprobs_and_gradient_are_the_log_softmax_at_the_index(rows, di
     expected = (dlogits @ np.asarray(table, np.float64), dlogits.T @ np.asarray(x, np.float64), dlogits.sum(axis=0))
     loss = lambda f: lambda *a: jnp.sum(f(*a) * weight)
     for grads in (jax.jit(jax.grad(loss(fn), (0, 1, 2)))(x, table, bias),
-                  jax.grad(loss(lambda *a: reference(*a, index, chosen)), (0, 1, 2))(x, table, bias)):
+                  jax.jit(jax.grad(loss(lambda *a: reference(*a, index, chosen)), (0, 1, 2)))(x, table, bias)):
         for g, e in zip(grads, expected):
             # float32 sums of up to 700 terms of logits spread over tens: XLA's own error is 3e-6 of the largest.
             np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(e).max()))
@@ -414,8 +419,8 @@ def test_evaluation_scores_targets_by_the_cluster_kernel_as_training_does(overri
     cfg = ModelConfig(vocab_size=60, d_model=32, n_layer=1, n_head=2, d_head=16, d_inner=48, dropout=0.0, mem_len=4,
                       **overrides)
     model, params = build_model(cfg), init_params(cfg, jax.random.key(0))
-    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape), params)
-    tokens = jax.random.randint(jax.random.key(2), (3, 8), 0, 60)
+    params = _perturbed(params, 0.3)
+    tokens = np.random.default_rng(2).integers(0, 60, (3, 8), dtype=np.int32)
 
     def logprobs(deterministic):
         return lambda params: model.apply({'params': params}, tokens, init_memory(cfg, 3), targets=tokens,
@@ -426,7 +431,7 @@ def test_evaluation_scores_targets_by_the_cluster_kernel_as_training_does(overri
     clusters = len(cfg.cutoffs) + 1
     assert (calls(evaluation), calls(training)) == (clusters, clusters - 1)
     np.testing.assert_allclose(jax.jit(evaluation)(params), jax.jit(training)(params), rtol=1e-5, atol=1e-5)
-    weight = jax.random.normal(jax.random.key(3), tokens.shape)
+    weight, = _normal(3, tokens.shape)
     grads = [jax.jit(jax.grad(lambda p, f=f: jnp.sum(f(p) * weight)))(params) for f in (evaluation, training)]
     for got, expected in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
