@@ -31,20 +31,25 @@ def params():
 
 @pytest.fixture(scope='module')
 def tokens():
-    return np.asarray(jax.random.randint(jax.random.key(1), (5, BATCH, SEG), 0, VOCAB))
+    return np.random.default_rng(1).integers(0, VOCAB, (5, BATCH, SEG), dtype=np.int32)
 
 
 def run(cfg, params, tokens, skips=None, training=True, key=0):
     """Target log-probs [segments, B, T], the last memory and what was sown, over a segment loop in
     training mode (dropout is 0; the switches' streams draw from `key`)."""
     model = model_lib.build_model(cfg)
-    memory, logprobs, sown = model_lib.init_memory(cfg, tokens.shape[1]), [], []
-    for s in range(tokens.shape[0] - 1):
+
+    @jax.jit  # One program for the segments: op by op, every operation would compile for its shapes.
+    def segment(params, x, y, memory, s, skip):
         rngs = {name: jax.random.fold_in(jax.random.key(key), 7 * s + i) for i, name in
                 enumerate(('dropout',) + tuple(model.kind.streams))}
-        (out, memory), variables = model.apply(
-            {'params': params}, tokens[s], memory, targets=tokens[s + 1], deterministic=not training, rngs=rngs,
-            skip=None if skips is None else jnp.asarray(skips[s]), mutable=['intermediates'])
+        return model.apply({'params': params}, x, memory, targets=y, deterministic=not training, rngs=rngs,
+                           skip=skip, mutable=['intermediates'])
+
+    memory, logprobs, sown = model_lib.init_memory(cfg, tokens.shape[1]), [], []
+    for s in range(tokens.shape[0] - 1):
+        (out, memory), variables = segment(params, tokens[s], tokens[s + 1], memory, s,
+                                           None if skips is None else np.asarray(skips[s]))
         logprobs.append(out.target_logprobs)
         sown.append(variables.get('intermediates', {}))
     return np.stack(logprobs), memory, sown

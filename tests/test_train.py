@@ -109,11 +109,15 @@ def naive_update(tiny_experiment):
             reset=batch['reset'][0], deterministic=False, rngs={'dropout': jax.random.PRNGKey(0)})
         return model_lib.lm_loss(out.target_logprobs, batch['mask'][0]), new_memory
 
-    (loss, new_memory), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(state.params)
-    updates, _ = exp.tx.update(grads, state.opt_state, state.params)
-    params = jax.tree_util.tree_map(jnp.add, state.params, updates)
-    grad_norm = float(jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree_util.tree_leaves(grads))))
-    return memory, batch, float(loss), grad_norm, params, new_memory
+    @jax.jit  # One program: op by op, the optimizer's update compiles each operation per shape.
+    def update(params, opt_state):
+        (loss, new_memory), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, _ = exp.tx.update(grads, opt_state, params)
+        grad_norm = jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree_util.tree_leaves(grads)))
+        return loss, grad_norm, jax.tree_util.tree_map(jnp.add, params, updates), new_memory
+
+    loss, grad_norm, params, new_memory = update(state.params, state.opt_state)
+    return memory, batch, float(loss), float(grad_norm), params, new_memory
 
 
 @pytest.mark.parametrize('chunks', [1, 2, 4])

@@ -39,7 +39,7 @@ def params():
 
 @pytest.fixture(scope='module')
 def tokens():
-    return np.asarray(jax.random.randint(jax.random.key(1), (SEGMENTS, BATCH, SEG), 0, VOCAB))
+    return np.random.default_rng(1).integers(0, VOCAB, (SEGMENTS, BATCH, SEG), dtype=np.int32)
 
 
 def run(cfg, params, tokens, collect=False, targets=None, resets=None):
@@ -74,7 +74,7 @@ def test_the_pool_scores_as_xl_reprojecting_its_memory(model):
     document start afresh in both."""
     xl = XL.replace(**model)
     params = model_lib.init_params(xl, jax.random.key(3))
-    tokens = np.asarray(jax.random.randint(jax.random.key(4), (SEGMENTS, BATCH, SEG), 0, VOCAB))
+    tokens = np.random.default_rng(4).integers(0, VOCAB, (SEGMENTS, BATCH, SEG), dtype=np.int32)
     resets = np.zeros((SEGMENTS, BATCH), bool)
     resets[3, 0] = True
     np.testing.assert_allclose(run(xl.replace(memory='xl_cached'), params, tokens, resets=resets),
@@ -179,15 +179,17 @@ def test_each_head_attends_its_naive_selection_at_naive_distances(metric, positi
                      trams_positions=positions, mem_len=10)
     pool_len, seg = cfg.mem_len, 3
     rng = np.random.default_rng(0)
-    pool = jnp.asarray(rng.normal(size=(BATCH, pool_len, cfg.d_model)), jnp.float32)
-    h = jnp.asarray(rng.normal(size=(BATCH, seg, cfg.d_model)), jnp.float32)
+    pool = rng.normal(size=(BATCH, pool_len, cfg.d_model)).astype(np.float32)
+    h = rng.normal(size=(BATCH, seg, cfg.d_model)).astype(np.float32)
     valid = np.ones((BATCH, pool_len), bool)
     valid[1, :4] = False  # A stream whose pool is not yet full: its empty rows are never chosen.
     rows = pool_len + seg
     ctx = AttentionContext(relative_sinusoid_table(rows, cfg.d_model, -1), None, None, window=cfg.trams_select)
     layer = _Layer(cfg)
-    variables = layer.init(jax.random.key(3), h, pool, jnp.asarray(valid), ctx)
-    got = np.asarray(layer.apply(variables, h, pool, jnp.asarray(valid), ctx))  # [B, T, H, Dh]
+    variables = jax.jit(lambda *x: layer.init(jax.random.key(3), *x, ctx))(h, pool, valid)
+    got = np.asarray(jax.jit(lambda *x: layer.apply(variables, *x, ctx))(h, pool, valid))  # [B, T, H, Dh]
+    # The naive side: one head's plain attention over given key blocks (one program per block layout).
+    over = jax.jit(lambda h, blocks: layer.apply(variables, h, None, None, ctx, blocks=blocks))
     kernels = variables['params']['attention']
     w_key, w_query = (np.asarray(nn.meta.unbox(kernels[n]['kernel'])) for n in ('key', 'query'))
     picks, remain = cfg.trams_select - cfg.trams_remain, cfg.trams_remain
@@ -196,20 +198,19 @@ def test_each_head_attends_its_naive_selection_at_naive_distances(metric, positi
         for head in range(cfg.n_head):
             index = np.concatenate([chosen[head], np.arange(pool_len - remain, pool_len)])
             if positions == 'contiguous':
-                block = KeyBlock(pool[b:b + 1, index], jnp.asarray(valid[b:b + 1, index])[:, None, None, :])
+                block = KeyBlock(pool[b:b + 1, index], valid[b:b + 1, index][:, None, None, :])
             else:
                 distances = pool_len - index[None, :] + np.arange(seg)[:, None]
-                block = KeyBlock(pool[b:b + 1, index], jnp.asarray(valid[b:b + 1, index])[:, None, None, :],
-                                 jnp.asarray(distances, jnp.int32)[None, None])
-            want = layer.apply(variables, h[b:b + 1], None, None, ctx, blocks=[block])
+                block = KeyBlock(pool[b:b + 1, index], valid[b:b + 1, index][:, None, None, :],
+                                 distances.astype(np.int32)[None, None])
+            want = over(h[b:b + 1], [block])
             np.testing.assert_allclose(got[b, :, head], np.asarray(want)[0, :, head], atol=2e-5, rtol=1e-5)
         if positions == 'true':  # The cheaper path is masked attention over the whole pool, per head.
             mask = np.zeros((1, cfg.n_head, 1, pool_len), bool)
             for head in range(cfg.n_head):
                 mask[0, head, 0, chosen[head]] = True
             mask[..., pool_len - remain:] = True
-            masked = layer.apply(variables, h[b:b + 1], None, None, ctx,
-                                 blocks=[KeyBlock(pool[b:b + 1], jnp.asarray(mask & valid[b][None, None, None]))])
+            masked = over(h[b:b + 1], [KeyBlock(pool[b:b + 1], mask & valid[b][None, None, None])])
             np.testing.assert_allclose(got[b], np.asarray(masked)[0], atol=2e-5, rtol=1e-5)
 
 
