@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from memjax.kernels import cpu
+import training_fixtures
 
 needs_kernel = pytest.mark.skipif(not cpu.applies(jnp.zeros(1)), reason=(
     'memjax\'s CPU kernel does not apply in this process: no C++ compiler (g++ or $CXX), a build '
@@ -41,13 +42,6 @@ def _normal(seed: int, *shapes) -> list:
     their operations compiles for its shapes): both checks read only the values."""
     rng = np.random.default_rng(seed)
     return [rng.standard_normal(shape, np.float32) for shape in shapes]
-
-
-def _perturbed(params, scale: float):
-    """Initial parameters moved off their initialisers' values (zero biases, unit LayerNorm gains)."""
-    leaves, treedef = jax.tree.flatten(jax.device_get(params))
-    return jax.tree.unflatten(treedef, [x + np.float32(scale) * noise for x, noise in
-                                        zip(leaves, _normal(1, *(x.shape for x in leaves)))])
 
 
 @needs_kernel
@@ -340,10 +334,9 @@ def test_evaluation_runs_the_one_pass_attention_and_scores_as_training_does(over
     no weights kernel (LaMemo's look-ahead too); training, and an evaluation that collects the
     attention's parts for analysis, keep the weights. All three give the same log-probabilities,
     segment after segment (the memory carried, its first segment's zero rows included)."""
-    from memjax.model import ModelConfig, build_model, init_memory, init_params  # pylint: disable=g-import-not-at-top
+    from memjax.model import ModelConfig, build_model, init_memory  # pylint: disable=g-import-not-at-top
     cfg = ModelConfig(vocab_size=40, d_model=32, n_layer=2, n_head=2, d_head=16, d_inner=48, dropout=0.0, **overrides)
-    model, params = build_model(cfg), init_params(cfg, jax.random.key(0))
-    params = _perturbed(params, 0.05)
+    model, params = build_model(cfg), training_fixtures.perturbed_params(cfg)
     tokens = np.random.default_rng(2).integers(0, 40, (2, 3, 8), dtype=np.int32)
 
     def scores(deterministic, mutable=False):
@@ -415,11 +408,10 @@ def test_evaluation_scores_targets_by_the_cluster_kernel_as_training_does(overri
     their gradient, for a caller that differentiates an evaluation, is training's. Evaluation runs
     the kernel for every cluster; training for the tail clusters only (the head's logits, which XLA
     keeps for the backward pass, cost less than computing them again)."""
-    from memjax.model import ModelConfig, build_model, init_memory, init_params  # pylint: disable=g-import-not-at-top
+    from memjax.model import ModelConfig, build_model, init_memory  # pylint: disable=g-import-not-at-top
     cfg = ModelConfig(vocab_size=60, d_model=32, n_layer=1, n_head=2, d_head=16, d_inner=48, dropout=0.0, mem_len=4,
                       **overrides)
-    model, params = build_model(cfg), init_params(cfg, jax.random.key(0))
-    params = _perturbed(params, 0.3)
+    model, params = build_model(cfg), training_fixtures.perturbed_params(cfg, 0.3)
     tokens = np.random.default_rng(2).integers(0, 60, (3, 8), dtype=np.int32)
 
     def logprobs(deterministic):

@@ -67,19 +67,19 @@ def check(batch, t, mem, heads, dims, *, window=0, rate=0.0, skew='scratch', cla
     upcast = lambda xs: [x.astype(jnp.float32) for x in xs]
     reference = lambda *xs: naive_attention(*upcast(xs), valid, scale, window, rate, 11)
     # A loss that weighs every output and the log-normaliser (the memory kinds read it).
-    weights = jax.random.normal(jax.random.key(5), cq.shape)
-    norm_weights = jax.random.normal(jax.random.key(6), (batch, heads, t))
+    rng = np.random.default_rng(5)
+    weights, norm_weights = rng.standard_normal(cq.shape, np.float32), rng.standard_normal((batch, heads, t), np.float32)
     loss = lambda f: lambda *xs: ((f(*xs)[0].astype(jnp.float32) * weights).sum() + (f(*xs)[1] * norm_weights).sum())
     # The outputs and gradients in one program per attention: compiled op by op, they would cost
     # the test many times its arithmetic.
     outputs_and_gradients = lambda f: jax.jit(lambda *xs: (f(*xs), jax.grad(loss(f), argnums=range(5))(*xs)))
     (out, log_norm), got = outputs_and_gradients(lambda *xs: run(*xs, valid))(cq, pq, k, v, pos_key)
     (want_out, want_log_norm), want = outputs_and_gradients(reference)(cq, pq, k, v, pos_key)
-    np.testing.assert_allclose(out.astype(jnp.float32), want_out, atol=tolerance, rtol=tolerance)
+    out, got = np.asarray(out, np.float32), [np.asarray(g, np.float32) for g in got]
+    np.testing.assert_allclose(out, want_out, atol=tolerance, rtol=tolerance)
     np.testing.assert_allclose(log_norm, want_log_norm, atol=tolerance, rtol=tolerance)
-    for name, g, w in zip(('content query', 'position query', 'key', 'value', 'distance rows'), got, want):
-        np.testing.assert_allclose(g.astype(jnp.float32), w, atol=tolerance * float(jnp.abs(w).max()), rtol=tolerance,
-                                   err_msg=name)
+    for name, g, w in zip(('content query', 'position query', 'key', 'value', 'distance rows'), got, jax.device_get(want)):
+        np.testing.assert_allclose(g, w, atol=tolerance * float(np.abs(w).max()), rtol=tolerance, err_msg=name)
 
 
 @pytest.mark.parametrize('skew', fused.SKEWS)
@@ -229,15 +229,15 @@ def test_every_kind_computes_the_same_loss_and_gradients_with_the_fused_path(kin
     reference = ModelConfig(**TINY, **kind, attention_impl='reference')
     forced = ModelConfig(**TINY, **kind, attention_impl='fused')
     params = training_fixtures.perturbed_params(reference)
-    tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 40)  # Two segments: the memory carried once.
+    tokens = np.random.default_rng(2).integers(0, 40, (2, 17), dtype=np.int32)  # Two segments: the memory carried once.
     key = jax.random.key(3) if training else None
     loss_and_grads = lambda cfg: jax.jit(jax.value_and_grad(
         lambda p: segments_loss(cfg, p, tokens, deterministic=not training, key=key)))
     want, want_grads = loss_and_grads(reference)(params)
     got, grads = loss_and_grads(forced)(params)
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-        np.testing.assert_allclose(g, w, atol=1e-5 * max(1.0, float(jnp.abs(w).max())), rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(jax.device_get(want_grads))):
+        np.testing.assert_allclose(g, w, atol=1e-5 * max(1.0, float(np.abs(w).max())), rtol=1e-5)
 
 
 def fused_calls(cfg, tokens):
@@ -265,7 +265,7 @@ def test_attention_dropout_in_training_varies_with_the_key_centres_on_the_clean_
     seeds approaches the loss without dropout, as the reference's does."""
     cfg = ModelConfig(**dict(TINY, dropatt=0.3), memory='xl', mem_len=12, attention_impl='fused')
     params = init_params(cfg, jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(2), (2, 17), 0, 40)
+    tokens = np.random.default_rng(2).integers(0, 40, (2, 17), dtype=np.int32)
     loss = jax.jit(lambda key: segments_loss(cfg, params, tokens, deterministic=False, key=key))
     draws = np.array([loss(jax.random.key(n)) for n in range(12)])
     assert np.std(draws) > 0  # The masks differ between keys.

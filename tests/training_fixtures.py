@@ -25,13 +25,13 @@ TINY = os.path.join(REPO, 'configs', 'tiny.py')
 
 
 @functools.lru_cache(maxsize=None)
-def perturbed_params(cfg):
-    """A ModelConfig's random parameters with the zero-initialised ones perturbed, so that every
-    term of the model carries signal. NumPy draws the perturbations: JAX would compile a draw for
-    each shape."""
+def perturbed_params(cfg, scale: float = 0.05):
+    """A ModelConfig's random parameters with the zero-initialised ones perturbed (normal noise
+    times `scale`), so that every term of the model carries signal. NumPy draws the perturbations:
+    JAX would compile a draw for each shape."""
     params = model_lib.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(1)
-    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + 0.05 * rng.standard_normal(x.shape, np.float32), x.dtype),
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x) + scale * rng.standard_normal(x.shape, np.float32), x.dtype),
                         params)
 
 
