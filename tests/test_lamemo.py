@@ -24,6 +24,25 @@ import training_fixtures
 SEG = 4
 
 
+def random_tokens(seed, shape, vocab_size=13):
+    """Uniform int32 token ids in [0, vocab_size), drawn by NumPy (jax.random compiles per shape)."""
+    return np.random.default_rng(seed).integers(0, vocab_size, shape, dtype=np.int32)
+
+
+def scaled(params, factor):
+    """`params` times `factor`, as NumPy arrays: eager JAX would compile a multiply per leaf shape."""
+    return jax.tree.map(lambda x: np.asarray(x) * np.float32(factor), params)
+
+
+# Compiled once per length: op by op, each of its operations would compile for each shape.
+_sinusoid_encoding = jax.jit(sinusoid_encoding, static_argnums=1)
+
+
+def encodings(distances, d_model):
+    """sinusoid_encoding of `distances` [n] as float64 NumPy [n, d_model], for naive references."""
+    return np.asarray(_sinusoid_encoding(np.asarray(distances), d_model), np.float64)
+
+
 def tiny(**changes) -> ModelConfig:
     fields = dict(vocab_size=13, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, dropout=0.0,
                   mem_len=6, memory='lamemo')
@@ -56,7 +75,7 @@ def run_segments(forward, cfg, params, tokens, targets=None):
         lp, memory = forward(cfg, params, tokens[:, start:start + SEG], targets[:, start:start + SEG], memory)
         logprobs.append(lp)
         states.append(memory)
-    return jnp.concatenate(logprobs, axis=1), states
+    return np.concatenate(logprobs, axis=1), states
 
 
 @pytest.mark.parametrize('mem_len,seg_len', [(6, 4), (8, 4), (3, 5), (7, 7), (10, 3)])
@@ -70,16 +89,23 @@ def test_look_ahead_positions_are_r_of_j_minus_i_with_v_minus(mem_len, seg_len):
     np.testing.assert_array_equal(distances, window_keys[None, :] - np.arange(mem_len)[:, None])
     assert window_keys[-1] == mem_len  # The first current token is a key, never a target.
     assert np.all((distances >= 1).sum(1) >= 1)
-    query = jax.random.normal(jax.random.key(0), (2, mem_len, heads, d_head))
-    kernel = jax.random.normal(jax.random.key(1), (d_model, heads, d_head))
-    table = relative_sinusoid_table(mem_len + seg_len, d_model, -1)
+    rng = np.random.default_rng(0)
+    query = rng.standard_normal((2, mem_len, heads, d_head), np.float32)
+    kernel = rng.standard_normal((d_model, heads, d_head), np.float32)
     project = lambda x: jnp.einsum('rd,dhk->rhk', x, kernel)
-    got = lamemo.look_ahead_position_scores(query, table, project, seg_len)
+
+    @jax.jit
+    def scores(query):
+        table = relative_sinusoid_table(mem_len + seg_len, d_model, -1)
+        return lamemo.look_ahead_position_scores(query, table, project, seg_len)
+
+    got = np.asarray(scores(query))
+    # W_r R_d for every distance d, and the products per entry, in float64 NumPy.
+    r = np.einsum('nd,dhk->nhk', encodings(np.arange(mem_len + seg_len), d_model), kernel.astype(np.float64))
     for i in range(mem_len):
         for k in range(w):
             if distances[i, k] >= 1:
-                r = project(sinusoid_encoding(jnp.asarray([distances[i, k]]), d_model))[0]
-                np.testing.assert_allclose(got[:, :, i, k], jnp.einsum('bhd,hd->bh', query[:, i], r),
+                np.testing.assert_allclose(got[:, :, i, k], np.einsum('bhd,hd->bh', query[:, i], r[distances[i, k]]),
                                            rtol=1e-5, atol=1e-5)
 
 
@@ -89,8 +115,8 @@ def test_a_memory_no_longer_than_the_segment_refreshes_as_a_longer_one(forward):
     4: the look-ahead sees the same keys at the same distances, computed by the older-rows path
     (M > T) and by the reversed causal span (M <= T, memjax's CPU kernel where it applies), and
     the log-probs agree."""
-    params = jax.tree.map(lambda x: x * 4.0, model_lib.init_params(tiny(n_layer=2, mem_len=8), jax.random.key(3)))
-    tokens = jax.random.randint(jax.random.key(4), (2, 2 * SEG), 0, 13)
+    params = scaled(model_lib.init_params(tiny(n_layer=2, mem_len=8), jax.random.key(3)), 4.0)
+    tokens = random_tokens(4, (2, 2 * SEG))
     logprobs = {m: run_segments(forward, tiny(n_layer=2, mem_len=m), params, tokens)[0] for m in (8, SEG)}
     np.testing.assert_allclose(logprobs[SEG], logprobs[8], rtol=1e-5, atol=1e-5)
 
@@ -99,24 +125,28 @@ def naive_bidirectional_memory(params, cfg, embedded, t_rows, n_keys):
     """Appendix A: sum_j beta_j v_j for the rows t_rows over keys 0 ... n_keys-1 of a one-layer
     model, with the causal scores for j <= t (R_(t-j), v+) and look-ahead ones for j > t (R_(j-t),
     v-; with the XL encoding R_(t-j) and v as for the causal ones), one softmax over both; and
-    alpha, the weight of the keys j <= t ([B, H, rows] each)."""
+    alpha, the weight of the keys j <= t ([B, H, rows] each). In float64 NumPy."""
     disentangled = cfg.lamemo_encoding == 'disentangled'
+    params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    embedded = np.asarray(embedded, np.float64)
     layer = params['layer_0']['attention']
-    proj = lambda name, x: jnp.einsum('bnd,dhk->bnhk', x, layer[name]['kernel'])
+    proj = lambda name, x: np.einsum('bnd,dhk->bnhk', x, layer[name]['kernel'])
     q, k, v = proj('query', embedded), proj('key', embedded), proj('value', embedded)
     out, alpha = [], []
     for t in t_rows:
         j = np.arange(n_keys)
         distance = np.abs(t - j) if disentangled else t - j
-        r = jnp.einsum('nd,dhk->nhk', sinusoid_encoding(jnp.asarray(distance), cfg.d_model), layer['pos']['kernel'])
+        r = np.einsum('nd,dhk->nhk', encodings(distance, cfg.d_model), layer['pos']['kernel'])
         ahead_bias = params['v_ahead_bias'] if disentangled else params['v_bias']
-        bias = jnp.where((j <= t)[:, None, None], params['v_bias'], ahead_bias)  # [n, H, Dh]
-        scores = (jnp.einsum('bhd,bnhd->bhn', q[:, t] + params['u_bias'], k[:, :n_keys])
-                  + jnp.einsum('bhd,nhd->bhn', q[:, t], r) + jnp.einsum('nhd,nhd->hn', bias, r)[None])
-        beta = jax.nn.softmax(scores * cfg.d_head ** -0.5, axis=-1)
-        out.append(jnp.einsum('bhn,bnhd->bhd', beta, v[:, :n_keys]))
+        bias = np.where((j <= t)[:, None, None], params['v_bias'], ahead_bias)  # [n, H, Dh]
+        scores = (np.einsum('bhd,bnhd->bhn', q[:, t] + params['u_bias'], k[:, :n_keys])
+                  + np.einsum('bhd,nhd->bhn', q[:, t], r) + np.einsum('nhd,nhd->hn', bias, r)[None])
+        scores = scores * cfg.d_head ** -0.5
+        beta = np.exp(scores - scores.max(-1, keepdims=True))
+        beta /= beta.sum(-1, keepdims=True)
+        out.append(np.einsum('bhn,bnhd->bhd', beta, v[:, :n_keys]))
         alpha.append(beta[..., :t + 1].sum(-1))
-    return jnp.stack(out, axis=1), jnp.stack(alpha, axis=-1)
+    return np.stack(out, axis=1), np.stack(alpha, axis=-1)
 
 
 @pytest.mark.parametrize('encoding', ['disentangled', 'xl'])
@@ -127,17 +157,17 @@ def test_interpolated_memory_is_attention_over_both_sides_appendix_a(forward, en
     with either relative encoding."""
     cfg = tiny(n_layer=1, mem_len=8, lamemo_encoding=encoding)
     params = model_lib.init_params(cfg, jax.random.key(0))
-    params = jax.tree.map(lambda x: x * 4.0, params)  # Peaked attention: a wrong weight shows.
-    tokens = jax.random.randint(jax.random.key(1), (2, 3 * SEG), 0, cfg.vocab_size)
+    params = scaled(params, 4.0)  # Peaked attention: a wrong weight shows.
+    tokens = random_tokens(1, (2, 3 * SEG), cfg.vocab_size)
     _, states = run_segments(forward, cfg, params, tokens)
-    embedded = jnp.concatenate([states[1].shared['embedded'], states[2].shared['embedded'][:, 4:]], axis=1)
+    embedded = np.concatenate([states[1].shared['embedded'], np.asarray(states[2].shared['embedded'])[:, 4:]], axis=1)
     expected, _ = naive_bidirectional_memory(params, cfg, embedded, range(4, 8), n_keys=9)
-    got = states[2].layers['context'][0][:, :4]  # Rows 4-7 of the memory that segment 3 refreshed.
+    got = np.asarray(states[2].layers['context'])[0][:, :4]  # Rows 4-7 of the memory that segment 3 refreshed.
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
     # Without interpolation (alpha = 0) the same rows forget their past: look-ahead only.
     cut = cfg.replace(lamemo_interpolate=False)
     _, states = run_segments(forward, cut, params, tokens)
-    assert np.abs(states[2].layers['context'][0][:, :4] - expected).max() > 1e-3
+    assert np.abs(np.asarray(states[2].layers['context'])[0][:, :4] - expected).max() > 1e-3
 
 
 @pytest.mark.parametrize('scan_layers,mem_len', [(False, 8), (True, 8), (False, SEG)])
@@ -147,30 +177,32 @@ def test_memorizing_coefficients_are_the_past_share_of_the_bidirectional_attenti
     a memory no longer than the segment: the look-ahead as a reversed causal span, memjax's CPU
     kernel where it applies)."""
     cfg = tiny(n_layer=1, mem_len=mem_len)
-    params = jax.tree.map(lambda x: x * 4.0, model_lib.init_params(cfg, jax.random.key(0)))
-    tokens = jax.random.randint(jax.random.key(1), (2, 3 * SEG), 0, cfg.vocab_size)
+    params = scaled(model_lib.init_params(cfg, jax.random.key(0)), 4.0)
+    tokens = random_tokens(1, (2, 3 * SEG), cfg.vocab_size)
     if scan_layers:  # Two layers with the same weights: the first sees what the one-layer model sees.
         cfg = cfg.replace(n_layer=2, scan_layers=True)
         layer = params.pop('layer_0')
-        params['layers'] = jax.tree.map(lambda x: jnp.stack([x, x]), layer)
+        params['layers'] = jax.tree.map(lambda x: np.stack([x, x]), layer)
     model = model_lib.build_model(cfg)
     extract = jax.jit(functools.partial(analysis_lamemo.memorizing_coefficients, model))
     memory = model_lib.init_memory(cfg, 2)
     alphas, embedded = [], []
     for start in range(0, 3 * SEG, SEG):
         alpha, memory = extract(params, tokens[:, start:start + SEG], memory)
-        embedded.append(memory.shared['embedded'][:, -SEG:])  # The segment's layer inputs.
-        alphas.append(alpha)
-    embedded = jnp.concatenate(embedded, axis=1)
+        embedded.append(np.asarray(memory.shared['embedded'])[:, -SEG:])  # The segment's layer inputs.
+        alphas.append(np.asarray(alpha))
+    embedded = np.concatenate(embedded, axis=1)
     assert alphas[0].shape == (cfg.n_layer, 2, cfg.n_head, cfg.mem_len)
     np.testing.assert_array_equal(alphas[0], 0.0)  # Nothing attended before: no past to keep.
     _, expected = naive_bidirectional_memory(params if not scan_layers else {
         **params, 'layer_0': layer}, cfg.replace(n_layer=1), embedded, range(4, 8), n_keys=9)
     # Rows 4-7 of the memory (0-7, or 4-7) that segment 3 refreshed.
     np.testing.assert_allclose(alphas[2][0, ..., mem_len - 4:], expected, rtol=1e-4, atol=1e-5)
+    # Raised while tracing, as under the jit its docstring asks for: no forward runs op by op.
+    no_alpha = jax.jit(functools.partial(analysis_lamemo.memorizing_coefficients,
+                                         model_lib.build_model(cfg.replace(lamemo_interpolate=False))))
     with pytest.raises(ValueError, match='lamemo_interpolate=True'):
-        analysis_lamemo.memorizing_coefficients(model_lib.build_model(cfg.replace(lamemo_interpolate=False)), params,
-                                       tokens[:, :SEG], model_lib.init_memory(cfg, 2))
+        no_alpha(params, tokens[:, :SEG], model_lib.init_memory(cfg, 2))
 
 
 def xl_params(params):
@@ -183,8 +215,8 @@ def test_without_look_ahead_the_recomputed_memory_is_transformer_xl(forward, eva
     the carried attention outputs, are what Transformer-XL kept; also with an evaluation memory
     twice the training one (the carried state grows with mem_len)."""
     cfg = tiny(lamemo_look_ahead=False, mem_len=eval_mem_len)
-    params = jax.tree.map(lambda x: x * 6.0, model_lib.init_params(tiny(), jax.random.key(2)))
-    tokens = jax.random.randint(jax.random.key(3), (2, 4 * SEG), 0, cfg.vocab_size)
+    params = scaled(model_lib.init_params(tiny(), jax.random.key(2)), 6.0)
+    tokens = random_tokens(3, (2, 4 * SEG), cfg.vocab_size)
     got, states = run_segments(forward, cfg, params, tokens)
     assert states[-1].layers['context'].shape[2] == eval_mem_len
     expected, _ = run_segments(forward, cfg.replace(memory='xl', lamemo_look_ahead=True), xl_params(params), tokens)
@@ -197,13 +229,14 @@ def test_no_target_leaks_across_segments(forward):
     """Changing the input at position p changes no log-prob before p, in any later segment, while
     the memory rows look ahead at every segment's first token."""
     cfg = tiny()
-    params = jax.tree.map(lambda x: x * 3.0, model_lib.init_params(cfg, jax.random.key(4)))
-    tokens = jax.random.randint(jax.random.key(5), (2, 4 * SEG + 1), 0, cfg.vocab_size)
+    params = scaled(model_lib.init_params(cfg, jax.random.key(4)), 3.0)
+    tokens = random_tokens(5, (2, 4 * SEG + 1), cfg.vocab_size)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     base, _ = run_segments(forward, cfg, params, inputs, targets)
     for p in (SEG, SEG + 2, 2 * SEG + 3, 3 * SEG):
-        changed, _ = run_segments(forward, cfg, params, inputs.at[:, p].set((inputs[:, p] + 5) % cfg.vocab_size),
-                                  targets)
+        changed_inputs = inputs.copy()
+        changed_inputs[:, p] = (inputs[:, p] + 5) % cfg.vocab_size
+        changed, _ = run_segments(forward, cfg, params, changed_inputs, targets)
         np.testing.assert_array_equal(changed[:, :p], base[:, :p])
         assert np.abs(changed[:, p:] - base[:, p:]).max() > 1e-4
 
@@ -214,14 +247,14 @@ def test_bf16_log_denominators_stay_finite_under_large_logits(forward):
     cfg = tiny()
     params = model_lib.init_params(cfg, jax.random.key(6))
     params = jax.tree_util.tree_map_with_path(
-        lambda path, x: x * 100.0 if any(n in str(path) for n in ("'query'", "'key'")) else x, params)
-    tokens = jax.random.randint(jax.random.key(7), (2, 5 * SEG), 0, cfg.vocab_size)
+        lambda path, x: scaled(x, 100.0) if any(n in str(path) for n in ("'query'", "'key'")) else x, params)
+    tokens = random_tokens(7, (2, 5 * SEG), cfg.vocab_size)
     full, states32 = run_segments(forward, cfg, params, tokens)
     half, states16 = run_segments(forward, cfg.replace(compute_dtype='bfloat16'), params, tokens)
-    log_norm = states16[-1].layers['log_norm']
-    assert log_norm.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(log_norm)))
-    assert float(states32[-1].layers['log_norm'].max()) > 100.0  # exp() of it overflows float32.
-    assert bool(jnp.all(jnp.isfinite(half)))
+    log_norm = np.asarray(states16[-1].layers['log_norm'])
+    assert log_norm.dtype == np.float32 and np.all(np.isfinite(log_norm))
+    assert float(np.asarray(states32[-1].layers['log_norm']).max()) > 100.0  # exp() of it overflows float32.
+    assert np.all(np.isfinite(half))
     np.testing.assert_allclose(half, full, atol=0.01)  # Seen: 7e-4 (log-probs about -2.3).
 
 
@@ -240,7 +273,7 @@ def test_attention_cost_is_linear_in_the_memory_length(monkeypatch):
         cfg = tiny(n_layer=1, mem_len=mem_len, vocab_size=5, d_model=8, d_inner=8, n_head=1)
         params = model_lib.init_params(cfg, jax.random.key(0))
         fn = jax.jit(lambda p, x, m: model_lib.build_model(cfg).apply({'params': p}, x, m)[1])
-        tokens = jnp.zeros((1, SEG), jnp.int32)
+        tokens = np.zeros((1, SEG), np.int32)
         normalised.clear()
         flops = fn.lower(params, tokens, model_lib.init_memory(cfg, 1)).cost_analysis()['flops']
         assert all(shape[:2] == (1, 1) for shape in normalised)  # [B, H, rows, keys]

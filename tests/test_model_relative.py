@@ -1,6 +1,7 @@
 """Relative attention over key blocks against a naive per-pair computation, and the masks
 against explicit rules; both distance rules (contiguous rel_shift, explicit gather)."""
 
+import functools
 import itertools
 
 import flax.linen as nn
@@ -15,6 +16,22 @@ from memjax.model.positions import (key_distances, position_scores, rel_shift, r
                                     sinusoid_encoding)
 
 
+# Compiled: op by op, each of its operations would compile a program of its own for each shape.
+_sinusoid_table = jax.jit(relative_sinusoid_table, static_argnums=(0, 1, 2))
+
+
+def jitted_init(module):
+    """(key, h, blocks, ctx, u, v) -> the module's unboxed parameters, initialised under jit
+    (deterministic)."""
+    return jax.jit(lambda key, *inputs: nn.meta.unbox(module.init(key, *inputs, True)['params']))
+
+
+def jitted_apply(module, **options):
+    """(params, h, blocks, ctx, u, v) -> module.apply(..., deterministic=True, **options), under jit;
+    `options` (e.g. a hook) are closed over."""
+    return jax.jit(lambda params, *inputs: module.apply({'params': params}, *inputs, True, **options))
+
+
 def naive_sinusoid(distance, d_model):
     inv_freq = [1.0 / 10000 ** (k / d_model) for k in range(0, d_model, 2)]
     return np.array([np.sin(distance * f) for f in inv_freq] + [np.cos(distance * f) for f in inv_freq])
@@ -22,7 +39,7 @@ def naive_sinusoid(distance, d_model):
 
 def test_sinusoid_matches_formula():
     distances = np.array([7.0, 3.0, 0.0])
-    got = np.asarray(sinusoid_encoding(jnp.asarray(distances), 10))
+    got = np.asarray(jax.jit(sinusoid_encoding, static_argnums=1)(distances.astype(np.float32), 10))
     want = np.stack([naive_sinusoid(d, 10) for d in distances])
     np.testing.assert_allclose(got, want, atol=1e-6)
 
@@ -31,7 +48,7 @@ def test_sinusoid_matches_formula():
 def test_rel_shift_aligns_distances(mlen, qlen):
     klen = mlen + qlen
     rows = np.random.default_rng(0).normal(size=(2, qlen, klen))  # [.., query, distance row]
-    shifted = np.asarray(rel_shift(jnp.asarray(rows)))
+    shifted = np.asarray(jax.jit(rel_shift)(rows.astype(np.float32)))
     for i, j in itertools.product(range(qlen), range(klen)):
         if j <= mlen + i:  # entries beyond are masked; rel_shift leaves garbage there
             row_of_distance = klen - 1 - (mlen + i - j)
@@ -46,11 +63,12 @@ def test_key_distances_clamp():
 def contiguous_mask(valid, qlen, same_length, window):
     """The attention's mask [B, T, K] for one contiguous memory block of validity `valid`."""
     batch, mlen = valid.shape
-    query_v = jnp.zeros((batch, qlen, 1, 1))
-    pos_key = jnp.zeros((mlen + qlen, 1, 1))
-    block = KeyBlock(rows=jnp.zeros((batch, mlen, 1)), valid=jnp.asarray(valid)[:, None, None, :])
-    _, mask = _scores_and_mask(query_v, pos_key, [block], qlen, same_length, window)
-    return np.asarray(mask[:, 0])
+    query_v = np.zeros((batch, qlen, 1, 1), np.float32)
+    pos_key = np.zeros((mlen + qlen, 1, 1), np.float32)
+    block = KeyBlock(rows=np.zeros((batch, mlen, 1), np.float32), valid=valid[:, None, None, :])
+    scores_and_mask = jax.jit(functools.partial(_scores_and_mask, qlen=qlen, same_length=same_length, window=window))
+    _, mask = scores_and_mask(query_v, pos_key, [block])
+    return np.asarray(mask)[:, 0]
 
 
 @pytest.mark.parametrize('same_length,window', [(False, 0), (True, 3), (True, 6)])
@@ -102,11 +120,12 @@ def naive_attention(params, cfg, h, mem, valid, u, v, mem_distance=None):
 
 
 def run_attention(cfg, h, block, rows, u, v):
-    ctx = AttentionContext(relative_sinusoid_table(rows, cfg.d_model, cfg.clamp_len), u, v, window=cfg.mem_len)
+    ctx = AttentionContext(_sinusoid_table(rows, cfg.d_model, cfg.clamp_len), u, v, window=cfg.mem_len)
     module = RelativeAttention(cfg)
-    params = nn.meta.unbox(module.init(jax.random.key(0), h, [block], ctx, u, v, True)['params'])
-    params = jax.tree.map(lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), params)
-    return params, module.apply({'params': params}, h, [block], ctx, u, v, True)[0]
+    params = jitted_init(module)(jax.random.key(0), h, [block], ctx, u, v)
+    rng = np.random.default_rng(2)
+    params = jax.tree.map(lambda x: np.asarray(x) + np.float32(0.1) * rng.standard_normal(x.shape, np.float32), params)
+    return params, jitted_apply(module)(params, h, [block], ctx, u, v)[0]
 
 
 def attention_inputs(mlen, clamp_len):
@@ -114,21 +133,21 @@ def attention_inputs(mlen, clamp_len):
                       mem_len=mlen, clamp_len=clamp_len, dropout=0.0)
     rng = np.random.default_rng(1)
     bsz, qlen = 2, 4
-    h = jnp.asarray(rng.normal(size=(bsz, qlen, 8)), jnp.float32)
-    mem = jnp.asarray(rng.normal(size=(bsz, mlen, 8)), jnp.float32)
+    h = rng.normal(size=(bsz, qlen, 8)).astype(np.float32)
+    mem = rng.normal(size=(bsz, mlen, 8)).astype(np.float32)
     valid = np.ones((bsz, mlen), bool)
     if mlen:
         valid[1, :2] = False
-    u, v = (jnp.asarray(rng.normal(size=(2, 3)), jnp.float32) for _ in range(2))
+    u, v = (rng.normal(size=(2, 3)).astype(np.float32) for _ in range(2))
     return cfg, h, mem, valid, u, v
 
 
 @pytest.mark.parametrize('mlen,clamp_len', [(0, -1), (5, -1), (5, 3)])
 def test_relative_attention_equals_naive_per_pair(mlen, clamp_len):
     cfg, h, mem, valid, u, v = attention_inputs(mlen, clamp_len)
-    block = KeyBlock(rows=mem, valid=jnp.asarray(valid)[:, None, None, :])
+    block = KeyBlock(rows=mem, valid=valid[:, None, None, :])
     params, got = run_attention(cfg, h, block, mlen + h.shape[1], u, v)
-    want = naive_attention(params, cfg, h, mem, valid, np.asarray(u), np.asarray(v))
+    want = naive_attention(params, cfg, h, mem, valid, u, v)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
 
@@ -140,10 +159,9 @@ def test_explicit_distances_equal_naive_per_pair(clamp_len):
     qlen = h.shape[1]
     mem_distance = lambda i, j: 2 * (mlen - j) + i  # row j kept from 2 (M - j) positions back
     distances = np.array([[mem_distance(i, j) for j in range(mlen)] for i in range(qlen)], np.int32)
-    block = KeyBlock(rows=mem, valid=jnp.asarray(valid)[:, None, None, :],
-                     distances=jnp.asarray(distances)[None, None])
+    block = KeyBlock(rows=mem, valid=valid[:, None, None, :], distances=distances[None, None])
     params, got = run_attention(cfg, h, block, int(distances.max()) + 1, u, v)
-    want = naive_attention(params, cfg, h, mem, valid, np.asarray(u), np.asarray(v), mem_distance)
+    want = naive_attention(params, cfg, h, mem, valid, u, v, mem_distance)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
 
 
@@ -152,32 +170,43 @@ def test_per_head_mask_hides_keys_from_one_head_only():
     head's output kernel zeroed, each head's output equals the run where every head has its mask."""
     cfg, h, mem, _, u, v = attention_inputs(5, -1)
     module = RelativeAttention(cfg)
-    ctx = AttentionContext(relative_sinusoid_table(9, 8, -1), u, v, window=5)
-    seen, hidden = jnp.ones((2, 1, 1, 5), bool), jnp.zeros((2, 1, 1, 5), bool)
-    per_head = seen & jnp.asarray([True, False])[None, :, None, None]
-    params = nn.meta.unbox(module.init(jax.random.key(0), h, [KeyBlock(mem, seen)], ctx, u, v, True)['params'])
+    ctx = AttentionContext(_sinusoid_table(9, 8, -1), u, v, window=5)
+    seen, hidden = np.ones((2, 1, 1, 5), bool), np.zeros((2, 1, 1, 5), bool)
+    per_head = seen & np.array([True, False])[None, :, None, None]
+    params = jitted_init(module)(jax.random.key(0), h, [KeyBlock(mem, seen)], ctx, u, v)
+    apply = jitted_apply(module)
     for head, alike in ((0, seen), (1, hidden)):
-        solo = {**params, 'out': {'kernel': params['out']['kernel'].at[1 - head].set(0.0)}}
-        run = lambda mask: module.apply({'params': solo}, h, [KeyBlock(mem, mask)], ctx, u, v, True)[0]
+        kernel = np.array(params['out']['kernel'])
+        kernel[1 - head] = 0.0
+        solo = {**params, 'out': {'kernel': kernel}}
+        run = lambda mask: apply(solo, h, [KeyBlock(mem, mask)], ctx, u, v)[0]
         np.testing.assert_allclose(run(per_head), run(alike), atol=1e-6)
         assert not np.allclose(run(seen), run(hidden), atol=1e-4)  # The mask matters at all.
 
 
+def value_and_vjp(f, cotangent, *args):
+    """f(*args) and the vjp of `cotangent` through it, as NumPy arrays, computed under jit."""
+    def run(cotangent, *args):
+        value, vjp = jax.vjp(f, *args)
+        return value, vjp(cotangent)
+    return jax.device_get(jax.jit(run)(cotangent, *args))
+
+
 @pytest.mark.parametrize('dtype,tol', [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
 def test_position_scores_value_and_gradient_match_the_plain_einsum(dtype, tol):
-    kq, kr, kg = jax.random.split(jax.random.PRNGKey(3), 3)
-    query = jax.random.normal(kq, (2, 5, 3, 4))
-    pos_key = jax.random.normal(kr, (9, 3, 4))
-    cotangent = jax.random.normal(kg, (2, 3, 5, 9))
+    rng = np.random.default_rng(3)
+    query = rng.standard_normal((2, 5, 3, 4), np.float32)
+    pos_key = rng.standard_normal((9, 3, 4), np.float32)
+    cotangent = rng.standard_normal((2, 3, 5, 9), np.float32)
     plain = lambda q, r: jnp.einsum('bthd,khd->bhtk', q, r)  # float32 reference
-    expected, plain_vjp = jax.vjp(plain, query, pos_key)
-    got, vjp = jax.vjp(position_scores, query.astype(dtype), pos_key.astype(dtype))
+    expected, plain_grads = value_and_vjp(plain, cotangent, query, pos_key)
+    got, grads = value_and_vjp(position_scores, cotangent, query.astype(dtype), pos_key.astype(dtype))
     assert got.dtype == jnp.float32
-    scale = float(jnp.abs(expected).max())
+    scale = float(np.abs(expected).max())
     np.testing.assert_allclose(got, expected, atol=tol * scale)
-    for g, e in zip(vjp(cotangent), plain_vjp(cotangent)):
+    for g, e in zip(grads, plain_grads):
         assert g.dtype == dtype
-        np.testing.assert_allclose(g.astype(jnp.float32), e, atol=tol * float(jnp.abs(e).max()))
+        np.testing.assert_allclose(g.astype(np.float32), e, atol=tol * float(np.abs(e).max()))
 
 
 def test_attend_hook_sees_the_layer_projections_and_adds_to_the_attention_output():
@@ -186,22 +215,23 @@ def test_attend_hook_sees_the_layer_projections_and_adds_to_the_attention_output
     layer output moves by exactly extra @ W_out when the hook projects with the layer's map."""
     cfg, h, mem, valid, u, v = attention_inputs(5, -1)
     cfg = cfg.replace(pre_lnorm=True)
-    block = KeyBlock(rows=mem, valid=jnp.asarray(valid)[:, None, None, :])
-    ctx = AttentionContext(relative_sinusoid_table(9, 8, -1), u, v, window=5)
+    block = KeyBlock(rows=mem, valid=valid[:, None, None, :])
+    ctx = AttentionContext(_sinusoid_table(9, 8, -1), u, v, window=5)
     module = RelativeAttention(cfg)
-    params = nn.meta.unbox(module.init(jax.random.key(0), h, [block], ctx, u, v, True)['params'])
-    extra = jax.random.normal(jax.random.key(5), (2, 4, 2, 3))
+    params = jitted_init(module)(jax.random.key(0), h, [block], ctx, u, v)
+    extra = np.random.default_rng(5).standard_normal((2, 4, 2, 3), np.float32)
 
     def attend(view):
         return Attended(view.maps.output(extra), notes=(view.maps.query(mem), view.key))
 
-    plain, _ = module.apply({'params': params}, h, [block], ctx, u, v, True)
-    moved, (memory_queries, keys) = module.apply({'params': params}, h, [block], ctx, u, v, True, attend=attend)
-    np.testing.assert_allclose(moved - plain, jnp.einsum('bthd,hde->bte', extra, params['out']['kernel']),
-                               atol=1e-5)
-    ln = params['layer_norm']
-    normed = (mem - mem.mean(-1, keepdims=True)) / jnp.sqrt(mem.var(-1, keepdims=True) + cfg.layer_norm_epsilon)
+    plain, _ = jitted_apply(module)(params, h, [block], ctx, u, v)
+    moved, (memory_queries, keys) = jitted_apply(module, attend=attend)(params, h, [block], ctx, u, v)
+    p = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
+    np.testing.assert_allclose(np.asarray(moved) - np.asarray(plain),
+                               np.einsum('bthd,hde->bte', extra, p['out']['kernel']), atol=1e-5)
+    ln, mem = p['layer_norm'], mem.astype(np.float64)
+    normed = (mem - mem.mean(-1, keepdims=True)) / np.sqrt(mem.var(-1, keepdims=True) + cfg.layer_norm_epsilon)
     normed = normed * ln['scale'] + ln['bias']
-    np.testing.assert_allclose(memory_queries, jnp.einsum('bnd,dhe->bnhe', normed, params['query']['kernel']),
+    np.testing.assert_allclose(memory_queries, np.einsum('bnd,dhe->bnhe', normed, p['query']['kernel']),
                                atol=1e-5)
     assert keys.shape == (2, 5 + 4, 2, 3)  # Every block's keys, then the segment's.
