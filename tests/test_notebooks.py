@@ -26,16 +26,18 @@ def test_notebook_is_stored_without_outputs(path):
 
 
 # Each notebook's `parameters` cell set to the smallest sizes at which every cell runs and every
-# plot is drawn (papermill's convention: the values go in a cell right after it). The code the
-# notebooks run is the same at any size, and what this checks does not depend on it: that they run
-# top to bottom and show their plots, not what the plots say (docs/notebooks.md, from larger runs).
+# plot is drawn (papermill's convention: the values go in a cell right after it); two layers where
+# a notebook trains the quickstart model (each layer compiles on its own; the plots still compare
+# layers). The code the notebooks run is the same at any size, and what this checks does not depend
+# on it: that they run top to bottom and show their plots, not what the plots say
+# (docs/notebooks.md, from larger runs).
 SMALLEST = {
-    'getting_started.ipynb': dict(STEPS=10, EVAL_BATCHES=1, NEW_TOKENS=16),
+    'getting_started.ipynb': dict(STEPS=10, EVAL_BATCHES=1, NEW_TOKENS=16, LAYERS=2),
     'inftyformer_ltm.ipynb': dict(STEPS=3),
-    'lamemo_memory.ipynb': dict(STEPS=10, SEGMENTS=3),
+    'lamemo_memory.ipynb': dict(STEPS=10, SEGMENTS=3, LAYERS=2),
     'skip_retain.ipynb': dict(STEPS=2, SEGMENTS=20, TIMED_STEPS=2),
     'trams_selection.ipynb': dict(STEPS=4, SEGMENTS=6),
-    'transformer_xl_attention.ipynb': dict(STEPS=10, SEGMENTS=2, EVAL_BATCHES=1),
+    'transformer_xl_attention.ipynb': dict(STEPS=10, SEGMENTS=2, EVAL_BATCHES=1, LAYERS=2),
 }
 
 
