@@ -62,11 +62,17 @@ def xl_attention():
     cfg = ModelConfig(vocab_size=40, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, mem_len=6,
                       untie_r=True, init_std=0.3)  # Large weights: scores far from uniform.
     model, params = model_lib.build_model(cfg), model_lib.init_params(cfg, jax.random.key(0))
-    tokens = np.random.RandomState(1).randint(0, 40, (3, 2, 5))
+    tokens = np.random.RandomState(1).randint(0, 40, (3, 2, 5)).astype(np.int32)
+
+    @jax.jit  # Op by op, the model would compile each of its operations.
+    def attention_sown(params, segment, memory):
+        _, memory, sown = analysis.apply_sown(model, params, segment, memory)
+        return memory, analysis.per_layer(sown, 'attention')
+
     memory = model_lib.init_memory(cfg, 2)
     for segment in tokens:
-        _, memory, sown = analysis.apply_sown(model, params, segment, memory)
-    return cfg, jax.tree.map(np.asarray, analysis.per_layer(sown, 'attention'))
+        memory, sown = attention_sown(params, segment, memory)
+    return cfg, jax.tree.map(np.asarray, sown)
 
 
 def test_the_four_terms_add_up_to_the_models_attention(xl_attention):

@@ -6,7 +6,6 @@ step (its densities, draws, the text its LTM holds and the attention histogram o
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -54,8 +53,10 @@ def test_with_sticky_draws_each_token_holds_the_stretches_sampled_in_it(within_b
     # 16 bins and segments of 4: bin edges fall on token edges, and left-edge draws repeat.
     segment_len, tau, samples, bins = 4, 0.5, 12, 16
     rng = np.random.RandomState(0)
-    histogram = jnp.asarray(rng.dirichlet(np.full(bins, 0.3), size=4))
-    draws = np.asarray(sticky_positions(jax.random.key(1), histogram, samples, within_bin), np.float64)
+    histogram = rng.dirichlet(np.full(bins, 0.3), size=4).astype(np.float32)
+    # Jitted: op by op, the draw would compile each of its operations.
+    draws = np.asarray(jax.jit(sticky_positions, static_argnums=(2, 3))(jax.random.key(1), histogram, samples,
+                                                                        within_bin), np.float64)
     spaces = infinity.memory_spaces(segment_len, tau, draws)
     np.testing.assert_allclose(spaces, naive_spaces(segment_len, tau, draws), rtol=1e-9, atol=1e-12)
     assert np.all(spaces >= 0) and math.isclose(spaces.sum(), 1.0, rel_tol=1e-12)
@@ -100,7 +101,7 @@ def traced():
                       mem_len=SEG, segment_len=SEG, ltm_basis=16, ltm_widths=(0.05, 0.1), ltm_tau=0.5, dropout=0.0,
                       ltm_sticky=True, ltm_sticky_bins=8, ltm_reset_tokens=4 * SEG)
     model, params = model_lib.build_model(cfg), jax.jit(lambda k: model_lib.init_params(cfg, k))(jax.random.key(0))
-    tokens = np.asarray(jax.random.randint(jax.random.key(1), (10, 2, SEG), 0, cfg.vocab_size), np.int32)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (10, 2, SEG), dtype=np.int32)
     resets = np.zeros((10, 2), bool)
     resets[5, 1] = True
     segments = [Segment(tokens[s], tokens[s], np.ones_like(tokens[s]), resets[s]) for s in range(10)]
@@ -138,14 +139,15 @@ def test_a_lifetime_holds_the_text_whose_rows_the_ltm_fitted(traced):
     np.testing.assert_array_equal(life.positions, tr.positions[3:6, 0, 0])
     # Layer 0's rows are the embeddings; those each step's update fitted waited from the step before.
     fitted = tr.rows[life.first_step - 1:life.first_step + 3, tr.index(0), 0].reshape(-1, model.config.d_model)
-    embedded = model.apply({'params': params}, jnp.asarray(life.tokens), method=lambda m, x: m.io.embed(x))
+    # Jitted: op by op, the embedding would compile each of its operations.
+    embed = jax.jit(lambda x: model.apply({'params': params}, x, method=lambda m, x: m.io.embed(x)))
+    embedded = embed(np.asarray(life.tokens, np.int32))
     np.testing.assert_allclose(fitted, embedded, rtol=1e-6)
     # The whole stream's rows, in text order (mem_len = S: from position 0).
     rows = infinity.layer_rows(tr, layer=0, stream=0)
     text = np.concatenate([segment.inputs[0] for segment in segments])[:len(rows)]
     assert len(rows) == 9 * SEG
-    np.testing.assert_allclose(rows, model.apply({'params': params}, jnp.asarray(text),
-                                                 method=lambda m, x: m.io.embed(x)), rtol=1e-6)
+    np.testing.assert_allclose(rows, embed(np.asarray(text, np.int32)), rtol=1e-6)
     with pytest.raises(ValueError, match='no fresh LTM followed by 4 updates'):
         infinity.lifetime(tr, stream=0, updates=4, layer=1)
     with pytest.raises(ValueError, match='was not traced'):

@@ -1,6 +1,8 @@
 """The analysis reads a run's text as evaluation does, and its LaMemo and attention summaries are
 the averages of the per-segment values."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -33,12 +35,15 @@ def lamemo_run(tmp_path_factory):
 
 
 def _segments(run, count):
-    """The text's first segments with the memory each starts from, carried and reset by hand."""
+    """The text's first segments with the memory each starts from, carried and reset by hand (each
+    step jitted: op by op, the model would compile each of its operations)."""
+    reset = jax.jit(run.model.kind.reset)
+    advance = jax.jit(lambda params, inputs, memory: run.model.apply({'params': params}, inputs, memory)[1])
     memory = model_lib.init_memory(run.config, 2)
     for segment in analysis.text_batches(run, 'validation', count):
-        memory = run.model.kind.reset(memory, segment.reset)
+        memory = reset(memory, segment.reset)
         yield segment, memory
-        _, memory = run.model.apply({'params': run.params}, segment.inputs, memory)
+        memory = advance(run.params, segment.inputs, memory)
 
 
 def test_the_text_is_read_as_evaluation_reads_it(lamemo_run, tmp_path):
@@ -56,8 +61,9 @@ def test_the_text_is_read_as_evaluation_reads_it(lamemo_run, tmp_path):
 def test_mean_memorizing_coefficients_average_the_carried_segments(lamemo_run):
     _, _, run = lamemo_run
     alphas = []
+    coefficients = jax.jit(functools.partial(lamemo.memorizing_coefficients, run.model))
     for segment, memory in _segments(run, 5):
-        alpha, _ = lamemo.memorizing_coefficients(run.model, run.params, segment.inputs, memory)
+        alpha, _ = coefficients(run.params, segment.inputs, memory)
         alphas += [np.asarray(alpha)[:, b].mean(axis=1) for b in range(2) if not segment.reset[b]]
     np.testing.assert_allclose(lamemo.mean_memorizing_coefficients(run, 5), np.mean(alphas, axis=0), rtol=1e-5)
 
@@ -66,9 +72,14 @@ def test_text_profiles_average_the_segments_profiles(tmp_path_factory):
     config, workdir = _imported(tmp_path_factory, 'xl')
     run = analysis.load(workdir, config)
     profiles = []
+
+    @jax.jit
+    def attention_sown(params, inputs, memory):
+        _, _, sown = analysis.apply_sown(run.model, params, inputs, memory)
+        return analysis.per_layer(sown, 'attention')
+
     for segment, memory in _segments(run, 4):
-        _, _, sown = analysis.apply_sown(run.model, run.params, segment.inputs, memory)
-        sown = jax.tree.map(np.asarray, analysis.per_layer(sown, 'attention'))
+        sown = jax.tree.map(np.asarray, attention_sown(run.params, segment.inputs, memory))
         profiles.append(attention.mean_by_distance(sown['probs'], sown['mask'], 8, bin_width=2, within_bin='max'))
     got = attention.text_profiles(run, 4, bin_width=2, within_bin='max')['attention']
     np.testing.assert_allclose(got, np.nanmean(profiles, axis=0), rtol=1e-5)

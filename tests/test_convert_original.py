@@ -14,6 +14,7 @@ import types
 
 import warnings
 
+import jax
 import numpy as np
 import pytest
 
@@ -234,11 +235,12 @@ def test_evaluate_scores_a_split_with_the_imported_model_as_a_segment_loop(files
     mcfg, params = original.read_model(model_path)
     model = lm.build_model(mcfg)
     tokens = original.read_vocabulary(corpus_path, mcfg.vocab_size).encode((corpus / 'valid.txt').read_text())
+    # Jitted (once per segment length): op by op, the model would compile each of its operations.
+    apply = jax.jit(lambda p, x, m, t: model.apply({'params': p}, x, m, targets=t))
     memory, total, seg = lm.init_memory(mcfg, 1), 0.0, mcfg.segment_len
     for start in range(0, len(tokens) - 1, seg):
         targets = tokens[start + 1:start + 1 + seg]
-        out, memory = model.apply({'params': params}, tokens[None, start:start + len(targets)], memory,
-                                  targets=targets[None])
+        out, memory = apply(params, tokens[None, start:start + len(targets)], memory, targets[None])
         total -= float(np.sum(np.asarray(out.target_logprobs, np.float64)))
     assert summary['num_tokens'] == len(tokens) - 1
     assert summary['loss'] == pytest.approx(total / (len(tokens) - 1), abs=1e-5)

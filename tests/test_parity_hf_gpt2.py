@@ -14,7 +14,6 @@ transformers = pytest.importorskip(
     'transformers', reason="HF parity tests need transformers 4.37.2: pip install -e '.[parity]'")
 
 import jax  # pylint: disable=g-import-not-at-top,g-bad-import-order
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 from flax import traverse_util  # pylint: disable=g-import-not-at-top
 
 from memjax import errors  # pylint: disable=g-import-not-at-top
@@ -53,8 +52,10 @@ def test_imported_gpt2_matches_hf_log_probs(hf_directory):
     with torch.no_grad():
         logits = model(torch.as_tensor(tokens[:, :-1])).logits.double()
     expected = torch.log_softmax(logits, -1).gather(-1, torch.as_tensor(tokens[:, 1:])[..., None])[..., 0].numpy()
-    out, _ = build_model(config).apply({'params': params}, jnp.asarray(tokens[:, :-1]), init_memory(config, BATCH),
-                                       targets=jnp.asarray(tokens[:, 1:]))
+    # Jitted: op by op, the model would compile each of its operations.
+    apply = jax.jit(lambda p, x, m, t: build_model(config).apply({'params': p}, x, m, targets=t))
+    out, _ = apply(params, tokens[:, :-1].astype(np.int32), init_memory(config, BATCH),
+                   tokens[:, 1:].astype(np.int32))
     np.testing.assert_allclose(np.asarray(out.target_logprobs), expected, atol=1e-4, rtol=0)
 
 
