@@ -204,14 +204,15 @@ def test_sliding_window_equals_same_length_xl_for_one_layer():
 
 def test_vanilla_step_scores_the_last_position_only():
     mcfg, params = tiny_model(n_layer=1)
-    windows = jnp.asarray(np.random.RandomState(2).randint(0, mcfg.vocab_size, (3, 7)))
-    targets = jnp.asarray([1, 5, 9])
+    windows = np.random.RandomState(2).randint(0, mcfg.vocab_size, (3, 7)).astype(np.int32)
+    targets = np.asarray([1, 5, 9], np.int32)
     vanilla = eval_speed.vanilla_step_fn(mcfg)(params, windows, targets)
-    full_targets = jnp.concatenate([windows[:, 1:], targets[:, None]], axis=1)
+    full_targets = np.concatenate([windows[:, 1:], targets[:, None]], axis=1)
     vmcfg = eval_speed.vanilla_config(mcfg)
-    out, _ = model_lib.build_model(vmcfg).apply({'params': params}, windows, model_lib.init_memory(vmcfg, 3),
-                                                  targets=full_targets)
-    np.testing.assert_allclose(vanilla, out.target_logprobs[:, -1], atol=1e-5, rtol=0)
+    # Jitted: op by op, each of the model's operations would compile.
+    out, _ = jax.jit(model_lib.build_model(vmcfg).apply)({'params': params}, windows, model_lib.init_memory(vmcfg, 3),
+                                                           targets=full_targets)
+    np.testing.assert_allclose(vanilla, np.asarray(out.target_logprobs)[:, -1], atol=1e-5, rtol=0)
 
 
 def test_eval_speed_suite_json(tmp_path_factory):
