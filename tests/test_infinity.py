@@ -28,11 +28,6 @@ def smooth(t):
     return np.sin(2 * np.pi * t) + 0.5 * np.cos(6 * np.pi * t)
 
 
-def random_tokens(seed, shape, vocab_size=23):
-    """Uniform int32 token ids in [0, vocab_size), drawn by NumPy (jax.random compiles per shape)."""
-    return np.random.default_rng(seed).integers(0, vocab_size, shape, dtype=np.int32)
-
-
 def changed_first_segment(tokens, vocab_size=23):
     """A NumPy copy of `tokens` with its first segment's ids shifted by one."""
     other = tokens.copy()
@@ -271,7 +266,7 @@ def forward():
 def test_per_step_cost_and_shapes_do_not_grow_with_the_context(forward):
     cfg = tiny(n_layer=1)
     params = model_lib.init_params(cfg, jax.random.key(0))
-    tokens = random_tokens(1, (2, 60 * SEG), cfg.vocab_size)
+    tokens = training_fixtures.random_tokens(1, (2, 60 * SEG), cfg.vocab_size)
     memory = after_one = model_lib.init_memory(cfg, 2)
     logprobs = []
     for step in range(60):
@@ -314,7 +309,7 @@ def test_ltm_starts_afresh_after_the_token_threshold_and_at_a_document_start():
             memory = apply(tokens[:, step * SEG:(step + 1) * SEG], memory, jnp.asarray(reset))
         return np.asarray(memory.layers['coefficients'])[0]
 
-    a = random_tokens(4, (2, 5 * SEG))
+    a = training_fixtures.random_tokens(4, (2, 5 * SEG), tiny().vocab_size)
     b = changed_first_segment(a)
     keep = [[False, False]] * 4
     unbounded = tiny(n_layer=1)
@@ -334,7 +329,7 @@ def test_the_models_kl_loss_is_eq_20_over_its_queries_with_the_released_prior_me
     over the densities the layer used (those the memory carries on), summed over layers."""
     cfg = tiny(ltm_kl_mu0=-1.0)
     params = model_lib.init_params(cfg, jax.random.key(0))
-    tokens = random_tokens(5, (2, SEG), cfg.vocab_size)
+    tokens = training_fixtures.random_tokens(5, (2, SEG), cfg.vocab_size)
     (_, memory), _ = forward(cfg, params, tokens, model_lib.init_memory(cfg, 2))
     (out, memory), _ = forward(cfg, params, tokens, memory)
     mu, sigma2 = np.asarray(memory.layers['mu'], np.float64), np.asarray(memory.layers['sigma2'], np.float64)
@@ -347,7 +342,7 @@ def test_the_models_kl_loss_is_eq_20_over_its_queries_with_the_released_prior_me
 def test_layers_draw_their_own_sticky_positions(forward):
     cfg = tiny(ltm_sticky=True, ltm_sticky_bins=8)
     params = model_lib.init_params(cfg, jax.random.key(0))
-    tokens = random_tokens(2, (2, SEG), cfg.vocab_size)
+    tokens = training_fixtures.random_tokens(2, (2, SEG), cfg.vocab_size)
     memory = model_lib.init_memory(cfg, 2)
     for _ in range(3):
         (_, memory), sown = forward(cfg, params, tokens, memory)
@@ -360,7 +355,7 @@ def test_gradients_are_finite_with_bf16_compute():
     cfg = tiny(compute_dtype='bfloat16', ltm_sticky=True, n_layer=1)
     params = model_lib.init_params(cfg, jax.random.key(0))
     model = model_lib.build_model(cfg)
-    tokens = random_tokens(3, (2, SEG), cfg.vocab_size)
+    tokens = training_fixtures.random_tokens(3, (2, SEG), cfg.vocab_size)
 
     def loss(p, memory):
         out, memory = model.apply({'params': p}, tokens, memory, targets=tokens, rngs={'sticky': jax.random.key(1)})

@@ -24,11 +24,6 @@ import training_fixtures
 SEG = 4
 
 
-def random_tokens(seed, shape, vocab_size=13):
-    """Uniform int32 token ids in [0, vocab_size), drawn by NumPy (jax.random compiles per shape)."""
-    return np.random.default_rng(seed).integers(0, vocab_size, shape, dtype=np.int32)
-
-
 def scaled(params, factor):
     """`params` times `factor`, as NumPy arrays: eager JAX would compile a multiply per leaf shape."""
     return jax.tree.map(lambda x: np.asarray(x) * np.float32(factor), params)
@@ -116,7 +111,7 @@ def test_a_memory_no_longer_than_the_segment_refreshes_as_a_longer_one(forward):
     (M > T) and by the reversed causal span (M <= T, memjax's CPU kernel where it applies), and
     the log-probs agree."""
     params = scaled(model_lib.init_params(tiny(n_layer=2, mem_len=8), jax.random.key(3)), 4.0)
-    tokens = random_tokens(4, (2, 2 * SEG))
+    tokens = training_fixtures.random_tokens(4, (2, 2 * SEG), tiny().vocab_size)
     logprobs = {m: run_segments(forward, tiny(n_layer=2, mem_len=m), params, tokens)[0] for m in (8, SEG)}
     np.testing.assert_allclose(logprobs[SEG], logprobs[8], rtol=1e-5, atol=1e-5)
 
@@ -158,7 +153,7 @@ def test_interpolated_memory_is_attention_over_both_sides_appendix_a(forward, en
     cfg = tiny(n_layer=1, mem_len=8, lamemo_encoding=encoding)
     params = model_lib.init_params(cfg, jax.random.key(0))
     params = scaled(params, 4.0)  # Peaked attention: a wrong weight shows.
-    tokens = random_tokens(1, (2, 3 * SEG), cfg.vocab_size)
+    tokens = training_fixtures.random_tokens(1, (2, 3 * SEG), cfg.vocab_size)
     _, states = run_segments(forward, cfg, params, tokens)
     embedded = np.concatenate([states[1].shared['embedded'], np.asarray(states[2].shared['embedded'])[:, 4:]], axis=1)
     expected, _ = naive_bidirectional_memory(params, cfg, embedded, range(4, 8), n_keys=9)
@@ -178,7 +173,7 @@ def test_memorizing_coefficients_are_the_past_share_of_the_bidirectional_attenti
     kernel where it applies)."""
     cfg = tiny(n_layer=1, mem_len=mem_len)
     params = scaled(model_lib.init_params(cfg, jax.random.key(0)), 4.0)
-    tokens = random_tokens(1, (2, 3 * SEG), cfg.vocab_size)
+    tokens = training_fixtures.random_tokens(1, (2, 3 * SEG), cfg.vocab_size)
     if scan_layers:  # Two layers with the same weights: the first sees what the one-layer model sees.
         cfg = cfg.replace(n_layer=2, scan_layers=True)
         layer = params.pop('layer_0')
@@ -216,7 +211,7 @@ def test_without_look_ahead_the_recomputed_memory_is_transformer_xl(forward, eva
     twice the training one (the carried state grows with mem_len)."""
     cfg = tiny(lamemo_look_ahead=False, mem_len=eval_mem_len)
     params = scaled(model_lib.init_params(tiny(), jax.random.key(2)), 6.0)
-    tokens = random_tokens(3, (2, 4 * SEG), cfg.vocab_size)
+    tokens = training_fixtures.random_tokens(3, (2, 4 * SEG), cfg.vocab_size)
     got, states = run_segments(forward, cfg, params, tokens)
     assert states[-1].layers['context'].shape[2] == eval_mem_len
     expected, _ = run_segments(forward, cfg.replace(memory='xl', lamemo_look_ahead=True), xl_params(params), tokens)
@@ -230,7 +225,7 @@ def test_no_target_leaks_across_segments(forward):
     the memory rows look ahead at every segment's first token."""
     cfg = tiny()
     params = scaled(model_lib.init_params(cfg, jax.random.key(4)), 3.0)
-    tokens = random_tokens(5, (2, 4 * SEG + 1), cfg.vocab_size)
+    tokens = training_fixtures.random_tokens(5, (2, 4 * SEG + 1), cfg.vocab_size)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     base, _ = run_segments(forward, cfg, params, inputs, targets)
     for p in (SEG, SEG + 2, 2 * SEG + 3, 3 * SEG):
@@ -248,7 +243,7 @@ def test_bf16_log_denominators_stay_finite_under_large_logits(forward):
     params = model_lib.init_params(cfg, jax.random.key(6))
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: scaled(x, 100.0) if any(n in str(path) for n in ("'query'", "'key'")) else x, params)
-    tokens = random_tokens(7, (2, 5 * SEG), cfg.vocab_size)
+    tokens = training_fixtures.random_tokens(7, (2, 5 * SEG), cfg.vocab_size)
     full, states32 = run_segments(forward, cfg, params, tokens)
     half, states16 = run_segments(forward, cfg.replace(compute_dtype='bfloat16'), params, tokens)
     log_norm = np.asarray(states16[-1].layers['log_norm'])

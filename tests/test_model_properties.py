@@ -42,9 +42,7 @@ def run_segments(cfg, model, params, tokens, seg_len, targets=None):
     return np.concatenate(hiddens, 1), (None if targets is None else np.concatenate(logprobs, 1))
 
 
-def random_tokens(seed, shape):
-    """Uniform int32 token ids in [0, VOCAB), drawn by NumPy (jax.random compiles per shape)."""
-    return np.random.default_rng(seed).integers(0, VOCAB, shape, dtype=np.int32)
+random_tokens = functools.partial(training_fixtures.random_tokens, vocab_size=VOCAB)
 
 
 def with_changed(tokens, index, step=1):

@@ -25,6 +25,12 @@ TINY = os.path.join(REPO, 'configs', 'tiny.py')
 
 
 @functools.lru_cache(maxsize=None)
+def random_tokens(seed: int, shape, vocab_size: int) -> np.ndarray:
+    """Uniform int32 token ids in [0, vocab_size), drawn by NumPy (jax.random compiles a draw for
+    each shape)."""
+    return np.random.default_rng(seed).integers(0, vocab_size, shape, dtype=np.int32)
+
+
 def perturbed_params(cfg, scale: float = 0.05):
     """A ModelConfig's random parameters with the zero-initialised ones perturbed (normal noise
     times `scale`), so that every term of the model carries signal. NumPy draws the perturbations:
