@@ -18,6 +18,7 @@ import ml_collections
 from ml_collections import config_flags
 
 from memjax import config_lib
+from memjax.runtime import collector
 from memjax.runtime import distributed
 from memjax import errors
 from memjax.runtime import host_memory
@@ -114,6 +115,7 @@ def main(command: Callable[[list[str]], Any], config_from_workdir: bool = False)
     With `config_from_workdir` (the flags of `define_workdir_flags`), a command given no --config
     runs with its workdir's own (`with_workdir_config`).
     """
+    collector.tune()  # The command's modules are imported by now; they stay for the process's life.
     if config_from_workdir:
         try:
             sys.argv = with_workdir_config(sys.argv)  # Read by absl and by the config flag's overrides.

@@ -55,9 +55,15 @@ os.environ.update(cache_environment(COMPILATION_CACHE))
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest
 
+from memjax.runtime import collector
 import training_fixtures
 
 assert jax.config.jax_compilation_cache_dir == COMPILATION_CACHE, 'JAX was imported before tests/conftest.py'
+
+
+def pytest_collection_finish(session):  # pylint: disable=unused-argument
+    # The test modules are imported: the collector set as memjax's commands set it.
+    collector.tune()
 
 
 def pytest_unconfigure(config):  # pylint: disable=unused-argument

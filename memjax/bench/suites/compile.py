@@ -4,16 +4,22 @@ Without `scan_layers` XLA sees n_layer copies of the layer, so tracing, lowering
 compiling grow with depth; with it, one loop body. The model is narrow on purpose: this is
 about compile time, not step time. Each figure is the median over fresh compilations
 (`jax.clear_caches()` before each, so no cached executable is reused).
+
+The deepest stack without the scan is compiled once more with Python's own garbage-collector
+settings, in place of those memjax's commands set (memjax/runtime/collector.py): what the
+collector costs tracing and lowering, side by side.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import jax
 
 from memjax.bench import harness
 from memjax.bench import workload
+from memjax.runtime import collector
 
 FULL = dict(layers=(2, 8, 16), shape=dict(d_model=128, n_head=4, d_head=32, d_inner=512),
             batch=2, seq=64)
@@ -25,34 +31,40 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     setting = TINY if ctx.tiny else FULL
     # Compilations are slow and not noisy in the way step times are: at most 3 per case.
     repeats = min(ctx.repeats, 3)
+    deepest = max(setting['layers'])
+    cases = [(n_layer, scan, 'memjax') for n_layer in setting['layers'] for scan in (False, True)]
     rows = []
-    for n_layer in setting['layers']:
-        for scan in (False, True):
-            mcfg = workload.model_config(ctx.config, n_layer=n_layer, scan_layers=scan,
-                                         mem_len=setting['seq'], **setting['shape'])
-            work = workload.build(mcfg, setting['batch'], setting['seq'], ctx.config)
-            runs = []
+    for n_layer, scan, collector_setting in cases + [(deepest, False, 'python')]:
+        mcfg = workload.model_config(ctx.config, n_layer=n_layer, scan_layers=scan,
+                                     mem_len=setting['seq'], **setting['shape'])
+        work = workload.build(mcfg, setting['batch'], setting['seq'], ctx.config)
+        runs = []
+        with collector.python_defaults() if collector_setting == 'python' else contextlib.nullcontext():
             for _ in range(repeats):
                 jax.clear_caches()
                 runs.append(workload.compile_step(work))
-            ctx.log(f'compile: {n_layer} layers, scan={scan}: {runs[-1].compile_s:.1f}s')
-            lower = statistics.median(r.lower_s for r in runs)
-            compile_s = statistics.median(r.compile_s for r in runs)
-            rows.append({'n_layer': n_layer, 'scan_layers': scan, 'lower_s': lower,
-                         'compile_s': compile_s, 'total_s': lower + compile_s, 'runs': repeats,
-                         'lower_runs_s': [r.lower_s for r in runs],
-                         'compile_runs_s': [r.compile_s for r in runs]})
-    by_case = {(r['n_layer'], r['scan_layers']): r['total_s'] for r in rows}
-    deepest = max(setting['layers'])
+        ctx.log(f'compile: {n_layer} layers, scan={scan}, collector {collector_setting}: {runs[-1].compile_s:.1f}s')
+        lower = statistics.median(r.lower_s for r in runs)
+        compile_s = statistics.median(r.compile_s for r in runs)
+        rows.append({'n_layer': n_layer, 'scan_layers': scan, 'collector': collector_setting, 'lower_s': lower,
+                     'compile_s': compile_s, 'total_s': lower + compile_s, 'runs': repeats,
+                     'lower_runs_s': [r.lower_s for r in runs],
+                     'compile_runs_s': [r.compile_s for r in runs]})
+    by_case = {(r['n_layer'], r['scan_layers'], r['collector']): r for r in rows}
+    total = {case[:2]: by_case[case]['total_s'] for case in cases}
     return harness.SuiteResult(
         rows=rows,
-        columns=('n_layer', 'scan_layers', 'lower_s', 'compile_s', 'total_s', 'runs'),
-        figures={f'loop_over_scan_total_{n}_layers': by_case[(n, False)] / by_case[(n, True)]
+        columns=('n_layer', 'scan_layers', 'collector', 'lower_s', 'compile_s', 'total_s', 'runs'),
+        figures={f'loop_over_scan_total_{n}_layers': total[(n, False)] / total[(n, True)]
                  for n in setting['layers']} | {
-                     'scan_growth_over_depth': by_case[(deepest, True)] / by_case[(min(setting['layers']), True)],
-                     'loop_growth_over_depth': by_case[(deepest, False)] / by_case[(min(setting['layers']), False)]},
+                     'scan_growth_over_depth': total[(deepest, True)] / total[(min(setting['layers']), True)],
+                     'loop_growth_over_depth': total[(deepest, False)] / total[(min(setting['layers']), False)],
+                     'python_collector_over_memjax_lower': (by_case[(deepest, False, 'python')]['lower_s']
+                                                            / by_case[(deepest, False, 'memjax')]['lower_s'])},
         config={'model': setting['shape'], 'batch': setting['batch'], 'tgt_len': setting['seq'],
                 'mem_len': setting['seq'], 'dtype': workload.model_config(ctx.config).compute_dtype,
                 'timed': 'lower_s = trace + lower to StableHLO; compile_s = XLA compile; '
                          'median of fresh compilations after jax.clear_caches()'},
-        notes=['*_growth_over_depth: total compile time at the deepest over the shallowest stack.'])
+        notes=['*_growth_over_depth: total compile time at the deepest over the shallowest stack.',
+               "python_collector_over_memjax_lower: trace + lower time of the deepest stack without the scan "
+               "with Python's default garbage-collector settings over memjax's (memjax/runtime/collector.py)."])
