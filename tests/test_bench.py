@@ -290,11 +290,18 @@ CHECKS = {'trams': _check_trams, 'infinity': _check_infinity, 'lamemo': _check_l
 def command_line_reports(tmp_path_factory):
     """Every suite of CHECKS at --size=tiny from one command line (one process: JAX starts once)."""
     out = tmp_path_factory.mktemp('bench')
+    (out / 'tmp').mkdir()  # Its temporary folder, which it must leave as it found it.
     proc = subprocess.run(
         [sys.executable, '-m', 'memjax.bench', *sorted(CHECKS), '--size=tiny', '--warmup=0', '--repeats=1',
-         f'--out={out}/{{suite}}.json'], cwd=REPO, capture_output=True, text=True, check=False)
+         f'--out={out}/{{suite}}.json'], cwd=REPO, capture_output=True, text=True, check=False,
+        env={**os.environ, 'TMPDIR': str(out / 'tmp')})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, out
+
+
+def test_the_suites_leave_nothing_in_the_temporary_folder(command_line_reports):
+    _, out = command_line_reports
+    assert sorted(os.listdir(out / 'tmp')) == []
 
 
 @pytest.mark.parametrize('suite', sorted(CHECKS))

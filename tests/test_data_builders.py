@@ -2,6 +2,8 @@
 
 import dataclasses
 import logging
+import os
+import tempfile
 import zipfile
 
 import pytest
@@ -250,3 +252,15 @@ def test_empty_split_file_is_rejected(tmp_path):
 def load_split_documents(data_cfg, split):
     """Prepares data.name if needed and returns the split's documents."""
     return builders.read_documents(builders.prepare(data_cfg), split)
+
+
+def test_preparing_a_dataset_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+    """TFDS's lookup of a not-yet-prepared dataset in its GCS bucket made a temporary folder it never
+    removed: one per preparation (memjax's builders skip that lookup)."""
+    scratch = tmp_path / 'scratch'
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, 'tempdir', str(scratch))
+    (tmp_path / 'train.txt').write_text(''.join(f'line {i} of the text\n' for i in range(200)))
+    cfg = DataConfig(name='text', text_path=str(tmp_path / 'train.txt'), data_dir=str(tmp_path / 'tfds'))
+    assert load_split_documents(cfg, 'train')
+    assert sorted(os.listdir(scratch)) == []

@@ -55,7 +55,9 @@ def set_parameters(notebook, values: dict) -> None:
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=os.path.basename)
-def test_notebook_runs_and_shows_its_plots(path):
+def test_notebook_runs_and_shows_its_plots(path, tmp_path, monkeypatch):
+    # The kernel inherits it: the runs a notebook trains in temporary folders go with the test's.
+    monkeypatch.setenv('TMPDIR', str(tmp_path))
     notebook = nbformat.read(path, as_version=4)
     set_parameters(notebook, SMALLEST[os.path.basename(path)])
     client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name='python3',

@@ -118,6 +118,15 @@ def _read_utf8(path: Path) -> bytes:
     return data
 
 
+class _LocalDatasetInfo(tfds.core.DatasetInfo):
+    """TFDS's DatasetInfo without the lookup in TFDS's own GCS bucket that a builder makes while
+    its dataset is not prepared: memjax's datasets are never there, and the lookup first makes a
+    temporary folder that it never removes (an empty /tmp/tmp*tfds per preparation)."""
+
+    def initialize_from_bucket(self) -> None:
+        pass
+
+
 class _MemjaxTextBuilder(tfds.core.GeneratorBasedBuilder,
                          skip_registration=True):
     """Shared layout; subclasses only say where each split's documents are."""
@@ -133,7 +142,7 @@ class _MemjaxTextBuilder(tfds.core.GeneratorBasedBuilder,
         return epath.Path(inspect.getfile(cls))
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
+        return _LocalDatasetInfo(
             builder=self,
             description=self.__doc__,
             features=tfds.features.FeaturesDict({

@@ -34,11 +34,12 @@ CASES = {
 SHAPE = dict(d_model=64, n_layer=2, n_head=4, d_head=16, d_inner=128, mem_len=16, dropout=0.1)
 TINY_SHAPE = dict(d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, mem_len=8, dropout=0.1)
 
-def _experiment(overrides: dict, shape: dict, batch: int, tgt_len: int) -> experiment.Experiment:
+
+def _experiment(overrides: dict, shape: dict, batch: int, tgt_len: int, workdir: str) -> experiment.Experiment:
     config = config_lib.base_config()
     config.model.update(**shape, **overrides)
     config.train.update(batch_size=batch, tgt_len=tgt_len)
-    return experiment.setup(config, tempfile.mkdtemp(prefix='memjax-bench-programs-'))
+    return experiment.setup(config, workdir)
 
 
 def lowered_steps(exp: experiment.Experiment) -> dict[str, jax.stages.Lowered]:
@@ -65,7 +66,9 @@ def lowered_steps(exp: experiment.Experiment) -> dict[str, jax.stages.Lowered]:
 def fingerprints(overrides: dict, shape: dict, batch: int = 4, tgt_len: int = 16) -> dict[str, dict]:
     """{'train': {...}, 'eval': {...}}: each step's fingerprint and size, for one model."""
     out = {}
-    for name, program in lowered_steps(_experiment(overrides, shape, batch, tgt_len)).items():
+    with tempfile.TemporaryDirectory(prefix='memjax-bench-programs-') as workdir:  # The setup's tokenizer.
+        steps = lowered_steps(_experiment(overrides, shape, batch, tgt_len, workdir))
+    for name, program in steps.items():
         text = hlo.program_text(program.compile())
         out[name] = {'fingerprint': hlo.fingerprint(text),
                      'instructions': sum(1 for line in text.splitlines() if ' = ' in line)}
