@@ -9,7 +9,7 @@ import zipfile
 import pytest
 import tensorflow_datasets as tfds
 
-from memjax.data import builders, pipeline, tokenizers
+from memjax.data import builders, pipeline, prepared, tokenizers
 from memjax.data.config import DataConfig
 
 
@@ -52,7 +52,7 @@ def test_wikitext103_one_document_per_article(tmp_path):
     texts = _write_wikitext(tmp_path / 'raw')
     cfg = DataConfig(name='wikitext103', data_dir=str(tmp_path / 'tfds'),
                      manual_dir=str(tmp_path / 'raw'))
-    builders.prepare(cfg)
+    prepared.prepare(cfg)
     train = _docs_from_records(
         _records('memjax_wikitext103', tmp_path / 'tfds', 'train'))
     assert train == [' \n = Alpha = \n \n alpha text \n = = Section = = \n'
@@ -69,13 +69,13 @@ def test_wikitext103_missing_file_names_it_and_the_fix(tmp_path):
     cfg = DataConfig(name='wikitext103', data_dir=str(tmp_path / 'tfds'),
                      manual_dir=str(tmp_path / 'raw'))
     with pytest.raises(FileNotFoundError, match='wiki.valid.tokens.*manual_dir'):
-        builders.prepare(cfg)
+        prepared.prepare(cfg)
 
 
 def test_missing_manual_dir_is_one_message_without_tfds_warnings(tmp_path, caplog):
     cfg = DataConfig(name='pg19', data_dir=str(tmp_path / 'tfds'))
     with pytest.raises(FileNotFoundError, match='downloads/manual.*train/'):
-        builders.prepare(cfg)
+        prepared.prepare(cfg)
     # TFDS's own "Variant folder ... has no dataset_info.json" would come before memjax's line.
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
@@ -89,7 +89,7 @@ def test_enwik8_byte_split_and_bounded_records(tmp_path, monkeypatch):
     held = 50  # Cuts through a 3-byte character on purpose.
     cfg = DataConfig(name='enwik8', data_dir=str(tmp_path / 'tfds'),
                      manual_dir=str(tmp_path / 'raw'), heldout_size=held)
-    builders.prepare(cfg)
+    prepared.prepare(cfg)
     n = len(raw)
     expected = {'train': raw[:n - 2 * held],
                 'validation': raw[n - 2 * held:n - held], 'test': raw[n - held:]}
@@ -109,7 +109,7 @@ def test_enwik8_wrong_size_is_rejected(tmp_path):
     cfg = DataConfig(name='enwik8', data_dir=str(tmp_path / 'tfds'),
                      manual_dir=str(tmp_path / 'raw'))
     with pytest.raises(ValueError, match='standard enwik8 has 100,000,000'):
-        builders.prepare(cfg)
+        prepared.prepare(cfg)
 
 
 def test_text8_rejects_non_utf8(tmp_path):
@@ -118,7 +118,7 @@ def test_text8_rejects_non_utf8(tmp_path):
     cfg = DataConfig(name='text8', data_dir=str(tmp_path / 'tfds'),
                      manual_dir=str(tmp_path / 'raw'), heldout_size=20)
     with pytest.raises(ValueError, match='text8 is not valid UTF-8'):
-        builders.prepare(cfg)
+        prepared.prepare(cfg)
 
 
 def _write_pg19(root):
@@ -134,7 +134,7 @@ def test_pg19_books_in_numeric_order(tmp_path):
     _write_pg19(tmp_path / 'raw')
     cfg = DataConfig(name='pg19', data_dir=str(tmp_path / 'tfds'),
                      manual_dir=str(tmp_path / 'raw'))
-    builders.prepare(cfg)
+    prepared.prepare(cfg)
     records = _records('memjax_pg19', tmp_path / 'tfds', 'train')
     assert _docs_from_records(records) == ['nine\n', 'ten\n', 'hundred\n']
     assert load_split_documents(cfg, 'test') == ['seven\n']
@@ -161,7 +161,7 @@ def test_pg19_undecodable_book_names_the_file(tmp_path):
     cfg = DataConfig(name='pg19', data_dir=str(tmp_path / 'tfds'),
                      manual_dir=str(tmp_path / 'raw'))
     with pytest.raises(ValueError, match=r'7\.txt is not valid UTF-8.*iconv'):
-        builders.prepare(cfg)
+        prepared.prepare(cfg)
 
 
 def test_pg19_empty_split_folder(tmp_path):
@@ -170,7 +170,7 @@ def test_pg19_empty_split_folder(tmp_path):
     cfg = DataConfig(name='pg19', data_dir=str(tmp_path / 'tfds'),
                      manual_dir=str(tmp_path / 'raw'))
     with pytest.raises(ValueError, match='validation has no .txt books'):
-        builders.prepare(cfg)
+        prepared.prepare(cfg)
 
 
 def test_text_folder_hash_splits_one_document_per_file(tmp_path):
@@ -227,7 +227,7 @@ def test_text_incomplete_explicit_splits(tmp_path):
     cfg = DataConfig(name='text', text_path=str(folder),
                      data_dir=str(tmp_path / 'tfds'))
     with pytest.raises(FileNotFoundError, match=r"not \['validation'\]"):
-        builders.prepare(cfg)
+        prepared.prepare(cfg)
 
 
 def test_unknown_dataset_and_split():
@@ -246,12 +246,12 @@ def test_empty_split_file_is_rejected(tmp_path):
     cfg = DataConfig(name='text', text_path=str(folder),
                      data_dir=str(tmp_path / 'tfds'))
     with pytest.raises(ValueError, match="'validation' of memjax_text is empty"):
-        builders.prepare(cfg)
+        prepared.prepare(cfg)
 
 
 def load_split_documents(data_cfg, split):
     """Prepares data.name if needed and returns the split's documents."""
-    return builders.read_documents(builders.prepare(data_cfg), split)
+    return prepared.read_documents(prepared.prepare(data_cfg), split)
 
 
 def test_preparing_a_dataset_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):

@@ -1,4 +1,6 @@
-"""TFDS builders (array_record, no TensorFlow) for memjax's text corpora.
+"""TFDS builders (array_record, no TensorFlow) for memjax's text corpora: how each corpus's raw
+files become records, and the builder a DataConfig names (`make_builder`). Preparing them in
+data.data_dir and reading their documents back: memjax/data/prepared.py.
 
 Every dataset has the same features: `text` (UTF-8 bytes of one record) and
 `doc_start` (True on the first record of a document). Records keep corpus
@@ -11,21 +13,15 @@ folder (data.manual_dir, default <data_dir>/downloads/manual).
 """
 
 import abc
-import contextlib
 import dataclasses
 import hashlib
 import inspect
-import io
-import itertools
-import logging
 import os
 import re
-import time
 import zipfile
 from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from absl import logging as absl_logging
 import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
@@ -33,7 +29,7 @@ from tensorflow_datasets.core import utils as tfds_utils
 
 from memjax import errors
 from memjax.data import embedded_corpus
-from memjax.data.config import DEFAULT_DATA_DIR, DataConfig
+from memjax.data.config import DataConfig
 from memjax.runtime import logs
 
 SPLITS = embedded_corpus.SPLITS
@@ -127,7 +123,7 @@ class _LocalDatasetInfo(tfds.core.DatasetInfo):
         pass
 
 
-class _MemjaxTextBuilder(tfds.core.GeneratorBasedBuilder,
+class MemjaxTextBuilder(tfds.core.GeneratorBasedBuilder,
                          skip_registration=True):
     """Shared layout; subclasses only say where each split's documents are."""
 
@@ -156,6 +152,21 @@ class _MemjaxTextBuilder(tfds.core.GeneratorBasedBuilder,
     def _documents(self, manual_dir: Optional[Path]) -> Documents:
         """split -> iterable of documents as bytes, in corpus order."""
 
+    @classmethod
+    def locate(cls, manual_dir: Path) -> Any:
+        """The raw files in manual_dir of a builder that reads some; raises the missing one's
+        DataError with the fix."""
+        del manual_dir
+
+    def check_manual_files(self, folder: Path) -> None:
+        """Fails before TFDS starts, with the file and the fix."""
+        if not folder.is_dir():
+            raise _missing(folder, folder=True, fix=(
+                f'{self.name} reads raw files from data.manual_dir (default '
+                f'<data_dir>/downloads/manual). '
+                f'{self.MANUAL_DOWNLOAD_INSTRUCTIONS}'))
+        self.locate(folder)
+
     def _split_generators(self, dl_manager):
         manual_dir = (Path(dl_manager.manual_dir)
                       if self.MANUAL_DOWNLOAD_INSTRUCTIONS else None)
@@ -176,7 +187,7 @@ class _MemjaxTextBuilder(tfds.core.GeneratorBasedBuilder,
                 f'files hold text ({self.MANUAL_DOWNLOAD_INSTRUCTIONS or ""}).')
 
 
-class MemjaxEmbedded(_MemjaxTextBuilder):
+class MemjaxEmbedded(MemjaxTextBuilder):
     """Python stdlib sources shipped with memjax; one document per file."""
 
     def _documents(self, manual_dir):
@@ -212,7 +223,7 @@ def wikitext_articles(path: Path) -> Iterator[bytes]:
         yield b''.join(article)
 
 
-class MemjaxWikitext103(_MemjaxTextBuilder):
+class MemjaxWikitext103(MemjaxTextBuilder):
     """WikiText-103 (word level); one document per Wikipedia article."""
 
     MANUAL_DOWNLOAD_INSTRUCTIONS = (
@@ -246,11 +257,18 @@ def _single_file_instructions(name: str) -> str:
     return f'Put {name} (or {name}.zip) in data.manual_dir.'
 
 
-class _SingleFileBuilder(_MemjaxTextBuilder, skip_registration=True):
+class _SingleFileBuilder(MemjaxTextBuilder, skip_registration=True):
     """A 100M-unit file split 90M / 5M / 5M (enwik8 bytes, text8 chars)."""
 
     BUILDER_CONFIGS = _heldout_configs()
     FILE_NAME = ''
+
+    @classmethod
+    def locate(cls, manual_dir: Path) -> Path:
+        name = cls.FILE_NAME
+        if not ((manual_dir / name).is_file() or (manual_dir / f'{name}.zip').is_file()):
+            raise _missing(manual_dir / name, cls.MANUAL_DOWNLOAD_INSTRUCTIONS)
+        return manual_dir / name
 
     def _documents(self, manual_dir):
         data = _read_maybe_zipped(manual_dir, self.FILE_NAME,
@@ -299,7 +317,7 @@ def _book_key(path: Path) -> Tuple[int, str]:
     return (int(path.stem), '') if path.stem.isdigit() else (1 << 62, path.name)
 
 
-class MemjaxPg19(_MemjaxTextBuilder):
+class MemjaxPg19(MemjaxTextBuilder):
     """PG-19 books from a local copy; one document per book."""
 
     MANUAL_DOWNLOAD_INSTRUCTIONS = (
@@ -371,7 +389,7 @@ def _single_file_splits(path: Path) -> Documents:
     return {split: [doc] for split, doc in docs.items()}
 
 
-class MemjaxText(_MemjaxTextBuilder):
+class MemjaxText(MemjaxTextBuilder):
     """Any local text: a file, or a folder with one document per file.
 
     Splits: a folder with train / valid(ation) / test entries (files or
@@ -435,25 +453,7 @@ def _text_config(text_path: str) -> TextConfig:
                       description=f'Text from {path}.')
 
 
-def data_dir(data_cfg: DataConfig) -> Path:
-    return Path(data_cfg.data_dir or DEFAULT_DATA_DIR).expanduser()
-
-
-def make_folder(folder: Path, field: str) -> None:
-    """Creates `folder`, which config.data.<field> names, or says which field to change."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise errors.DataError(f'config.data.{field}: {folder} cannot be created ({error.strerror or error}): '
-                               'name a folder you can write to.') from None
-
-
-def manual_dir(data_cfg: DataConfig) -> Path:
-    return (Path(data_cfg.manual_dir).expanduser() if data_cfg.manual_dir
-            else data_dir(data_cfg) / 'downloads' / 'manual')
-
-
-def make_builder(data_cfg: DataConfig) -> _MemjaxTextBuilder:
+def make_builder(data_cfg: DataConfig) -> MemjaxTextBuilder:
     """The TFDS builder for data.name, configured from data_cfg."""
     name = data_cfg.name
     if name not in _BUILDERS:
@@ -468,104 +468,4 @@ def make_builder(data_cfg: DataConfig) -> _MemjaxTextBuilder:
         if held != STANDARD_HELDOUT:
             config = HeldoutConfig(name=f'heldout{held}', heldout_size=held)
     with logs.dropped('Using custom data configuration'):  # A text file's config is memjax's own.
-        return cls(data_dir=str(data_dir(data_cfg)), config=config, file_format='array_record')
-
-
-def _check_manual_files(builder: _MemjaxTextBuilder, folder: Path) -> None:
-    """Fails before TFDS starts, with the file and the fix."""
-    if not folder.is_dir():
-        raise _missing(folder, folder=True, fix=(
-            f'{builder.name} reads raw files from data.manual_dir (default '
-            f'<data_dir>/downloads/manual). '
-            f'{builder.MANUAL_DOWNLOAD_INSTRUCTIONS}'))
-    if hasattr(builder, 'locate'):
-        builder.locate(folder)
-    elif isinstance(builder, _SingleFileBuilder):
-        name = builder.FILE_NAME
-        if not ((folder / name).is_file() or (folder / f'{name}.zip').is_file()):
-            raise _missing(folder / name, builder.MANUAL_DOWNLOAD_INSTRUCTIONS)
-
-
-def _is_prepared(builder: _MemjaxTextBuilder) -> bool:
-    """builder.is_prepared() without TFDS's warning that a version folder has no dataset_info.json
-    (it says so even where the folder does not exist): missing data gets memjax's one-line message."""
-    absl_logger = logging.getLogger('absl')
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)
-    try:
-        return builder.is_prepared()
-    finally:
-        absl_logger.setLevel(level)
-
-
-def prepare(data_cfg: DataConfig) -> _MemjaxTextBuilder:
-    """Prepares data.name in data.data_dir unless done; returns the builder."""
-    builder = make_builder(data_cfg)
-    if _is_prepared(builder):
-        return builder
-    download_config = None
-    if builder.MANUAL_DOWNLOAD_INSTRUCTIONS:
-        folder = manual_dir(data_cfg)
-        _check_manual_files(builder, folder)
-        download_config = tfds.download.DownloadConfig(manual_dir=str(folder))
-    tfds.disable_progress_bar()
-    make_folder(data_dir(data_cfg), 'data_dir')
-    absl_logging.info('Preparing %s in %s: its splits as array_record files, once (later runs read them).',
-                      builder.info.full_name, builder.data_dir)
-    start = time.time()
-    # TFDS prints "Downloading and preparing dataset ..." to stdout: nothing is downloaded here, and
-    # stdout is the commands' results (evaluate's JSON). The lines above and below say what happens.
-    with contextlib.redirect_stdout(io.StringIO()):
-        builder.download_and_prepare(download_config=download_config)
-    absl_logging.info('Prepared %s in %.1f s (%s).', builder.info.full_name, time.time() - start,
-                      ', '.join(f'{name} {info.num_examples:,} documents' for name, info in builder.info.splits.items()))
-    return builder
-
-
-def dataset_fingerprint(builder: _MemjaxTextBuilder, split: str) -> str:
-    """Identifies the prepared records of a split (keys token caches)."""
-    info_file = Path(builder.data_dir) / 'dataset_info.json'
-    digest = hashlib.sha256(info_file.read_bytes())
-    digest.update(f'\0{builder.info.full_name}\0{split}'.encode())
-    return digest.hexdigest()
-
-
-def iter_documents(builder: _MemjaxTextBuilder, split: str) -> Iterator[str]:
-    """Yields the documents of a prepared split, records joined back together.
-
-    A generator, so a split larger than memory (PG-19) can be tokenised
-    document by document.
-    """
-    split = canonical_split(split)
-    source = builder.as_data_source(split=split)
-    if not len(source):
-        raise errors.DataError(f'Split {split!r} of {builder.info.full_name} in '
-                               f'{builder.data_dir} is empty; delete that folder and '
-                               'prepare again from complete raw files.')
-    parts = []
-    for i in range(len(source)):
-        record = source[i]
-        if record['doc_start'] and parts:
-            # surrogateescape: enwik8's byte split may cut a character.
-            yield b''.join(parts).decode('utf-8', 'surrogateescape')
-            parts = []
-        parts.append(record['text'])
-    yield b''.join(parts).decode('utf-8', 'surrogateescape')
-
-
-def run_documents(data_cfg: DataConfig, builder: _MemjaxTextBuilder, split: str) -> Iterator[str]:
-    """The documents a run reads from a prepared split: all of them, or the first
-    data.train_documents of the train split (a subset is a choice of the run, not of the prepared
-    data, so one preparation serves both)."""
-    documents = iter_documents(builder, split)
-    limit = train_documents(data_cfg, split)
-    return itertools.islice(documents, limit) if limit else documents
-
-
-def train_documents(data_cfg: DataConfig, split: str) -> int:
-    """How many leading documents of `split` a run reads (0: all)."""
-    return data_cfg.train_documents if canonical_split(split) == 'train' else 0
-
-
-def read_documents(builder: _MemjaxTextBuilder, split: str) -> List[str]:
-    return list(iter_documents(builder, split))
+        return cls(data_dir=str(data_cfg.folder()), config=config, file_format='array_record')

@@ -8,6 +8,7 @@ builds the section from config.data.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from memjax.errors import failed
 
@@ -45,6 +46,15 @@ class DataConfig:
     sort_train_sequences: int = 8000
     sort_validation_sequences: int = 800
     sort_test_sequences: int = 800
+
+    def folder(self) -> Path:
+        """data_dir as a path: where datasets are prepared (and, by default, the raw files and token
+        caches are)."""
+        return Path(self.data_dir or DEFAULT_DATA_DIR).expanduser()
+
+    def manual_folder(self) -> Path:
+        """Where the raw files of the datasets that are not shipped are read from."""
+        return Path(self.manual_dir).expanduser() if self.manual_dir else self.folder() / 'downloads' / 'manual'
 
     def problems(self) -> list[str]:
         """One line per unusable value, for `config_lib.validate_config` to report with the rest."""

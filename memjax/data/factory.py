@@ -7,7 +7,7 @@ import os
 from typing import Iterable, Optional
 
 from memjax import errors
-from memjax.data import builders, pipeline, sorting
+from memjax.data import builders, pipeline, prepared, sorting
 from memjax.data.config import TOKENIZERS, DataConfig
 from memjax.data.streams import BatchedStreams
 from memjax.data.tokenizers import (GPT2_FILES, TOKENIZER_FILE, ByteTokenizer, CharTokenizer,
@@ -113,7 +113,7 @@ def build_tokenizer(data_cfg: DataConfig,
     elif kind in FIXED_VOCABULARIES:
         tok, origin = train_tokenizer(data_cfg, ()), 'its fixed vocabulary'
     else:
-        docs = builders.run_documents(data_cfg, builders.prepare(data_cfg), 'train')
+        docs = prepared.run_documents(data_cfg, prepared.prepare(data_cfg), 'train')
         tok, origin = train_tokenizer(data_cfg, docs), 'train split'
     if tok.kind != kind:
         raise errors.DataError(

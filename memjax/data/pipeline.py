@@ -23,6 +23,7 @@ import numpy as np
 
 from memjax import errors
 from memjax.data import builders
+from memjax.data import prepared
 from memjax.data.config import DataConfig
 from memjax.data.streams import BatchedStreams
 from memjax.data.tokenizers import Tokenizer
@@ -110,13 +111,13 @@ def document_layout(doc_offsets: np.ndarray, batch_size: int,
 
 def _cache_paths(data_cfg: DataConfig, builder, split: str, tokenizer: Tokenizer,
                  cache_dir: Optional[os.PathLike]) -> Tuple[Path, Path]:
-    limit = builders.train_documents(data_cfg, split)
+    limit = prepared.train_documents(data_cfg, split)
     subset = f'\0first{limit}' if limit else ''  # Whole splits keep the keys they always had.
     key = hashlib.sha256(
-        (builders.dataset_fingerprint(builder, split) + tokenizer.fingerprint + subset
+        (prepared.dataset_fingerprint(builder, split) + tokenizer.fingerprint + subset
          ).encode()).hexdigest()[:24]
     folder = Path(cache_dir or data_cfg.cache_dir
-                  or builders.data_dir(data_cfg) / 'memjax_token_cache')
+                  or data_cfg.folder() / 'memjax_token_cache')
     stem = folder.expanduser() / f'{builder.name}-{split}-{key}'
     return Path(f'{stem}.tokens.npy'), Path(f'{stem}.docs.npy')
 
@@ -162,7 +163,7 @@ def data_fingerprint(data_cfg: DataConfig, split: str, tokens: np.ndarray,
     and times) and the documents read, 'tokens': SHA-256 of the token ids and document offsets}."""
     digest = hashlib.sha256(np.ascontiguousarray(tokens).data)
     digest.update(np.ascontiguousarray(doc_offsets).data)
-    limit = builders.train_documents(data_cfg, split)
+    limit = prepared.train_documents(data_cfg, split)
     return {'source': builders.make_builder(data_cfg).info.full_name + (f' (first {limit} documents)' if limit else ''),
             'tokens': digest.hexdigest()[:16]}
 
@@ -180,7 +181,7 @@ def load_token_ids(data_cfg: DataConfig, split: str, tokenizer: Tokenizer,
       tokens[doc_offsets[i]:doc_offsets[i + 1]].
     """
     split = builders.canonical_split(split)
-    builder = builders.prepare(data_cfg)
+    builder = prepared.prepare(data_cfg)
     tokens_path, docs_path = _cache_paths(data_cfg, builder, split, tokenizer,
                                           cache_dir)
     cached = _load_cache(tokens_path, docs_path, tokenizer.vocab_size)
@@ -189,11 +190,11 @@ def load_token_ids(data_cfg: DataConfig, split: str, tokenizer: Tokenizer,
                      builder.info.full_name, tokenizer.kind, tokens_path.parent)
         start = time.time()
         encoded = [tokenizer.encode(doc) for doc in
-                   builders.run_documents(data_cfg, builder, split)]
+                   prepared.run_documents(data_cfg, builder, split)]
         logging.info('Tokenised %s documents into %s tokens in %.1f s.', f'{len(encoded):,}',
                      f'{sum(len(x) for x in encoded):,}', time.time() - start)
         offsets = np.cumsum([0] + [len(x) for x in encoded], dtype=np.int64)
-        builders.make_folder(tokens_path.parent, 'cache_dir' if cache_dir or data_cfg.cache_dir else 'data_dir')
+        prepared.make_folder(tokens_path.parent, 'cache_dir' if cache_dir or data_cfg.cache_dir else 'data_dir')
         _save_npy(docs_path, offsets)
         _save_npy(tokens_path, np.concatenate(encoded).astype(np.int32))
         cached = _load_cache(tokens_path, docs_path, tokenizer.vocab_size)
