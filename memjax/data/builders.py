@@ -29,7 +29,7 @@ from tensorflow_datasets.core import utils as tfds_utils
 
 from memjax import errors
 from memjax.data import embedded_corpus
-from memjax.data.config import DataConfig
+from memjax.data.config import DataConfig, data_folder
 from memjax.runtime import logs
 
 SPLITS = embedded_corpus.SPLITS
@@ -468,4 +468,4 @@ def make_builder(data_cfg: DataConfig) -> MemjaxTextBuilder:
         if held != STANDARD_HELDOUT:
             config = HeldoutConfig(name=f'heldout{held}', heldout_size=held)
     with logs.dropped('Using custom data configuration'):  # A text file's config is memjax's own.
-        return cls(data_dir=str(data_cfg.folder()), config=config, file_format='array_record')
+        return cls(data_dir=str(data_folder(data_cfg)), config=config, file_format='array_record')

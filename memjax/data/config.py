@@ -47,15 +47,6 @@ class DataConfig:
     sort_validation_sequences: int = 800
     sort_test_sequences: int = 800
 
-    def folder(self) -> Path:
-        """data_dir as a path: where datasets are prepared (and, by default, the raw files and token
-        caches are)."""
-        return Path(self.data_dir or DEFAULT_DATA_DIR).expanduser()
-
-    def manual_folder(self) -> Path:
-        """Where the raw files of the datasets that are not shipped are read from."""
-        return Path(self.manual_dir).expanduser() if self.manual_dir else self.folder() / 'downloads' / 'manual'
-
     def problems(self) -> list[str]:
         """One line per unusable value, for `config_lib.validate_config` to report with the rest."""
         return failed(
@@ -73,3 +64,15 @@ class DataConfig:
                 'host (gcloud storage cp -r) or mount the bucket with Cloud Storage FUSE and give that '
                 'path. The workdir, train.init_from and data.vocab_path may be gs:// URLs.')
                for field in ('data_dir', 'manual_dir', 'text_path', 'cache_dir'))))
+
+
+# Functions, not DataConfig methods: they also read config.data as an ml_collections ConfigDict.
+def data_folder(data_cfg: DataConfig) -> Path:
+    """data.data_dir as a path: where datasets are prepared (and, by default, the raw files and
+    token caches are)."""
+    return Path(data_cfg.data_dir or DEFAULT_DATA_DIR).expanduser()
+
+
+def manual_folder(data_cfg: DataConfig) -> Path:
+    """Where the raw files of the datasets that are not shipped are read from."""
+    return Path(data_cfg.manual_dir).expanduser() if data_cfg.manual_dir else data_folder(data_cfg) / 'downloads' / 'manual'

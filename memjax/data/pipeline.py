@@ -24,7 +24,7 @@ import numpy as np
 from memjax import errors
 from memjax.data import builders
 from memjax.data import prepared
-from memjax.data.config import DataConfig
+from memjax.data.config import DataConfig, data_folder
 from memjax.data.streams import BatchedStreams
 from memjax.data.tokenizers import Tokenizer
 
@@ -117,7 +117,7 @@ def _cache_paths(data_cfg: DataConfig, builder, split: str, tokenizer: Tokenizer
         (prepared.dataset_fingerprint(builder, split) + tokenizer.fingerprint + subset
          ).encode()).hexdigest()[:24]
     folder = Path(cache_dir or data_cfg.cache_dir
-                  or data_cfg.folder() / 'memjax_token_cache')
+                  or data_folder(data_cfg) / 'memjax_token_cache')
     stem = folder.expanduser() / f'{builder.name}-{split}-{key}'
     return Path(f'{stem}.tokens.npy'), Path(f'{stem}.docs.npy')
 

@@ -19,7 +19,7 @@ import tensorflow_datasets as tfds
 
 from memjax import errors
 from memjax.data import builders
-from memjax.data.config import DataConfig
+from memjax.data.config import DataConfig, data_folder, manual_folder
 
 
 def make_folder(folder: Path, field: str) -> None:
@@ -50,11 +50,11 @@ def prepare(data_cfg: DataConfig) -> builders.MemjaxTextBuilder:
         return builder
     download_config = None
     if builder.MANUAL_DOWNLOAD_INSTRUCTIONS:
-        folder = data_cfg.manual_folder()
+        folder = manual_folder(data_cfg)
         builder.check_manual_files(folder)
         download_config = tfds.download.DownloadConfig(manual_dir=str(folder))
     tfds.disable_progress_bar()
-    make_folder(data_cfg.folder(), 'data_dir')
+    make_folder(data_folder(data_cfg), 'data_dir')
     absl_logging.info('Preparing %s in %s: its splits as array_record files, once (later runs read them).',
                       builder.info.full_name, builder.data_dir)
     start = time.time()
