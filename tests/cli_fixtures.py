@@ -11,6 +11,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
+import command_server
 import conftest
 import training_fixtures
 
@@ -51,13 +52,14 @@ def interruptible() -> None:
 
 
 class Run:
-    """A started command whose stdout and stderr go to `log_path`."""
+    """A started command whose stdout and stderr go to `log_path`; `fresh`: in a new interpreter
+    rather than forked from the test worker's command server (tests/command_server.py)."""
 
-    def __init__(self, command: Sequence[str], env: dict, log_path: str):
+    def __init__(self, command: Sequence[str], env: dict, log_path: str, fresh: bool = False):
         self.log_path = log_path
         self._log = open(log_path, 'w')
-        self.process = subprocess.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                        cwd=training_fixtures.REPO, preexec_fn=interruptible)
+        self.process = command_server.Popen(command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                            cwd=training_fixtures.REPO, preexec_fn=interruptible, fresh=fresh)
 
     def log(self) -> str:
         with open(self.log_path) as f:

@@ -12,7 +12,6 @@ import os
 import resource
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
@@ -25,6 +24,7 @@ from memjax.training import metrics as metrics_lib
 from memjax.training import workdir as workdir_lib
 from memjax.training import run_lock
 import cli_fixtures
+import command_server
 import training_fixtures
 
 TIMEOUT_S = 240
@@ -57,7 +57,7 @@ def command(workdir, corpus, data_dir, *extra, module='memjax.train'):
 
 
 def run(args, env, **kwargs):
-    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+    result = command_server.run(args, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
                             cwd=training_fixtures.REPO, **kwargs)
     return result.returncode, result.stderr
 
@@ -118,7 +118,7 @@ def test_sigterm_at_any_moment_of_start_up_compilation_or_training_exits_0_and_l
     for i, moment in enumerate(moments):  # Side by side: the three moments cost about one run.
         workdir = str(tmp_path / f'w{i}')
         runs.append((workdir, moment, cli_fixtures.Run(command(workdir, corpus, data_dir, *extra), env,
-                                                       str(tmp_path / f'w{i}.log'))))
+                                                       str(tmp_path / f'w{i}.log'), fresh=True)))
     for _, _, started in runs:
         wait_until_sigterm_is_blocked(started.process.pid)
     start = time.time()

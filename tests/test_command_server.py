@@ -1,0 +1,57 @@
+"""tests/command_server.py: a command forked from the worker's command server behaves as the same
+command started in a new interpreter."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import cli_fixtures
+import command_server
+import training_fixtures
+
+TINY = training_fixtures.TINY
+
+
+def test_a_served_command_gives_what_a_new_interpreter_gives(tmp_path):
+    env = cli_fixtures.cpu_env(1)
+    for command in ([sys.executable, '-m', 'memjax.train', f'--config={TINY}', f'--workdir={tmp_path}',
+                     '--config.model.no_such_field=1'],
+                    [sys.executable, '-m', 'memjax.train', '--help']):
+        fresh, served = (command_server.run(command, env=env, capture_output=True, text=True, timeout=120, fresh=f)
+                         for f in (True, False))
+        assert (served.returncode, served.stdout, served.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+        assert served.returncode != 0 and (served.stdout or served.stderr)
+
+
+def test_a_served_command_runs_in_the_callers_folder_with_the_callers_input(tmp_path):
+    """A relative config path is found from `cwd` or not at all; stdin reaches the command."""
+    env = cli_fixtures.cpu_env(1)
+    command = [sys.executable, '-m', 'memjax.train', '--config=configs/tiny.py', f'--workdir={tmp_path}/w',
+               '--config.model.no_such_field=1']
+    found = command_server.run(command, env=env, capture_output=True, text=True, cwd=training_fixtures.REPO)
+    missing = command_server.run(command, env=env, capture_output=True, text=True, cwd=str(tmp_path))
+    assert 'no_such_field' in found.stderr and 'no_such_field' not in missing.stderr
+    assert found.returncode != 0 and missing.returncode != 0
+    flagfile = tmp_path / 'flags'
+    flagfile.write_text('--help\n')
+    # A --flagfile is left to a new interpreter (the server cannot know what it holds).
+    assert command_server.Popen([sys.executable, '-m', 'memjax.train', f'--flagfile={flagfile}'],
+                                env=env, stdout=subprocess.DEVNULL)._served is None
+
+
+def test_a_served_command_is_signalled_and_waited_for_as_a_child(corpus, tmp_path):
+    run = cli_fixtures.Run(cli_fixtures.tiny_command(str(tmp_path / 'w'), corpus, str(tmp_path / 'data'),
+                                                     '--config.train.num_steps=100000', '--host_memory=off'),
+                           cli_fixtures.cpu_env(1), str(tmp_path / 'log'))
+    assert run.process._served is not None  # pylint: disable=protected-access
+    run.wait_for_text('step ')
+    assert run.process.poll() is None
+    try:
+        run.process.wait(0.1)
+        raise AssertionError('a running command has no exit status')
+    except subprocess.TimeoutExpired:
+        pass
+    run.process.send_signal(signal.SIGKILL)
+    assert run.wait() == -signal.SIGKILL
+    assert not os.path.exists(f'/proc/{run.process.pid}')  # Reaped, not a zombie.
