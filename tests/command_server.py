@@ -66,9 +66,12 @@ def _run_child(request: dict, fds: list[int]) -> None:
     sys.path[0] = request['cwd']  # As `python -m` puts its working directory first.
     sys.orig_argv = [sys.executable, '-m', module, *args]
     sys.argv = [module, *args]
-    code = 0
+    code, interrupted = 0, False
     try:
         runpy.run_module(module, run_name='__main__', alter_sys=True)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code, interrupted = 1, True
     except SystemExit as error:
         if error.code is None:
             code = 0
@@ -87,6 +90,9 @@ def _run_child(request: dict, fds: list[int]) -> None:
             stream.flush()
         except Exception:  # pylint: disable=broad-except
             pass
+    if interrupted:  # The interpreter ends by SIGINT itself, so that its parent sees why.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)  # pylint: disable=protected-access
 
 
