@@ -18,7 +18,9 @@ Run as a script, this file is the server: `command_server.py ADDRESS MODULE`.
 
 import ast
 import atexit
+import collections
 import importlib.util
+import itertools
 import json
 import os
 import runpy
@@ -120,8 +122,13 @@ def serve(address: str, module: str) -> None:
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if not pid:
                     break
-                fd = status_fds.pop(pid)
-                os.write(fd, str(status).encode())
+                fd = status_fds.pop(pid, None)
+                if fd is None:
+                    continue
+                try:
+                    os.write(fd, str(status).encode())
+                except OSError:  # The caller has gone without waiting for it.
+                    pass
                 os.close(fd)
         if sys.stdin in readable and not os.read(sys.stdin.fileno(), 64):
             return
@@ -148,7 +155,7 @@ class _Server:
     """A started server, and how to reach it."""
 
     def __init__(self, module: str, env: dict):
-        self.address = f'memjax-command-server-{os.getpid()}-{len(_servers)}'
+        self.address = f'memjax-command-server-{os.getpid()}-{next(_started)}'
         # Its standard input stays open as long as this process lives: the server's lifeline.
         self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.address, module],
                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -176,7 +183,10 @@ class _Server:
         self.process.stdout.close()
 
 
-_servers: dict[tuple, _Server] = {}
+# A server holds about 250 MB: a worker keeps the most recently used few.
+MAX_SERVERS = 6
+_servers: 'collections.OrderedDict[tuple, _Server]' = collections.OrderedDict()
+_started = itertools.count()
 
 
 @atexit.register
@@ -208,10 +218,17 @@ def _served(args, env: dict, preexec_fn) -> tuple:
     return module, arguments, env
 
 
+def _key(module: str, env: dict) -> tuple:
+    return module, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV)))
+
+
 def _server_for(module: str, env: dict) -> _Server:
-    key = (module, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV))))
+    key = _key(module, env)
     if key not in _servers:
+        while len(_servers) >= MAX_SERVERS:
+            _servers.popitem(last=False)[1].stop()
         _servers[key] = _Server(module, env)
+    _servers.move_to_end(key)
     return _servers[key]
 
 
@@ -219,6 +236,7 @@ class Popen(subprocess.Popen):
     """subprocess.Popen whose `python -m memjax.*` commands come from a command server."""
 
     def __init__(self, args, *rest, fresh: bool = False, **kwargs):
+        """`fresh`: in a new interpreter, not served."""
         self._served = None if fresh else _served(args, kwargs.get('env'), kwargs.get('preexec_fn'))
         self._status_fd = None
         super().__init__(args, *rest, **kwargs)

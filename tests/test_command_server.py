@@ -24,13 +24,13 @@ def test_a_served_command_gives_what_a_new_interpreter_gives(tmp_path):
         assert served.returncode != 0 and (served.stdout or served.stderr)
 
 
-def test_a_served_command_runs_in_the_callers_folder_with_the_callers_input(tmp_path):
-    """A relative config path is found from `cwd` or not at all; stdin reaches the command."""
+def test_a_served_command_runs_in_the_callers_folder(tmp_path):
+    """A relative config path is found from `cwd` or not at all."""
     env = cli_fixtures.cpu_env(1)
     command = [sys.executable, '-m', 'memjax.train', '--config=configs/tiny.py', f'--workdir={tmp_path}/w',
                '--config.model.no_such_field=1']
-    found = command_server.run(command, env=env, capture_output=True, text=True, cwd=training_fixtures.REPO)
-    missing = command_server.run(command, env=env, capture_output=True, text=True, cwd=str(tmp_path))
+    found, missing = (command_server.run(command, env=env, capture_output=True, text=True, cwd=cwd)
+                      for cwd in (training_fixtures.REPO, str(tmp_path)))
     assert 'no_such_field' in found.stderr and 'no_such_field' not in missing.stderr
     assert found.returncode != 0 and missing.returncode != 0
     flagfile = tmp_path / 'flags'
@@ -55,3 +55,18 @@ def test_a_served_command_is_signalled_and_waited_for_as_a_child(corpus, tmp_pat
     run.process.send_signal(signal.SIGKILL)
     assert run.wait() == -signal.SIGKILL
     assert not os.path.exists(f'/proc/{run.process.pid}')  # Reaped, not a zombie.
+
+
+def test_the_least_recently_used_server_stops_for_a_new_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(command_server, 'MAX_SERVERS', 1)
+    env = {**cli_fixtures.cpu_env(1), 'MEMJAX_COMMAND_SERVER_PROBE': str(tmp_path)}  # Servers of its own.
+
+    def start(module):
+        return command_server.Popen([sys.executable, '-m', module, '--help'], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    train = start('memjax.train')
+    train_server = command_server._servers[command_server._key('memjax.train', train._served[2])]  # pylint: disable=protected-access
+    assert train.wait(120) == 1  # absl's --help exit status.
+    assert start('memjax.evaluate').wait(120) == 1
+    assert train_server.process.poll() is not None and len(command_server._servers) == 1  # pylint: disable=protected-access
