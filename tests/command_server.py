@@ -100,7 +100,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
 
 def serve(address: str, module: str) -> None:
     """Imports `module`'s libraries, then forks one child per request; ends when its standard
-    input does (the pytest worker that started it is gone) or when told to."""
+    input does (closed by the pytest worker, or the worker is gone)."""
     sys.path[0] = os.getcwd()  # As `python -m` has it.
     _import_what_the_module_imports(module)
     # Forking is safe only while this process runs no other thread.

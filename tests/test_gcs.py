@@ -67,7 +67,8 @@ def command(workdir, corpus, data_dir, *extra, module='memjax.train'):
 
 
 def start(args, env, tmp_path, name):
-    return cli_fixtures.Run(args, env, str(tmp_path / f'{name}.log'))
+    # A gs:// run logs to a local file it uploads; a killed run's stays behind, here in the test's folder.
+    return cli_fixtures.Run(args, {**env, 'TMPDIR': str(tmp_path)}, str(tmp_path / f'{name}.log'))
 
 
 @pytest.fixture(scope='module')
