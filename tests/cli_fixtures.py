@@ -1,17 +1,18 @@
 """Running `python -m memjax.train` in subprocesses (not a test module).
 
 Signals, process counts and device counts are per process, so these tests drive the
-real command line instead of calling the trainer in the pytest process.
+real command line instead of calling the trainer in the pytest process (forked from the worker's
+command server, tests/command_server.py, unless a new interpreter is what is tested).
 """
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from typing import Optional, Sequence
 
 import command_server
+from command_server import interruptible  # Also the preexec_fn of tests that start their own processes.
 import conftest
 import training_fixtures
 
@@ -43,12 +44,6 @@ def tiny_command(workdir: str, corpus: str, data_dir: str, *extra: str,
     return [sys.executable, '-m', module, f'--config={training_fixtures.TINY}',
             f'--workdir={workdir}', '--config.data.name=text',
             f'--config.data.text_path={corpus}', f'--config.data.data_dir={data_dir}', *extra]
-
-
-def interruptible() -> None:
-    """A child's Ctrl-C as a terminal's: a test runner started in the background (`cmd &` in a
-    script) ignores SIGINT, and its children would inherit that."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class Run:

@@ -10,7 +10,7 @@ environment, runs the module as `__main__`, and exits as the interpreter would (
 threads joined, atexit handlers run); its exit status reaches the caller through the server.
 
 `Popen` and `run` mirror `subprocess`'s; a command they cannot serve exactly (not `python -m
-memjax.*`, or a `preexec_fn` other than `cli_fixtures.interruptible`) starts afresh. Tests of the
+memjax.*`, or a `preexec_fn` other than `interruptible`) starts afresh. Tests of the
 interpreter's own start-up (a signal during the imports) pass `fresh=True`.
 
 Run as a script, this file is the server: `command_server.py ADDRESS MODULE`.
@@ -38,6 +38,12 @@ _IMPORT_TIME_ENV = ('JAX_', 'XLA_', 'TF_', 'PYTHON', 'GLIBC_', 'LD_', 'MEMJAX_',
 # memjax.runtime.host_memory re-executes a command with these set (huge pages for XLA:CPU's
 # buffers); a served command starts as the re-executed process would.
 _HOST_MEMORY_ENV = {'GLIBC_TUNABLES': 'glibc.malloc.hugetlb=1', 'MEMJAX_HOST_MEMORY_REEXECUTED': '1'}
+
+
+def interruptible() -> None:
+    """A child's Ctrl-C as a terminal's (a `preexec_fn`): a test runner started in the background
+    (`cmd &` in a script) ignores SIGINT, and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # --- The server -------------------------------------------------------------------------------
@@ -198,10 +204,9 @@ def _stop_servers() -> None:
 
 def _served(args, env: dict, preexec_fn) -> tuple:
     """(module, arguments, the child's environment) when the server can run `args`, else None."""
-    import cli_fixtures  # pylint: disable=import-outside-toplevel  (it imports this module)
     args = list(args) if isinstance(args, (list, tuple)) else None
     if (not args or len(args) < 3 or args[0] != sys.executable or args[1] != '-m'
-            or not args[2].startswith('memjax.') or preexec_fn not in (None, cli_fixtures.interruptible)):
+            or not args[2].startswith('memjax.') or preexec_fn not in (None, interruptible)):
         return None
     module, arguments = args[2], [str(a) for a in args[3:]]
     host_memory = 'auto'
