@@ -31,13 +31,13 @@ import subprocess
 import sys
 import threading
 import traceback
+from typing import Optional
+
+from memjax.runtime import host_memory
 
 # Read while the interpreter starts or the libraries import: a server serves only requests whose
 # values of these equal its own.
 _IMPORT_TIME_ENV = ('JAX_', 'XLA_', 'TF_', 'PYTHON', 'GLIBC_', 'LD_', 'MEMJAX_', 'OMP_', 'MALLOC_')
-# memjax.runtime.host_memory re-executes a command with these set (huge pages for XLA:CPU's
-# buffers); a served command starts as the re-executed process would.
-_HOST_MEMORY_ENV = {'GLIBC_TUNABLES': 'glibc.malloc.hugetlb=1', 'MEMJAX_HOST_MEMORY_REEXECUTED': '1'}
 
 
 def interruptible() -> None:
@@ -202,25 +202,19 @@ def _stop_servers() -> None:
     _servers.clear()
 
 
-def _served(args, env: dict, preexec_fn) -> tuple:
+def _served(args, env: Optional[dict], preexec_fn) -> Optional[tuple]:
     """(module, arguments, the child's environment) when the server can run `args`, else None."""
     args = list(args) if isinstance(args, (list, tuple)) else None
     if (not args or len(args) < 3 or args[0] != sys.executable or args[1] != '-m'
             or not args[2].startswith('memjax.') or preexec_fn not in (None, interruptible)):
         return None
     module, arguments = args[2], [str(a) for a in args[3:]]
-    host_memory = 'auto'
-    for i, arg in enumerate(arguments):
-        name, equals, value = arg.lstrip('-').partition('=')
-        if arg.startswith('-') and name == 'host_memory':
-            host_memory = value if equals else (arguments[i + 1] if i + 1 < len(arguments) else '')
-        if arg.startswith('-') and name == 'flagfile':
-            return None
+    mode = host_memory.command_line_mode(arguments)
+    if mode is None:  # A --flagfile (what it holds is read once the flags are parsed), or no mode.
+        return None
     env = dict(os.environ if env is None else env)
-    if host_memory in ('auto', 'on') and env.get('JAX_PLATFORMS', '').startswith('cpu') \
-            and 'GLIBC_TUNABLES' not in env and 'MEMJAX_HOST_MEMORY_REEXECUTED' not in env:
-        env.update(_HOST_MEMORY_ENV)
-    return module, arguments, env
+    # A command that re-executes itself for huge pages (its first statement) starts as the re-executed one.
+    return module, arguments, host_memory.reexecuted_environment(mode, env) or env
 
 
 def _key(module: str, env: dict) -> tuple:

@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 import cli_fixtures
 import command_server
 import training_fixtures
@@ -47,11 +49,8 @@ def test_a_served_command_is_signalled_and_waited_for_as_a_child(corpus, tmp_pat
     assert run.process._served is not None  # pylint: disable=protected-access
     run.wait_for_text('step ')
     assert run.process.poll() is None
-    try:
+    with pytest.raises(subprocess.TimeoutExpired):
         run.process.wait(0.1)
-        raise AssertionError('a running command has no exit status')
-    except subprocess.TimeoutExpired:
-        pass
     run.process.send_signal(signal.SIGKILL)
     assert run.wait() == -signal.SIGKILL
     assert not os.path.exists(f'/proc/{run.process.pid}')  # Reaped, not a zombie.

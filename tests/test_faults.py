@@ -58,7 +58,7 @@ def command(workdir, corpus, data_dir, *extra, module='memjax.train'):
 
 def run(args, env, **kwargs):
     result = command_server.run(args, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-                            cwd=training_fixtures.REPO, **kwargs)
+                                cwd=training_fixtures.REPO, **kwargs)
     return result.returncode, result.stderr
 
 

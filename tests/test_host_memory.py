@@ -68,6 +68,18 @@ def test_auto_stays_off_when_an_accelerator_is_requested(monkeypatch):
     assert not host_memory.keep_host_buffers('auto')
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != 'glibc', reason='the tunable is a glibc malloc option')
+def test_the_re_executed_environment_adds_the_tunable_once_and_only_where_huge_pages_are_asked_for():
+    cpu = {'JAX_PLATFORMS': 'cpu', 'GLIBC_TUNABLES': 'glibc.malloc.arena_max=2'}
+    env = host_memory.reexecuted_environment('auto', cpu)
+    assert env == {**cpu, 'GLIBC_TUNABLES': f'glibc.malloc.arena_max=2:{host_memory.TUNABLE}',
+                   host_memory._REEXECUTED: '1'}
+    assert host_memory.reexecuted_environment('auto', env) is None  # Once.
+    assert host_memory.reexecuted_environment('auto', {'JAX_PLATFORMS': 'tpu'}) is None
+    assert host_memory.reexecuted_environment('on', {'JAX_PLATFORMS': 'tpu'}) is not None
+    assert host_memory.reexecuted_environment('off', cpu) is host_memory.reexecuted_environment('reuse', cpu) is None
+
+
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match='not one of'):
         host_memory.keep_host_buffers('always')

@@ -41,7 +41,7 @@ def env():
 
 def run(command, env, **kwargs):
     result = command_server.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-                            cwd=training_fixtures.REPO, **kwargs)
+                                cwd=training_fixtures.REPO, **kwargs)
     return result.returncode, result.stderr
 
 
@@ -272,7 +272,7 @@ def test_an_unknown_sweep_is_one_line(env, tmp_path):
 def test_help_lists_the_flags_users_set(env):
     for module in ('memjax.train', 'memjax.evaluate', 'memjax.sweep'):
         result = command_server.run([sys.executable, '-m', module, '--help'], env=env,
-                                capture_output=True, text=True, timeout=TIMEOUT_S)
+                                    capture_output=True, text=True, timeout=TIMEOUT_S)
         for flag in ('config', 'workdir', 'host_memory', 'verbose', 'coordinator_address',
                      'num_processes', 'process_id'):
             assert f'--{flag}:' in result.stdout or f'--[no]{flag}:' in result.stdout, (module, flag)
@@ -281,12 +281,12 @@ def test_help_lists_the_flags_users_set(env):
 def test_generate_errors_are_one_line(trained, env, tmp_path):
     workdir, _ = trained
     empty = command_server.run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt='], env=env,
-                           capture_output=True, text=True, timeout=TIMEOUT_S, cwd=training_fixtures.REPO)
+                               capture_output=True, text=True, timeout=TIMEOUT_S, cwd=training_fixtures.REPO)
     assert_one_line(empty.returncode, empty.stderr, errors.EXIT_USAGE, 'the prompt is empty')
     assert empty.stdout == ''  # Nothing echoed of a prompt the model does not read.
     refused = command_server.run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt=a prompt',
-                              '--temperature=-1', '--top_k=-1'], env=env, capture_output=True, text=True,
-                             timeout=TIMEOUT_S, cwd=training_fixtures.REPO)
+                                  '--temperature=-1', '--top_k=-1'], env=env, capture_output=True, text=True,
+                                 timeout=TIMEOUT_S, cwd=training_fixtures.REPO)
     assert_one_line(refused.returncode, refused.stderr, errors.EXIT_USAGE, 'temperature=-1.0 must be a finite number',
                     'top_k=-1 must be >= 0')
     assert refused.stdout == ''  # Refused before the prompt is echoed.
@@ -299,7 +299,7 @@ def test_generate_echoes_the_prompt_unless_told_not_to_and_reports_its_speed(tra
     command = [sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt=the memory',
                '--max_new_tokens=6', '--temperature=0']
     shown, hidden = (command_server.run(command + extra, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
-                                    cwd=training_fixtures.REPO) for extra in ([], ['--noecho']))
+                                        cwd=training_fixtures.REPO) for extra in ([], ['--noecho']))
     assert shown.returncode == hidden.returncode == 0, shown.stderr[-2000:] + hidden.stderr[-2000:]
     continuation = generation_text.generate(None, workdir, 'the memory', 6, Sampling(temperature=0), out=io.StringIO())[0]
     assert shown.stdout.rstrip('\n') == 'the memory' + continuation and hidden.stdout.rstrip('\n') == continuation
@@ -354,8 +354,8 @@ def test_a_read_only_workdir_is_read_by_generate_and_refused_in_one_line_by_swee
     workdir, _ = trained
     with disks.small_disk(tmp_path / 'disk', 64 * 1024, read_only=True, holding=workdir) as disk:
         result = command_server.run([sys.executable, '-m', 'memjax.generate', f'--workdir={disk}', '--prompt=a',
-                                 '--max_new_tokens=4', '--temperature=0'], env=env, capture_output=True, text=True,
-                                timeout=TIMEOUT_S, cwd=training_fixtures.REPO)
+                                     '--max_new_tokens=4', '--temperature=0'], env=env, capture_output=True, text=True,
+                                    timeout=TIMEOUT_S, cwd=training_fixtures.REPO)
         assert result.returncode == 0 and len(result.stdout) > 0, result.stderr[-3000:]
         code, stderr = run([sys.executable, '-m', 'memjax.sweep', 'trams', f'--config={training_fixtures.TINY}',
                             f'--workdir={disk}'], env)

@@ -28,6 +28,7 @@ import importlib.util
 import os
 import platform
 import sys
+from typing import Mapping, Optional, Sequence
 
 MODES = ('auto', 'on', 'reuse', 'off')
 TUNABLE = 'glibc.malloc.hugetlb=1'
@@ -37,9 +38,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 _NEVER_TRIM = 2 ** 31 - 1  # mallopt takes an int: keep up to 2 GiB of free heap top.
 
 
-def _accelerator_expected() -> bool:
+def _accelerator_expected(environ: Mapping[str, str]) -> bool:
     """True when JAX may pick a GPU or TPU, whose device memory does not come from malloc."""
-    platforms = os.environ.get('JAX_PLATFORMS', '') or os.environ.get('JAX_PLATFORM_NAME', '')
+    platforms = environ.get('JAX_PLATFORMS', '') or environ.get('JAX_PLATFORM_NAME', '')
     if platforms:
         return platforms.split(',')[0].strip().lower() != 'cpu'
     return bool(importlib.metadata.entry_points(group='jax_plugins')) or \
@@ -61,16 +62,44 @@ def keep_host_buffers(mode: str = 'auto') -> bool:
         libc = ctypes.CDLL('libc.so.6')
         return all(libc.mallopt(param, value) == 1 for param, value in (
             (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NEVER_TRIM)))
-    tunables = os.environ.get('GLIBC_TUNABLES', '')
-    if TUNABLE in tunables.split(':'):
+    if TUNABLE in os.environ.get('GLIBC_TUNABLES', '').split(':'):
         return True
-    if os.environ.get(_REEXECUTED) or (mode == 'auto' and _accelerator_expected()):
+    env = reexecuted_environment(mode, os.environ)
+    if env is None:
         return False
-    env = dict(os.environ, GLIBC_TUNABLES=':'.join(filter(None, [tunables, TUNABLE])), **{_REEXECUTED: '1'})
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, env)
     return True  # Not reached: execve replaces this process.
+
+
+def reexecuted_environment(mode: str, environ: Mapping[str, str]) -> Optional[dict]:
+    """The environment `keep_host_buffers(mode)` re-executes a process started with `environ` in,
+    for huge pages; None where it does not re-execute (a mode without huge pages, no glibc, huge
+    pages in effect or tried once already, an accelerator expected under 'auto')."""
+    if mode not in ('auto', 'on') or not sys.platform.startswith('linux') or platform.libc_ver()[0] != 'glibc':
+        return None
+    tunables = environ.get('GLIBC_TUNABLES', '')
+    if (TUNABLE in tunables.split(':') or environ.get(_REEXECUTED)
+            or (mode == 'auto' and _accelerator_expected(environ))):
+        return None
+    return dict(environ, GLIBC_TUNABLES=':'.join(filter(None, [tunables, TUNABLE])), **{_REEXECUTED: '1'})
+
+
+def command_line_mode(args: Sequence[str]) -> Optional[str]:
+    """The mode a command line's --host_memory gives (default 'auto'), read before its flags are
+    parsed; None for a value that is no mode, or a --flagfile (left to the parsed flags: `cli.run`
+    applies them)."""
+    mode = 'auto'
+    for i, arg in enumerate(args):
+        name, equals, value = arg.lstrip('-').partition('=')
+        if not arg.startswith('-'):
+            continue
+        if name == 'flagfile':
+            return None
+        if name == 'host_memory':
+            mode = value if equals else (args[i + 1] if i + 1 < len(args) else '')
+    return mode if mode in MODES else None
 
 
 def keep_host_buffers_first() -> None:
@@ -79,14 +108,6 @@ def keep_host_buffers_first() -> None:
     which re-executing once the flags are parsed pays for twice (about a second: 2 cores of an AMD
     EPYC). A value that is no mode, or a --flagfile, is left to the parsed flags (`cli.run`
     applies them; once huge pages are in effect, applying them again changes nothing)."""
-    mode, args = 'auto', sys.argv[1:]
-    for i, arg in enumerate(args):
-        name, equals, value = arg.lstrip('-').partition('=')
-        if not arg.startswith('-'):
-            continue
-        if name == 'flagfile':
-            return
-        if name == 'host_memory':
-            mode = value if equals else (args[i + 1] if i + 1 < len(args) else '')
-    if mode in MODES:
+    mode = command_line_mode(sys.argv[1:])
+    if mode:
         keep_host_buffers(mode)
