@@ -160,12 +160,17 @@ def _check_train(report):
 
 
 def _check_compile(report):
-    cases = [(r['n_layer'], r['scan_layers'], r['collector']) for r in report['rows']]
-    # Depth x scan, then the deepest loop again with Python's own collector settings.
-    assert cases == [(n, s, 'memjax') for n in (1, 2) for s in (False, True)] + [(2, False, 'python')]
+    cases = [(r['program'], r['n_layer'], r['scan_layers'], r['collector']) for r in report['rows']]
+    # Depth x scan, then the deepest loop again with Python's own collector settings; then the
+    # deepest init, looped and scanned, with its draws' hashes shared and one per draw.
+    inits = [(f'init, {d}', 2, s, 'memjax') for s in (False, True) for d in ('shared hashes', 'a hash per draw')]
+    assert cases == ([('train step', n, s, 'memjax') for n in (1, 2) for s in (False, True)]
+                     + [('train step', 2, False, 'python')] + inits)
     assert all(r['compile_s'] > 0 and r['lower_s'] > 0 for r in report['rows'])
-    python, memjax = report['rows'][-1], report['rows'][2]
+    python, memjax = report['rows'][4], report['rows'][2]
     assert report['figures']['python_collector_over_memjax_lower'] == python['lower_s'] / memjax['lower_s']
+    shared, per_draw = report['rows'][5], report['rows'][6]
+    assert math.isclose(report['figures']['init_hash_per_draw_over_shared_loop'], per_draw['total_s'] / shared['total_s'])
 
 
 def _check_programs(report):
@@ -333,8 +338,9 @@ def test_reports_list_the_programs_their_suites_compiled(command_line_reports):
     assert found['train'][:4] == peak == found['lamemo'][:4]
     assert len(found['train']) == 4 + 3 and len(set(found['train'][4:])) == 3  # One step per model size.
     assert len(found['lamemo']) == 4 + 4 and len(set(found['lamemo'][4:])) == 4  # Two shapes x XL, LaMemo.
-    # Depth x scan, once each; the deepest loop again (another collector setting, the same program).
-    assert len(found['compile']) == 5 and len(set(found['compile'])) == 4 and found['compile'][4] == found['compile'][2]
+    # Depth x scan, once each; the deepest loop again (another collector setting, the same program);
+    # four inits (looped, scanned; hashes shared or not), four programs.
+    assert len(found['compile']) == 9 and len(set(found['compile'])) == 8 and found['compile'][4] == found['compile'][2]
     assert len(found['devices']) == 2 and len(set(found['devices'])) == 2  # 1 and 8 devices, from workers.
 
 

@@ -209,17 +209,19 @@ def _init_variables(config: ModelConfig, key: jax.Array):
     return build_model(config).init(rngs, tokens, init_memory(config, 1))
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def init_params(config: ModelConfig, key: jax.Array) -> dict:
+@functools.partial(jax.jit, static_argnums=0, static_argnames='share_hashes')
+def init_params(config: ModelConfig, key: jax.Array, share_hashes: bool = True) -> dict:
     """Float32 parameters as plain arrays (the logical-axis boxes stripped; see param_logical_axes).
 
     Compiled: init runs the model on one token, and XLA drops that forward from the program
     (only the initialisers reach the parameters), where op by op every one of its operations
     would run, each compiled for its shape. Also the numbers training's own jitted init gives.
-    The parameters' draws share their Threefry hashes (memjax/model/shared_hashes.py): the same
-    values, compiled in a third to a quarter of the time.
+    The draws share their Threefry hashes (memjax/model/shared_hashes.py): the values Flax's init
+    gives, bit for bit, compiled in under half the time; share_hashes=False draws as
+    Flax does, one hash per draw (the compile suite of memjax.bench times both).
     """
-    return shared_hashes.with_shared_hashes(lambda key: nn.meta.unbox(_init_variables(config, key)['params']))(key)
+    init = lambda key: nn.meta.unbox(_init_variables(config, key)['params'])
+    return (shared_hashes.with_shared_hashes(init) if share_hashes else init)(key)
 
 
 @functools.lru_cache(maxsize=32)

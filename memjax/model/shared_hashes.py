@@ -2,11 +2,13 @@
 
 A model's init folds a key per parameter and draws each parameter from it: two Threefry hashes per
 parameter, each 20 rounds of integer operations that XLA inlines, fuses and schedules on its own,
-so compiling a small model's init takes seconds, almost all of it these hashes (a 4-layer model of
-56 parameters: 1.4 s). `with_shared_hashes(fn)` traces `fn` and runs it with the hashes that do not
-depend on one another merged: every key fold of one round is one hash over a vector of keys, every
-small draw of one round one hash over the draws' counters laid end to end. Threefry works on each
-(key, counter) pair alone, so the bits, and every value made from them, are JAX's own, bit for bit.
+so compiling a small model's init takes seconds, most of it these hashes. `with_shared_hashes(fn)`
+traces `fn` and runs it with the hashes that do not depend on one another merged: every key fold
+of one round is one hash over a vector of keys, every small draw of one round one hash over the
+draws' counters laid end to end. Threefry works on each (key, counter) pair alone, so the bits, and
+every value made from them, are JAX's own, bit for bit. A scanned layer stack's body shares its
+own draws (one layer's, at each step); other control flow runs as traced. `python -m memjax.bench
+compile` times an init both ways.
 
 Large draws keep a hash each: under a sharded init (the train state's jit with out_shardings) XLA
 computes each device's shard of a draw where it lives, and a shared hash would compute it whole on
@@ -49,8 +51,7 @@ def with_shared_hashes(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 class _Program:
     """A traced function as one flat list of operations: the bodies of jitted helpers
-    (jax.random.normal is one) inlined, so that the draws made inside them can be merged.
-    Control flow (a scanned layer stack) stays whole, its draws its own."""
+    (jax.random.normal is one) inlined, so that the draws made inside them can be merged."""
 
     def __init__(self, closed):
         self.eqns = []  # (equation, scope): a variable is known by its scope, one per inlined body.
@@ -77,6 +78,8 @@ class _Program:
     def _inline(self, jaxpr, consts, scope):
         self.values.update(((scope, v), c) for v, c in zip(jaxpr.constvars, consts))
         for eqn in jaxpr.eqns:
+            if eqn.primitive.name == 'scan':  # A scanned layer stack: its body's draws share, per step.
+                eqn = eqn.replace(params={**eqn.params, 'jaxpr': _shared_body(eqn.params['jaxpr'])})
             if eqn.primitive.name != 'jit':
                 self.eqns.append((eqn, scope))
                 continue
@@ -133,6 +136,12 @@ class _Program:
                                       **eqn.primitive.get_bind_params(eqn.params))
         outs = outs if eqn.primitive.multiple_results else [outs]
         self.values.update(((scope, v), x) for v, x in zip(eqn.outvars, outs))
+
+
+def _shared_body(closed):
+    """A loop body (a ClosedJaxpr) with its own draws' hashes shared."""
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in closed.in_avals]
+    return jax.make_jaxpr(lambda *args: _Program(closed).run(list(args)))(*args)
 
 
 def _shares(key) -> bool:
