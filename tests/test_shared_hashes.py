@@ -18,7 +18,9 @@ def draws(key, table_key):
     k1, k2 = jax.random.fold_in(key, 1), jax.random.fold_in(key, 2**31 + 5)
     k3 = jax.random.fold_in(k1, 7)
     big = (shared_hashes.SHARED_DRAW_MAX_SIZE + 3,)
-    scanned = jax.lax.scan(lambda k, i: (k, jax.random.normal(jax.random.fold_in(k, i), (3,))), k2, jnp.arange(4))[1]
+    # The scanned body also gives a constant (a literal among its outputs).
+    scanned = jax.lax.scan(lambda k, i: (k, (jax.random.normal(jax.random.fold_in(k, i), (3,)), 1.0)),
+                           k2, jnp.arange(4))[1]
     return dict(
         normal=jax.random.normal(k1, (5, 7)), uniform=jax.random.uniform(k2, (4,)),
         bits8=jax.random.bits(k3, (9,), jnp.uint8), bits16=jax.random.bits(k3, (2, 3), jnp.uint16),
@@ -65,7 +67,8 @@ def test_independent_draws_share_one_hash_per_round():
     dict(memory='infinity', mem_len=4, segment_len=4, ltm_basis=8),
     dict(memory='trams', mem_len=4, trams_select=2, trams_remain=1),
     dict(memory='none', mem_len=0, vocab_size=300, cutoffs=(20, 100), div_val=2, tie_projs=(False, True, False)),
-    dict(memory='xl', mem_len=4, scan_layers=True),
+    # Its scanned init's body gives a constant among its outputs (at six layers, not at two).
+    dict(memory='xl', mem_len=4, scan_layers=True, skip_rule='linear', sch_beta=0.1, n_layer=6, dropout=0.0, dropatt=0.0),
     dict(memory='none', mem_len=0, block='gpt2', pre_lnorm=True, positions='learned_absolute'),
 ], ids=lambda o: '-'.join(f'{k}={v}' for k, v in o.items()))
 def test_init_params_equal_flax_s_own_draws(overrides):

@@ -90,7 +90,7 @@ class _Program:
 
     def _needed(self) -> list:
         """The operations the outputs depend on, in order (a model's init traces its forward too)."""
-        live = {self.name(v, 0) for v in self.jaxpr.outvars}
+        live = {n for n in (self.name(v, 0) for v in self.jaxpr.outvars) if not isinstance(n, jex_core.Literal)}
         kept = []
         for eqn, scope in reversed(self.eqns):
             if eqn.effects or any((scope, v) in live for v in eqn.outvars):
