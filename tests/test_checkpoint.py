@@ -6,6 +6,7 @@ import shutil
 from unittest import mock
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -120,6 +121,30 @@ def test_fingerprint_sees_every_byte():
         {k: v.copy() for k, v in tree.items()})
     assert checkpointing.fingerprint(tree) != checkpointing.fingerprint(changed)
     assert checkpointing.fingerprint(tree) != checkpointing.fingerprint(reshaped)
+
+
+def test_checksums_are_each_leafs_position_weighted_sums_of_its_bits():
+    """The sums a fingerprint hashes, from NumPy: small leaves are summed together (padded rows of
+    one matrix) and large ones alone, and either way each leaf's two sums are its own, so the
+    fingerprints of checkpoints already written still match."""
+    big = checkpointing._SHARED_CHECKSUM_MAX_SIZE  # pylint: disable=protected-access
+    rng = np.random.default_rng(0)
+    leaves = [rng.standard_normal(n).astype(np.float32) for n in (0, 1, 3, 4, 5, 7, big, big + 1)]
+    leaves += [rng.standard_normal((3, 5)).astype(jnp.bfloat16), rng.integers(-128, 128, 9).astype(np.int8),
+               rng.integers(0, 2, 6).astype(bool), rng.integers(0, 2**16, 11).astype(np.uint16)]
+    key = jax.random.key(5)  # A typed key: its two words are summed.
+
+    def naive(x):
+        x = x.astype(np.uint8) if x.dtype == bool else x
+        bits = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).reshape(-1).astype(np.uint64)
+        index = np.arange(bits.size, dtype=np.uint64)
+        weight_a = (index * 0x9E3779B1 % 2**32) | 1
+        weight_b = ((index + 0x5BD1E995) % 2**32 * 0x85EBCA77 % 2**32) | 1
+        return [int((bits * weight_a % 2**32).sum() % 2**32), int((bits * weight_b % 2**32).sum() % 2**32)]
+
+    got = jax.device_get(checkpointing._checksums([*map(jnp.asarray, leaves), key]))  # pylint: disable=protected-access
+    want = [naive(x) for x in leaves] + [naive(np.asarray(jax.random.key_data(key)))]
+    assert [list(map(int, sums)) for sums in got] == want
 
 
 def tiny_tree(value):

@@ -13,6 +13,7 @@ is ever deleted except an older checkpoint rotated out by keep-last-N; the check
 with the best periodic validation loss is kept beside those.
 """
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -52,28 +53,52 @@ _READ_ONLY_NOTES = ('read only', 'read_only=True')
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
+# Leaves up to this many values are checksummed together, those of about one size as the rows of
+# one matrix: a program per leaf would compile slowly (one reduction each), and larger leaves,
+# sharded in real runs, keep their own (each device sums the shards it holds).
+_SHARED_CHECKSUM_MAX_SIZE = 2**16
+
+
 @jax.jit
 def _checksums(leaves: list) -> list:
     """Two position-weighted wrapping sums of each leaf's bits.
 
     Integer sums mod 2^32 are exact in any order, so the result is the same for every
     sharding, mesh and process count; it is computed where the shards live, so no
-    process has to gather arrays that span other hosts.
+    process has to gather arrays that span other hosts. Zeros added at a leaf's end add
+    nothing: small leaves are padded to a power of two and summed as the rows of one matrix.
     """
-    def one(x):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        if x.dtype == jnp.bool_:
-            x = x.astype(jnp.uint8)
-        bits = jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize])
-        bits = bits.astype(jnp.uint32).reshape(-1)
-        index = jnp.arange(bits.size, dtype=jnp.uint32)
-        weight_a = index * jnp.uint32(_WEIGHT_A) | jnp.uint32(1)
-        weight_b = (index + jnp.uint32(_OFFSET_B)) * jnp.uint32(_WEIGHT_B) | jnp.uint32(1)
-        return jnp.stack([jnp.sum(bits * weight_a, dtype=jnp.uint32),
-                          jnp.sum(bits * weight_b, dtype=jnp.uint32)])
+    bits = [_bits(x) for x in leaves]
+    sums = [None] * len(bits)
+    rows_of = collections.defaultdict(list)  # Padded length -> the small leaves of that length.
+    for i, b in enumerate(bits):
+        if b.size <= _SHARED_CHECKSUM_MAX_SIZE:
+            rows_of[1 << max(b.size - 1, 0).bit_length()].append(i)
+        else:
+            sums[i] = _weighted_sums(b[None])[0]
+    for length, members in rows_of.items():
+        rows = jnp.stack([jnp.pad(bits[i], (0, length - bits[i].size)) for i in members])
+        for i, s in zip(members, _weighted_sums(rows)):
+            sums[i] = s
+    return sums
 
-    return [one(x) for x in leaves]
+
+def _bits(x: jax.Array) -> jax.Array:
+    """x's bits as a flat uint32 vector (narrower types widened, 64-bit ones as two words each)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize]).astype(jnp.uint32).reshape(-1)
+
+
+def _weighted_sums(rows: jax.Array) -> jax.Array:
+    """[k, 2]: each row's two weighted sums, the weights set by the position within the row."""
+    index = jnp.arange(rows.shape[1], dtype=jnp.uint32)
+    weight_a = index * jnp.uint32(_WEIGHT_A) | jnp.uint32(1)
+    weight_b = (index + jnp.uint32(_OFFSET_B)) * jnp.uint32(_WEIGHT_B) | jnp.uint32(1)
+    return jnp.stack([jnp.sum(rows * weight_a, axis=1, dtype=jnp.uint32),
+                      jnp.sum(rows * weight_b, axis=1, dtype=jnp.uint32)], axis=1)
 
 
 def fingerprint(tree: Any) -> str:
