@@ -35,10 +35,13 @@ def _equal(a, b):
     return jax.tree.all(jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b))
 
 
-def test_every_kind_of_draw_gives_jax_s_own_bits():
+@pytest.mark.parametrize('partitionable', [True, False], ids=['partitionable', 'original_threefry'])
+def test_every_kind_of_draw_gives_jax_s_own_bits(partitionable):
+    """Also under the original, non-partitionable Threefry bits, which are drawn as JAX draws them."""
     key, table_key = jax.random.PRNGKey(3), jax.random.key(4, impl='rbg')
-    merged = jax.jit(shared_hashes.with_shared_hashes(draws))
-    assert _equal(merged(key, table_key), jax.jit(draws)(key, table_key))
+    with jax.threefry_partitionable(partitionable):
+        merged = jax.jit(shared_hashes.with_shared_hashes(draws))
+        assert _equal(merged(key, table_key), jax.jit(draws)(key, table_key))
 
 
 def _hashes(fn, *args) -> int:

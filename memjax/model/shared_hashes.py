@@ -114,9 +114,9 @@ class _Program:
         for d in sorted(rounds):
             random, rest = rounds[d]
             key = lambda e, s: self.read(e.invars[0], s)
-            folds = [(e, s) for e, s in random if e.primitive.name == 'random_fold_in' and _shares(key(e, s))
+            folds = [(e, s) for e, s in random if e.primitive.name == 'random_fold_in' and _shares(key(e, s), e)
                      and self.read(e.invars[1], s).shape == () and self.read(e.invars[1], s).dtype == jnp.uint32]
-            draws = [(e, s) for e, s in random if e.primitive.name == 'random_bits' and _shares(key(e, s))
+            draws = [(e, s) for e, s in random if e.primitive.name == 'random_bits' and _shares(key(e, s), e)
                      and 0 < math.prod(e.params['shape']) <= SHARED_DRAW_MAX_SIZE]
             if folds:
                 keys = _fold_in_together([key(e, s) for e, s in folds], [self.read(e.invars[1], s) for e, s in folds])
@@ -144,10 +144,10 @@ def _shared_body(closed):
     return jax.make_jaxpr(lambda *args: _Program(closed).run(list(args)))(*args)
 
 
-def _shares(key) -> bool:
-    """One Threefry key, drawn from as jax_threefry_partitionable does (each value's counter alone)."""
-    return (key.shape == () and jax.random.key_impl(key) == 'threefry2x32'
-            and jax.config.jax_threefry_partitionable)
+def _shares(key, eqn) -> bool:
+    """One Threefry key, drawn from as jax_threefry_partitionable does (each value's counter alone),
+    the setting the operation was traced under."""
+    return key.shape == () and jax.random.key_impl(key) == 'threefry2x32' and eqn.ctx.threefry_partitionable
 
 
 def _threefry(keys: list, counters_hi: jax.Array, counters_lo: jax.Array, sizes: list[int]):
