@@ -12,8 +12,8 @@ compile` times an init both ways.
 
 Large draws keep a hash each: under a sharded init (the train state's jit with out_shardings) XLA
 computes each device's shard of a draw where it lives, and a shared hash would compute it whole on
-every device. Keys of other implementations (`jax_default_prng_impl`), key arrays and the original,
-non-partitionable Threefry bits run as JAX runs them.
+every device. Keys of other implementations (`jax_default_prng_impl`), key arrays, 64-bit draws and
+the original, non-partitionable Threefry bits run as JAX runs them.
 """
 
 from __future__ import annotations
@@ -78,8 +78,6 @@ class _Program:
     def _inline(self, jaxpr, consts, scope):
         self.values.update(((scope, v), c) for v, c in zip(jaxpr.constvars, consts))
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == 'scan':  # A scanned layer stack: its body's draws share, per step.
-                eqn = eqn.replace(params={**eqn.params, 'jaxpr': _shared_body(eqn.params['jaxpr'])})
             if eqn.primitive.name != 'jit':
                 self.eqns.append((eqn, scope))
                 continue
@@ -117,7 +115,7 @@ class _Program:
             folds = [(e, s) for e, s in random if e.primitive.name == 'random_fold_in' and _shares(key(e, s), e)
                      and self.read(e.invars[1], s).shape == () and self.read(e.invars[1], s).dtype == jnp.uint32]
             draws = [(e, s) for e, s in random if e.primitive.name == 'random_bits' and _shares(key(e, s), e)
-                     and 0 < math.prod(e.params['shape']) <= SHARED_DRAW_MAX_SIZE]
+                     and e.params['bit_width'] <= 32 and 0 < math.prod(e.params['shape']) <= SHARED_DRAW_MAX_SIZE]
             if folds:
                 keys = _fold_in_together([key(e, s) for e, s in folds], [self.read(e.invars[1], s) for e, s in folds])
                 self.values.update(((s, e.outvars[0]), k) for (e, s), k in zip(folds, keys))
@@ -131,9 +129,12 @@ class _Program:
         return [self.read(v, 0) for v in self.jaxpr.outvars]
 
     def _bind(self, eqn, scope):
+        params = eqn.params
+        if eqn.primitive.name == 'scan':  # A scanned layer stack: its body's draws share, per step.
+            params = {**params, 'jaxpr': _shared_body(params['jaxpr'])}
         with eqn.ctx.manager:  # The settings it was traced under.
             outs = eqn.primitive.bind(*(self.read(v, scope) for v in eqn.invars),
-                                      **eqn.primitive.get_bind_params(eqn.params))
+                                      **eqn.primitive.get_bind_params(params))
         outs = outs if eqn.primitive.multiple_results else [outs]
         self.values.update(((scope, v), x) for v, x in zip(eqn.outvars, outs))
 
@@ -166,7 +167,7 @@ def _fold_in_together(keys: list, messages: list) -> list:
 
 def _bits_together(keys: list, requests: list[tuple[int, tuple[int, ...]]]) -> list:
     # JAX's partitionable bits: value j of a draw hashes the counter pair (j >> 32, j); the two
-    # halves are XORed for 32 bits and fewer, concatenated for 64. Draws here are < 2**32 values.
+    # halves are XORed (draws here are of 32 bits or fewer, and fewer than 2**32 values).
     sizes = [math.prod(shape) for _, shape in requests]
     counters = jnp.concatenate([lax.iota(jnp.uint32, n) for n in sizes])
     hi, lo = _threefry(keys, jnp.zeros_like(counters), counters, sizes)
@@ -174,9 +175,5 @@ def _bits_together(keys: list, requests: list[tuple[int, tuple[int, ...]]]) -> l
     for (bit_width, shape), n in zip(requests, sizes):
         h, l = hi[start:start + n], lo[start:start + n]
         start += n
-        if bit_width == 64:
-            bits = lax.shift_left(h.astype(jnp.uint64), jnp.uint64(32)) | l.astype(jnp.uint64)
-        else:
-            bits = (h ^ l).astype(jnp.dtype(f'uint{bit_width}'))
-        out.append(bits.reshape(shape))
+        out.append((h ^ l).astype(jnp.dtype(f'uint{bit_width}')).reshape(shape))
     return out

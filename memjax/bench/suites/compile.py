@@ -49,13 +49,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
                 jax.clear_caches()
                 runs.append(workload.compile_step(work))
         ctx.log(f'compile: {n_layer} layers, scan={scan}, collector {collector_setting}: {runs[-1].compile_s:.1f}s')
-        lower = statistics.median(r.lower_s for r in runs)
-        compile_s = statistics.median(r.compile_s for r in runs)
-        rows.append({'program': 'train step', 'n_layer': n_layer, 'scan_layers': scan, 'collector': collector_setting,
-                     'lower_s': lower,
-                     'compile_s': compile_s, 'total_s': lower + compile_s, 'runs': repeats,
-                     'lower_runs_s': [r.lower_s for r in runs],
-                     'compile_runs_s': [r.compile_s for r in runs]})
+        rows.append(_row('train step', n_layer, scan, collector_setting, runs))
     for scan in (False, True):
         mcfg = workload.model_config(ctx.config, n_layer=deepest, scan_layers=scan, mem_len=setting['seq'],
                                      **setting['shape'])
@@ -67,12 +61,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
                                                jax.random.PRNGKey(0)))
             program = 'init, ' + ('shared hashes' if share else 'a hash per draw')
             ctx.log(f'compile: {program}, {deepest} layers, scan={scan}: {runs[-1].compile_s:.1f}s')
-            rows.append({'program': program,
-                         'n_layer': deepest, 'scan_layers': scan, 'collector': 'memjax',
-                         'lower_s': statistics.median(r.lower_s for r in runs),
-                         'compile_s': statistics.median(r.compile_s for r in runs),
-                         'total_s': statistics.median(r.total_s for r in runs), 'runs': repeats,
-                         'lower_runs_s': [r.lower_s for r in runs], 'compile_runs_s': [r.compile_s for r in runs]})
+            rows.append(_row(program, deepest, scan, 'memjax', runs))
     init = {(r['scan_layers'], r['program']): r['total_s'] for r in rows if r['program'] != 'train step'}
     by_case = {(r['n_layer'], r['scan_layers'], r['collector']): r for r in rows if r['program'] == 'train step'}
     total = {case[:2]: by_case[case]['total_s'] for case in cases}
@@ -97,3 +86,11 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
                "with Python's default garbage-collector settings over memjax's (memjax/runtime/collector.py).",
                'init_hash_per_draw_over_shared_*: total compile time of the deepest init with a Threefry hash per '
                'draw over that with the hashes shared (the same values), the layers looped or scanned.'])
+
+
+def _row(program: str, n_layer: int, scan: bool, collector_setting: str, runs: list[harness.Compiled]) -> dict:
+    lower = statistics.median(r.lower_s for r in runs)
+    compile_s = statistics.median(r.compile_s for r in runs)
+    return {'program': program, 'n_layer': n_layer, 'scan_layers': scan, 'collector': collector_setting,
+            'lower_s': lower, 'compile_s': compile_s, 'total_s': lower + compile_s, 'runs': len(runs),
+            'lower_runs_s': [r.lower_s for r in runs], 'compile_runs_s': [r.compile_s for r in runs]}
