@@ -52,16 +52,15 @@ def cache_environment(folder: str) -> dict:
 # JAX reads them when it is imported, here and in every process started from the tests.
 os.environ.update(cache_environment(COMPILATION_CACHE))
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import pytest
-
-from memjax.runtime import collector
-import training_fixtures
-
-assert jax.config.jax_compilation_cache_dir == COMPILATION_CACHE, 'JAX was imported before tests/conftest.py'
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
+# JAX, memjax and the fixtures' helpers are imported by the test modules, in the pytest-xdist
+# workers: the controller, which runs no test, starts the workers without spending 2 s importing them.
 def pytest_collection_finish(session):  # pylint: disable=unused-argument
+    import jax  # pylint: disable=g-import-not-at-top
+    from memjax.runtime import collector  # pylint: disable=g-import-not-at-top
+    assert jax.config.jax_compilation_cache_dir == COMPILATION_CACHE, 'JAX was imported before tests/conftest.py'
     # The test modules are imported: the collector set as memjax's commands set it.
     collector.tune()
 
@@ -75,4 +74,5 @@ def pytest_unconfigure(config):  # pylint: disable=unused-argument
 def corpus(tmp_path_factory):
     """A generated train/valid/test text corpus (`training_fixtures.write_text_corpus`), one per
     test module."""
+    import training_fixtures  # pylint: disable=g-import-not-at-top
     return training_fixtures.write_text_corpus(str(tmp_path_factory.mktemp('corpus')))
