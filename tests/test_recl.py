@@ -168,10 +168,15 @@ def memoryless(trained, tmp_path_factory):
     return workdir
 
 
-def test_a_memoryless_run_scores_each_token_from_its_window_alone(trained, memoryless):
+@pytest.mark.parametrize('positions_per_pass', [recl_lib.POSITIONS_PER_PASS, 9],
+                         ids=['a_batch_a_pass', 'batches_split_into_passes'])
+def test_a_memoryless_run_scores_each_token_from_its_window_alone(trained, memoryless, positions_per_pass,
+                                                                   monkeypatch):
     """Against one pass per token over the stream's `context` inputs ending at it, by hand: two
     streams (eval batch 2), so each window stops at its own stream's start. Nothing further back
-    reaches a token: the memory-less Transformer's RECL cannot exceed its attention length."""
+    reaches a token: the memory-less Transformer's RECL cannot exceed its attention length. Also
+    with a batch's 32 windows split into passes (of 9 at context 1, the last one padded; of 8)."""
+    monkeypatch.setattr(recl_lib, 'POSITIONS_PER_PASS', positions_per_pass)
     _, corpus = trained
     run = analysis_run.load(memoryless)
     tokens = np.frombuffer(open(os.path.join(corpus, 'valid.txt'), 'rb').read(), np.uint8).astype(np.int32)

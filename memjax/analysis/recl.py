@@ -124,6 +124,11 @@ def token_losses(run: LoadedRun, split: str = 'validation', max_batches: int = -
                                        max_batches, key=evaluation.eval_key(exp.run)).token_nll
 
 
+# Positions `window_token_losses` scores in one pass, at most: a batch of windows is split into passes
+# of this size to bound the memory of a long context.
+POSITIONS_PER_PASS = 2 ** 16
+
+
 def window_token_losses(run: LoadedRun, context: int, split: str = 'validation', max_batches: int = -1) -> np.ndarray:
     """`token_losses` of a memory-less run with every target scored from the `context` newest
     inputs of its stream (itself included; fewer at a stream's start), each in a pass of its own:
@@ -136,9 +141,6 @@ def window_token_losses(run: LoadedRun, context: int, split: str = 'validation',
     causal), so the windows are all `context` long, right-padded past a stream's end."""
     exp = run.exp
     model, cfg = exp.eval_model, exp.eval_mcfg
-    # Windows per pass: about 64k positions, and no more than a batch holds (every batch holds as
-    # many, so one shape is compiled): a pass padded past a small batch would compute mostly padding.
-    chunk = None
     rngs = train_step_lib.stream_keys(evaluation.eval_key(exp.run), model.kind, 0)
 
     @jax.jit
@@ -176,7 +178,9 @@ def window_token_losses(run: LoadedRun, context: int, split: str = 'validation',
                 read = seq[:len(history[b]) + int(np.sum(batch['mask'][s, b] > 0))]
                 history[b] = read[max(0, len(read) - (context - 1)):]
         windows, positions, targets = np.concatenate(windows), np.concatenate(positions), np.concatenate(targets)
-        chunk = chunk or min(max(8, 2 ** 16 // context), len(windows))
+        # Windows per pass: about POSITIONS_PER_PASS, and no more than a batch holds (every batch holds
+        # as many, so one shape is compiled): a pass padded past a small batch would be mostly padding.
+        chunk = min(max(8, POSITIONS_PER_PASS // context), len(windows))
         losses = []
         for at in range(0, len(windows), chunk):
             part = [np.pad(x[at:at + chunk], [(0, max(0, at + chunk - len(x)))] + [(0, 0)] * (x.ndim - 1))
