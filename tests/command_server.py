@@ -9,11 +9,17 @@ per command line. The child takes the caller's stdin, stdout, stderr, working di
 environment, runs the module as `__main__`, and exits as the interpreter would (non-daemon
 threads joined, atexit handlers run); its exit status reaches the caller through the server.
 
+The notebooks' Jupyter kernels (`python -m ipykernel_launcher`, started by jupyter_client) are
+served the same way, from a server that has also imported the libraries the notebooks use
+(`preload`): each kernel would otherwise spend about 4 s starting IPython and importing JAX and
+memjax before its first cell. A caller's `start_new_session` (jupyter_client's, which signals the
+kernel's process group) gives the child a process group of its own.
+
 `Popen` and `run` mirror `subprocess`'s; a command they cannot serve exactly (not `python -m
-memjax.*`, or a `preexec_fn` other than `interruptible`) starts afresh. Tests of the
+memjax.*` or a kernel, or a `preexec_fn` other than `interruptible`) starts afresh. Tests of the
 interpreter's own start-up (a signal during the imports) pass `fresh=True`.
 
-Run as a script, this file is the server: `command_server.py ADDRESS MODULE`.
+Run as a script, this file is the server: `command_server.py ADDRESS MODULE [PRELOAD ...]`.
 """
 
 import ast
@@ -29,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 from typing import Optional
@@ -59,8 +66,18 @@ def _import_what_the_module_imports(module: str) -> None:
     exec(compile(ast.Module(body=imports, type_ignores=[]), path, 'exec'), {})  # pylint: disable=exec-used
 
 
+def _own_group(pid: int) -> None:
+    """Puts process `pid` (this server's child, or 0: this process) in a process group of its own."""
+    try:
+        os.setpgid(pid, pid)
+    except (PermissionError, ProcessLookupError):  # Done by the other side, or the child is gone.
+        pass
+
+
 def _run_child(request: dict, fds: list[int]) -> None:
     """In the forked child: becomes the command and exits with its status."""
+    if request['new_group']:
+        _own_group(0)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler if request['interruptible'] else signal.SIG_IGN)
@@ -70,6 +87,7 @@ def _run_child(request: dict, fds: list[int]) -> None:
     os.chdir(request['cwd'])
     os.environ.clear()
     os.environ.update(request['env'])
+    tempfile.tempdir = None  # Found again from the child's TMPDIR, as a new interpreter would.
     module, args = request['module'], request['args']
     sys.path[0] = request['cwd']  # As `python -m` puts its working directory first.
     sys.orig_argv = [sys.executable, '-m', module, *args]
@@ -104,11 +122,13 @@ def _run_child(request: dict, fds: list[int]) -> None:
     os._exit(code)  # pylint: disable=protected-access
 
 
-def serve(address: str, module: str) -> None:
-    """Imports `module`'s libraries, then forks one child per request; ends when its standard
-    input does (closed by the pytest worker, or the worker is gone)."""
+def serve(address: str, module: str, *preload: str) -> None:
+    """Imports `module`'s libraries and the modules `preload` names, then forks one child per
+    request; ends when its standard input does (closed by the pytest worker, or the worker is gone)."""
     sys.path[0] = os.getcwd()  # As `python -m` has it.
     _import_what_the_module_imports(module)
+    for name in preload:
+        importlib.import_module(name)
     # Forking is safe only while this process runs no other thread.
     assert threading.active_count() == 1, threading.enumerate()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -141,12 +161,17 @@ def serve(address: str, module: str) -> None:
         if listener in readable:
             connection, _ = listener.accept()
             message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 4)
+            request = json.loads(message)
             pid = os.fork()
             if pid == 0:
                 for fd in (listener.fileno(), connection.fileno(), wake_read, wake_write, fds[3],
                            sys.stdin.fileno(), *status_fds.values()):
                     os.close(fd)
-                _run_child(json.loads(message), fds[:3])
+                _run_child(request, fds[:3])
+            if request['new_group']:
+                # Here as well as in the child, so that the group exists before the caller learns
+                # the pid (it may signal the group at once); whichever runs second finds it made.
+                _own_group(pid)
             for fd in fds[:3]:
                 os.close(fd)
             status_fds[pid] = fds[3]
@@ -160,10 +185,10 @@ def serve(address: str, module: str) -> None:
 class _Server:
     """A started server, and how to reach it."""
 
-    def __init__(self, module: str, env: dict):
+    def __init__(self, module: str, env: dict, preload: tuple[str, ...] = ()):
         self.address = f'memjax-command-server-{os.getpid()}-{next(_started)}'
         # Its standard input stays open as long as this process lives: the server's lifeline.
-        self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.address, module],
+        self.process = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.address, module, *preload],
                                         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self._ready = False
@@ -202,31 +227,37 @@ def _stop_servers() -> None:
     _servers.clear()
 
 
+# What a server can run besides memjax's commands: the Jupyter kernel jupyter_client starts.
+KERNEL = 'ipykernel_launcher'
+
+
 def _served(args, env: Optional[dict], preexec_fn) -> Optional[tuple]:
     """(module, arguments, the child's environment) when the server can run `args`, else None."""
     args = list(args) if isinstance(args, (list, tuple)) else None
     if (not args or len(args) < 3 or args[0] != sys.executable or args[1] != '-m'
-            or not args[2].startswith('memjax.') or preexec_fn not in (None, interruptible)):
+            or not (args[2].startswith('memjax.') or args[2] == KERNEL) or preexec_fn not in (None, interruptible)):
         return None
     module, arguments = args[2], [str(a) for a in args[3:]]
+    env = dict(os.environ if env is None else env)
+    if module == KERNEL:
+        return module, arguments, env
     mode = host_memory.command_line_mode(arguments)
     if mode is None:  # A --flagfile (what it holds is read once the flags are parsed), or no mode.
         return None
-    env = dict(os.environ if env is None else env)
     # A command that re-executes itself for huge pages (its first statement) starts as the re-executed one.
     return module, arguments, host_memory.reexecuted_environment(mode, env) or env
 
 
-def _key(module: str, env: dict) -> tuple:
-    return module, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV)))
+def _key(module: str, env: dict, preload: tuple[str, ...] = ()) -> tuple:
+    return module, tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_TIME_ENV))), preload
 
 
-def _server_for(module: str, env: dict) -> _Server:
-    key = _key(module, env)
+def _server_for(module: str, env: dict, preload: tuple[str, ...]) -> _Server:
+    key = _key(module, env, preload)
     if key not in _servers:
         while len(_servers) >= MAX_SERVERS:
             _servers.popitem(last=False)[1].stop()
-        _servers[key] = _Server(module, env)
+        _servers[key] = _Server(module, env, preload)
     _servers.move_to_end(key)
     return _servers[key]
 
@@ -234,9 +265,11 @@ def _server_for(module: str, env: dict) -> _Server:
 class Popen(subprocess.Popen):
     """subprocess.Popen whose `python -m memjax.*` commands come from a command server."""
 
-    def __init__(self, args, *rest, fresh: bool = False, **kwargs):
-        """`fresh`: in a new interpreter, not served."""
+    def __init__(self, args, *rest, fresh: bool = False, preload: tuple[str, ...] = (), **kwargs):
+        """`fresh`: in a new interpreter, not served; `preload`: modules the server imports too."""
         self._served = None if fresh else _served(args, kwargs.get('env'), kwargs.get('preexec_fn'))
+        self._preload = tuple(preload)
+        self._new_group = bool(kwargs.get('start_new_session'))
         self._status_fd = None
         super().__init__(args, *rest, **kwargs)
 
@@ -253,9 +286,10 @@ class Popen(subprocess.Popen):
                errwrite if errwrite != -1 else 2, status_write]
         request = dict(module=module, args=arguments, env=child_env, cwd=os.fspath(cwd or os.getcwd()),
                        interruptible=preexec_fn is not None or
-                       signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
+                       signal.getsignal(signal.SIGINT) is not signal.SIG_IGN,
+                       new_group=self._new_group)
         try:
-            self.pid = _server_for(module, child_env).start(request, fds)
+            self.pid = _server_for(module, child_env, self._preload).start(request, fds)
         finally:
             os.close(status_write)
         self._status_fd = status_read

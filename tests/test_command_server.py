@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,3 +70,33 @@ def test_the_least_recently_used_server_stops_for_a_new_one(monkeypatch, tmp_pat
     assert train.wait(120) == 1  # absl's --help exit status.
     assert start('memjax.evaluate').wait(120) == 1
     assert train_server.process.poll() is not None and len(command_server._servers) == 1  # pylint: disable=protected-access
+
+
+def test_a_served_command_in_a_new_session_has_a_process_group_of_its_own(corpus, tmp_path):
+    """jupyter_client starts kernels with `start_new_session` and stops them by signalling their
+    process group: a served child's group must hold the child alone, not its server (or this worker)."""
+    env = {**cli_fixtures.cpu_env(1), 'MEMJAX_COMMAND_SERVER_PROBE': str(tmp_path)}  # A server of its own.
+
+    def start(name, new_session):
+        log = tmp_path / f'{name}.log'
+        with open(log, 'w') as out:
+            process = command_server.Popen(
+                cli_fixtures.tiny_command(str(tmp_path / name), corpus, str(tmp_path / 'data'),
+                                          '--config.train.num_steps=100000', '--host_memory=off'),
+                env=env, start_new_session=new_session, stdout=out, stderr=subprocess.STDOUT,
+                cwd=training_fixtures.REPO, preexec_fn=cli_fixtures.interruptible)
+        while 'step ' not in log.read_text():  # Training: alive until killed.
+            assert process.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        return process
+
+    own = start('own', True)
+    server = command_server._servers[command_server._key('memjax.train', own._served[2])]  # pylint: disable=protected-access
+    assert os.getpgid(own.pid) == own.pid != os.getpgid(server.process.pid) == os.getpgrp()
+    os.killpg(own.pid, signal.SIGKILL)
+    assert own.wait(60) == -signal.SIGKILL and server.process.poll() is None
+    # The server serves on, and without the option its children stay in the caller's group.
+    shared = start('shared', False)
+    assert os.getpgid(shared.pid) == os.getpgrp()
+    shared.kill()
+    assert shared.wait(60) == -signal.SIGKILL

@@ -1,5 +1,6 @@
 """The notebooks run top to bottom, show their plots, and are stored without outputs."""
 
+import functools
 import glob
 import os
 
@@ -7,6 +8,9 @@ import pytest
 
 nbformat = pytest.importorskip('nbformat', reason="the notebooks are run with nbclient: pip install -e '.[test]'")
 nbclient = pytest.importorskip('nbclient', reason="the notebooks are run with nbclient: pip install -e '.[test]'")
+from jupyter_client import launcher  # noqa: E402  (nbclient's dependency)
+
+import command_server  # noqa: E402
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), '..', 'notebooks', '*.ipynb')))
 # Per cell: a compile on a loaded 2-core machine is slow.
@@ -54,10 +58,17 @@ def set_parameters(notebook, values: dict) -> None:
         '\n'.join(f'{name} = {value!r}' for name, value in values.items())))
 
 
+# What the notebooks import, imported once by the server their kernels are forked from
+# (tests/command_server.py); matplotlib is not among them: its backend is the one the kernel sets.
+PRELOADED = ('ipykernel.kernelapp', 'jax', 'memjax.analysis', 'memjax.evaluate', 'memjax.generation.text',
+             'memjax.training.loop')
+
+
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs_and_shows_its_plots(path, tmp_path, monkeypatch):
     # The kernel inherits it: the runs a notebook trains in temporary folders go with the test's.
     monkeypatch.setenv('TMPDIR', str(tmp_path))
+    monkeypatch.setattr(launcher, 'Popen', functools.partial(command_server.Popen, preload=PRELOADED))
     notebook = nbformat.read(path, as_version=4)
     set_parameters(notebook, SMALLEST[os.path.basename(path)])
     client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name='python3',
