@@ -76,27 +76,32 @@ def test_a_served_command_in_a_new_session_has_a_process_group_of_its_own(corpus
     """jupyter_client starts kernels with `start_new_session` and stops them by signalling their
     process group: a served child's group must hold the child alone, not its server (or this worker)."""
     env = {**cli_fixtures.cpu_env(1), 'MEMJAX_COMMAND_SERVER_PROBE': str(tmp_path)}  # A server of its own.
+    started = []
 
     def start(name, new_session):
         log = tmp_path / f'{name}.log'
         with open(log, 'w') as out:
-            process = command_server.Popen(
+            started.append(command_server.Popen(
                 cli_fixtures.tiny_command(str(tmp_path / name), corpus, str(tmp_path / 'data'),
                                           '--config.train.num_steps=100000', '--host_memory=off'),
                 env=env, start_new_session=new_session, stdout=out, stderr=subprocess.STDOUT,
-                cwd=training_fixtures.REPO, preexec_fn=cli_fixtures.interruptible)
+                cwd=training_fixtures.REPO, preexec_fn=cli_fixtures.interruptible))
         while 'step ' not in log.read_text():  # Training: alive until killed.
-            assert process.poll() is None, log.read_text()[-3000:]
+            assert started[-1].poll() is None, log.read_text()[-3000:]
             time.sleep(0.05)
-        return process
+        return started[-1]
 
-    own = start('own', True)
-    server = command_server._servers[command_server._key('memjax.train', own._served[2])]  # pylint: disable=protected-access
-    assert os.getpgid(own.pid) == own.pid != os.getpgid(server.process.pid) == os.getpgrp()
-    os.killpg(own.pid, signal.SIGKILL)
-    assert own.wait(60) == -signal.SIGKILL and server.process.poll() is None
-    # The server serves on, and without the option its children stay in the caller's group.
-    shared = start('shared', False)
-    assert os.getpgid(shared.pid) == os.getpgrp()
-    shared.kill()
-    assert shared.wait(60) == -signal.SIGKILL
+    try:
+        own = start('own', True)
+        server = command_server._servers[command_server._key('memjax.train', own._served[2])]  # pylint: disable=protected-access
+        assert os.getpgid(own.pid) == own.pid != os.getpgid(server.process.pid) == os.getpgrp()
+        os.killpg(own.pid, signal.SIGKILL)
+        assert own.wait(60) == -signal.SIGKILL and server.process.poll() is None
+        # The server serves on, and without the option its children stay in the caller's group.
+        shared = start('shared', False)
+        assert os.getpgid(shared.pid) == os.getpgrp()
+    finally:  # Runs of 100,000 steps: none outlives the test.
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait(60)
