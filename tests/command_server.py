@@ -11,8 +11,8 @@ threads joined, atexit handlers run); its exit status reaches the caller through
 
 The notebooks' Jupyter kernels (`python -m ipykernel_launcher`, started by jupyter_client) are
 served the same way, from a server that has also imported the libraries the notebooks use
-(`preload`): each kernel would otherwise spend about 4 s starting IPython and importing JAX and
-memjax before its first cell. A caller's `start_new_session` (jupyter_client's, which signals the
+(`preload`): each kernel would otherwise start IPython and import JAX and memjax before its
+first cell. A caller's `start_new_session` (jupyter_client's, which signals the
 kernel's process group) gives the child a process group of its own.
 
 `Popen` and `run` mirror `subprocess`'s; a command they cannot serve exactly (not `python -m

@@ -1,6 +1,5 @@
 """The notebooks run top to bottom, show their plots, and are stored without outputs."""
 
-import functools
 import glob
 import os
 
@@ -68,12 +67,19 @@ PRELOADED = ('ipykernel.kernelapp', 'jax', 'memjax.analysis', 'memjax.evaluate',
 def test_notebook_runs_and_shows_its_plots(path, tmp_path, monkeypatch):
     # The kernel inherits it: the runs a notebook trains in temporary folders go with the test's.
     monkeypatch.setenv('TMPDIR', str(tmp_path))
-    monkeypatch.setattr(launcher, 'Popen', functools.partial(command_server.Popen, preload=PRELOADED))
+    kernels = []
+
+    def served(*args, **kwargs):
+        kernels.append(command_server.Popen(*args, preload=PRELOADED, **kwargs))
+        return kernels[-1]
+
+    monkeypatch.setattr(launcher, 'Popen', served)
     notebook = nbformat.read(path, as_version=4)
     set_parameters(notebook, SMALLEST[os.path.basename(path)])
     client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name='python3',
                                      resources={'metadata': {'path': os.path.dirname(path)}})
     client.execute()  # Raises CellExecutionError, with the cell and its traceback, on any error.
+    assert len(kernels) == 1 and kernels[0]._served, 'the kernel was not forked from its server'  # pylint: disable=protected-access
     images = [output for cell in notebook.cells if cell.cell_type == 'code' for output in cell.outputs
               if 'image/png' in output.get('data', {})]
     shows = sum(cell.source.count('plt.show()') for cell in notebook.cells if cell.cell_type == 'code')
