@@ -69,6 +69,14 @@ def test_train_rows_count_the_model_flops_of_both_dtypes(report):
         assert r['model_flops_per_step'] == flops.train_step_flops(mcfg, r['batch'], r['tgt_len'])
 
 
+def test_each_training_step_is_timed_without_dropout_in_both_dtypes_and_with_its_configs_in_bf16(report):
+    for step in accel.SETUPS['tiny']['train']:
+        timed = {(r['dtype'], r['model']['dropout'], r['model']['dropatt']) for r in rows(report, 'train')
+                 if r['case'].startswith(step.name)}
+        assert step.dropout != (0.0, 0.0)
+        assert timed == {('bfloat16', 0.0, 0.0), ('float32', 0.0, 0.0), ('bfloat16', *step.dropout)}
+
+
 def test_eval_rows_run_the_papers_protocol_on_the_evaluation_model(report):
     setup = accel.SETUPS['tiny']
     for r in rows(report, 'eval'):
@@ -186,6 +194,7 @@ def test_the_suites_shapes_are_the_configs(name, file):
     train = config_lib.load_config_file(os.path.join(REPO, 'configs', file)).train
     for step in steps:
         assert step.tgt_len == train.tgt_len == model.mem_len
+        assert step.dropout == (model.dropout, model.dropatt)
         assert train.batch_size % step.batch == 0  # A per-chip share of the paper's batch.
 
 

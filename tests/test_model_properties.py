@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import special
 
+from memjax.kernels import cpu as cpu_kernels
 from memjax.model import ModelConfig, MemoryLM, build_model, adaptive, init_memory, lm_loss
 import training_fixtures
 
@@ -115,10 +116,14 @@ def test_adaptive_softmax_normalises_and_matches_targets(overrides):
                                atol=1e-5)
 
 
-def test_tail_clusters_scored_in_chunks_match_the_full_softmax_with_gradients(monkeypatch):
-    # Small chunks (8 positions) so that the 40 positions span 5 chunks: cluster 1 holds three
-    # targets in one row only (later chunks skipped), cluster 2 fills most of row 1 (all chunks).
-    monkeypatch.setattr(adaptive, '_TAIL_CHUNK_TOKENS', 16)
+@pytest.mark.parametrize('kernels', ['on', 'off'])
+def test_tail_clusters_match_the_full_softmax_with_gradients(kernels, monkeypatch):
+    """On one CPU device the kernel scores each tail cluster where its targets fall; elsewhere
+    (kernels off, as on accelerators) XLA scores every position in chunks: here 7 positions, so
+    that the 40 positions of cluster 1 (20 words) take 6 chunks, the last one padded. Cluster 1
+    holds three targets in one row only, cluster 2 most of row 1."""
+    monkeypatch.setenv(cpu_kernels.SWITCH, kernels)
+    monkeypatch.setattr(adaptive, '_TAIL_CHUNK_LOGITS', 2 * 7 * 20)
     cfg, model, params = setup(mem_len=4, cutoffs=(10, 30), div_val=2)
     tokens = random_tokens(11, (2, 40))
     rng = np.random.RandomState(0)
@@ -144,25 +149,41 @@ def test_tail_clusters_scored_in_chunks_match_the_full_softmax_with_gradients(mo
         np.testing.assert_allclose(g, e, atol=1e-5)
 
 
+def _tail_gradient(io, hidden, targets):
+    """The jitted gradient of the summed target log-probs of `io` (an AdaptiveIO), and its params."""
+    params = jax.jit(functools.partial(io.init, method=io.target_logprobs))(jax.random.key(0), hidden, targets)
+    grad = jax.grad(lambda p, h: io.apply(p, h, targets, method=io.target_logprobs).sum(), argnums=(0, 1))
+    return jax.jit(grad), params
+
+
 def test_tail_backward_holds_the_cluster_weights_once_not_once_per_chunk(monkeypatch):
     # A 20k-word tail cluster of width 8 (640 KB of weights) dwarfs every activation here. Eight
-    # times as many chunks may add chunk inputs (2 KB), never another copy of the weights: the
-    # autodiff of a scan over lax.cond used to keep about four per chunk (19 GB at wt103-base).
-    monkeypatch.setattr(adaptive, '_TAIL_CHUNK_TOKENS', 4)
+    # times as many chunks (one position each) may add chunk inputs (2 KB), never another copy of
+    # the weights: autodiff of the chunks' loop would keep them per chunk (19 GB at wt103-base).
+    monkeypatch.setenv(cpu_kernels.SWITCH, 'off')
+    monkeypatch.setattr(adaptive, '_TAIL_CHUNK_LOGITS', 20000)
     cfg = ModelConfig(**{**BASE, 'vocab_size': 20010, 'cutoffs': (10,), 'd_model': 8})
     io = adaptive.AdaptiveIO(cfg)
     table_bytes = 20000 * 8 * 4
 
-    init = jax.jit(functools.partial(io.init, method=io.target_logprobs))
-
     def temp_bytes(length):
         hidden = np.ones((1, length, 8), np.float32)
-        targets = np.full((1, length), 20005, np.int32)  # Every position in the tail: every chunk active.
-        params = init(jax.random.key(0), hidden, targets)
-        grad = jax.grad(lambda p, h: io.apply(p, h, targets, method=io.target_logprobs).sum(), argnums=(0, 1))
-        return jax.jit(grad).lower(params, hidden).compile().memory_analysis().temp_size_in_bytes
+        grad, params = _tail_gradient(io, hidden, np.full((1, length), 20005, np.int32))
+        return grad.lower(params, hidden).compile().memory_analysis().temp_size_in_bytes
 
     assert temp_bytes(64) - temp_bytes(8) < table_bytes
+
+
+def test_off_the_cpu_kernel_the_softmax_has_no_branch_a_gpu_would_wait_on(monkeypatch):
+    """A GPU copies a conditional's predicate to the host and waits for its stream: the tail
+    clusters' chunks are all scored, so the softmax's forward and backward hold no conditional."""
+    monkeypatch.setenv(cpu_kernels.SWITCH, 'off')
+    monkeypatch.setattr(adaptive, '_TAIL_CHUNK_LOGITS', 2 * 3 * 20)  # Several chunks per cluster.
+    cfg = ModelConfig(**{**BASE, 'cutoffs': (10, 30), 'div_val': 2})
+    hidden = np.ones((2, 12, cfg.d_model), np.float32)
+    grad, params = _tail_gradient(adaptive.AdaptiveIO(cfg), hidden, random_tokens(3, (2, 12)))
+    text = grad.lower(params, hidden).as_text()
+    assert 'stablehlo.while' in text and 'stablehlo.case' not in text
 
 
 def test_plain_softmax_equals_tied_embedding_logits():

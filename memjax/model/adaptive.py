@@ -25,9 +25,9 @@ from memjax.kernels import cpu as cpu_kernels
 from memjax.model.config import ModelConfig
 from memjax.model.primitives import BLOCKS, normal
 
-# Tokens scored per step of a tail cluster's loop (split over the batch rows): big enough for
-# an efficient matmul, small enough that few positions outside the cluster get scored.
-_TAIL_CHUNK_TOKENS = 64
+# How many logits a step of a tail cluster's loop may form on accelerators (256 MB in float32): it
+# bounds the chunk of positions scored together, and the memory their logits take.
+_TAIL_CHUNK_LOGITS = 2**26
 
 
 def _cluster_inputs(weights: dict, hidden: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -88,68 +88,58 @@ def _chunk_logprobs(dtype, weights, x_chunk, local_chunk):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked_logprobs(dtype, weights, x, local, active):
-    """[C, B, chunk] log p(local | cluster) of x [C, B, chunk, d_model], chunk by chunk; inactive
-    chunks are skipped (zeros).
+def _chunked_logprobs(dtype, weights, x, local):
+    """[C, B, chunk] log p(local | cluster) of x [C, B, chunk, d_model], chunk by chunk.
 
-    A custom VJP because autodiff of a scan over `lax.cond` stacks the cond's residuals, the
-    cluster's weights among them, once per chunk: 1.8 GB per chunk for WikiText-103's tail, 19 GB
-    of temporaries at batch 4 x 150. The backward here keeps only the inputs, recomputes each
-    active chunk's logits and sums the weights' gradient in the loop's carry.
+    A custom VJP so that the backward keeps only the inputs: it forms each chunk's logits again
+    and sums the weights' gradient in the loop's carry. Autodiff would keep every chunk's logits
+    (the [tokens, cluster size] matrix the chunks exist to avoid).
     """
     def step(carry, inputs):
-        x_chunk, local_chunk, is_active = inputs
-        return carry, jax.lax.cond(is_active, functools.partial(_chunk_logprobs, dtype, weights),
-                                   lambda *_: jnp.zeros(local_chunk.shape, jnp.float32), x_chunk, local_chunk)
+        return carry, _chunk_logprobs(dtype, weights, *inputs)
 
-    return jax.lax.scan(step, None, (x, local, active))[1]
+    return jax.lax.scan(step, None, (x, local))[1]
 
 
-def _chunked_logprobs_fwd(dtype, weights, x, local, active):
-    return _chunked_logprobs(dtype, weights, x, local, active), (weights, x, local, active)
+def _chunked_logprobs_fwd(dtype, weights, x, local):
+    return _chunked_logprobs(dtype, weights, x, local), (weights, x, local)
 
 
 def _chunked_logprobs_bwd(dtype, residuals, cotangent):
-    weights, x, local, active = residuals
+    weights, x, local = residuals
 
     def step(weights_grad, inputs):
-        x_chunk, local_chunk, is_active, ct_chunk = inputs
+        x_chunk, local_chunk, ct_chunk = inputs
+        _, vjp = jax.vjp(lambda w, xc: _chunk_logprobs(dtype, w, xc, local_chunk), weights, x_chunk)
+        d_weights, d_x = vjp(ct_chunk)
+        return jax.tree.map(jnp.add, weights_grad, d_weights), d_x
 
-        def score(weights_grad):
-            _, vjp = jax.vjp(lambda w, xc: _chunk_logprobs(dtype, w, xc, local_chunk), weights, x_chunk)
-            d_weights, d_x = vjp(ct_chunk)
-            return jax.tree.map(jnp.add, weights_grad, d_weights), d_x
-
-        return jax.lax.cond(is_active, score, lambda g: (g, jnp.zeros_like(x_chunk)), weights_grad)
-
-    weights_grad, x_grad = jax.lax.scan(step, jax.tree.map(jnp.zeros_like, weights), (x, local, active, cotangent))
-    return weights_grad, x_grad, None, None
+    weights_grad, x_grad = jax.lax.scan(step, jax.tree.map(jnp.zeros_like, weights), (x, local, cotangent))
+    return weights_grad, x_grad, None
 
 
 _chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
 
 
-def _sorted_tail_logprobs(dtype, weights: dict, hidden: jax.Array, local: jax.Array, inside: jax.Array) -> jax.Array:
-    """[B, T] log p(local | the tail cluster of `weights`) where `inside`, junk elsewhere, by XLA.
+def _every_position_tail_logprobs(dtype, weights: dict, hidden: jax.Array, local: jax.Array) -> jax.Array:
+    """[B, T] log p(local | the tail cluster of `weights`) at every position, by XLA.
 
-    Only positions whose target lies in the cluster get its logits: each row's positions are
-    sorted cluster-first and scored in chunks, and chunks past every row's count are skipped.
-    On text most targets are head words, so this avoids most of the tail work, and the
-    [tokens, cluster size] logit matrix (GBs for WikiText-103's 200k-word tail) never exists.
+    Every position is scored, whatever its target: a loop that skipped the chunks without a target
+    in the cluster would branch once per chunk, and a GPU copies each branch's predicate to the host
+    and waits for its stream (hundreds of round trips a step at WikiText-103's sizes). Scoring all
+    positions costs the same on any text, with shapes and a trip count fixed at compile time; the
+    chunks (along T, every batch row in each, so that a batch-sharded step keeps its rows on their
+    devices) bound the logits formed at once by _TAIL_CHUNK_LOGITS, so the [tokens, cluster size]
+    matrix (GBs for WikiText-103's 160k-word cluster) never exists.
     """
     batch, length = local.shape
-    chunk = min(length, max(4, _TAIL_CHUNK_TOKENS // batch))
+    chunk = max(1, min(length, _TAIL_CHUNK_LOGITS // (batch * weights['table'].shape[0])))
     n_chunks = -(-length // chunk)
-    order = jnp.argsort(~inside, axis=1, stable=True)  # cluster positions first, per row
     pad = [(0, 0), (0, n_chunks * chunk - length)]
-    x = jnp.pad(jnp.take_along_axis(hidden, order[..., None], axis=1), pad + [(0, 0)])
-    sorted_local = jnp.pad(jnp.take_along_axis(local, order, axis=1), pad)
-    x = x.reshape(batch, n_chunks, chunk, -1).swapaxes(0, 1)
-    sorted_local = sorted_local.reshape(batch, n_chunks, chunk).swapaxes(0, 1)
-    active = jnp.arange(n_chunks) * chunk < inside.sum(axis=1).max()
-    sorted_logprobs = _chunked_logprobs(dtype, weights, x, sorted_local, active)
-    sorted_logprobs = sorted_logprobs.swapaxes(0, 1).reshape(batch, -1)[:, :length]
-    return jnp.take_along_axis(sorted_logprobs, jnp.argsort(order, axis=1), axis=1)
+    x = jnp.pad(hidden, pad + [(0, 0)]).reshape(batch, n_chunks, chunk, -1).swapaxes(0, 1)
+    local = jnp.pad(local, pad).reshape(batch, n_chunks, chunk).swapaxes(0, 1)
+    logprobs = _chunked_logprobs(dtype, weights, x, local)
+    return logprobs.swapaxes(0, 1).reshape(batch, -1)[:, :length]
 
 
 class AdaptiveIO(nn.Module):
@@ -240,13 +230,12 @@ class AdaptiveIO(nn.Module):
     def _tail_logprobs(self, hidden: jax.Array, targets: jax.Array, inside: jax.Array, i: int) -> jax.Array:
         """[B, T] log p(target | tail cluster i) where `inside` (the target is in cluster i), junk
         elsewhere: on CPU by the kernel, which scores exactly those positions (`_picked_logprobs`),
-        elsewhere by `_sorted_tail_logprobs`."""
+        elsewhere at every position (`_every_position_tail_logprobs`)."""
         lo, hi = self.config.cluster_bounds[i], self.config.cluster_bounds[i + 1]
-        dtype = self.config.dtype
-        operands = (self._cluster_weights(i), hidden, jnp.clip(targets - lo, 0, hi - lo - 1), inside)
+        dtype, weights, local = self.config.dtype, self._cluster_weights(i), jnp.clip(targets - lo, 0, hi - lo - 1)
         if _kernel_applies(dtype):
-            return _picked_logprobs(dtype, *operands)
-        return _sorted_tail_logprobs(dtype, *operands)
+            return _picked_logprobs(dtype, weights, hidden, local, inside)
+        return _every_position_tail_logprobs(dtype, weights, hidden, local)
 
     def target_logprobs(self, hidden: jax.Array, targets: jax.Array, evaluation: bool = False) -> jax.Array:
         """[B, T] log p(target) for hidden [B, T, d_model], computed cluster by cluster: the

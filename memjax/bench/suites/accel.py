@@ -7,8 +7,11 @@ One command for a time-limited allocation of an accelerator (`launch/accel_bench
   eager with bf16 autocast and `torch.compile`, against memjax in bf16, training and evaluation.
   Same weights: imported into memjax, parameter counts and float32 log-probs checked first.
 - train: Transformer-XL's training step at enwik8-base, wt103-large and enwik8-large, bf16 and
-  float32: compile seconds (persistent cache off), tokens/s, TFLOP/s, MFU against the datasheet
-  and the measured peak, the step's device memory.
+  float32 without dropout, then bf16 with the config's dropout and dropatt (as the papers train):
+  compile seconds (persistent cache off), tokens/s, TFLOP/s, MFU against the datasheet and the
+  measured peak, the step's device memory. The targets are uniform random ids: off the CPU a tail
+  cluster scores every position, whatever its target (memjax.model.adaptive), so the step's work is
+  the same on any text.
 - eval: wt103-large's evaluation at the paper's protocol (tgt 128, mem 1600, clamp 1000,
   same_length), the model `memjax.evaluate` runs.
 - methods: LaMemo / XL and infinity-former / XL training steps at wt103-base (bf16), timed
@@ -84,14 +87,15 @@ class Step:
     model: dict
     batch: int
     tgt_len: int  # = mem_len in training.
+    dropout: tuple[float, float] = (0.0, 0.0)  # The config's (dropout, dropatt), for the rows with it.
 
 
 TINY_MODEL = dict(n_layer=1, d_model=32, n_head=2, d_head=16, d_inner=64, vocab_size=64)
 TINY_ADAPTIVE = dict(TINY_MODEL, vocab_size=300, cutoffs=(100, 200), div_val=2, tie_projs=(False, True, True))
 SETUPS = {
     'full': dict(
-        train=(Step('enwik8-base', ENWIK8_BASE, 22, 512), Step('wt103-large', WT103_LARGE, 32, 384),
-               Step('enwik8-large', ENWIK8_LARGE, 16, 768)),
+        train=(Step('enwik8-base', ENWIK8_BASE, 22, 512, (0.1, 0.0)), Step('wt103-large', WT103_LARGE, 32, 384, (0.2, 0.2)),
+               Step('enwik8-large', ENWIK8_LARGE, 16, 768, (0.15, 0.15))),
         largest=Step('wt103-large', WT103_LARGE, 32, 384),
         eval=Step('wt103-large', WT103_LARGE, 16, 128), eval_model=dict(mem_len=1600, clamp_len=1000, same_length=True),
         methods=Step('wt103-base', WT103_BASE, 32, 150),
@@ -99,7 +103,7 @@ SETUPS = {
                         batch_size=22),
         peer_vocab=peer.Vocab('enwik8 bytes', 204, (), 1), aligned_d_head=48, fused_lengths=(384, 768, 1600)),
     'tiny': dict(
-        train=(Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8),), largest=Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8),
+        train=(Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8, (0.1, 0.1)),), largest=Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8),
         eval=Step('1x32', TINY_MODEL, 2, 4), eval_model=dict(mem_len=12, clamp_len=6, same_length=True),
         methods=Step('1x32', TINY_MODEL, 2, 8),
         peer=peer.SHAPES['tiny'], peer_vocab=peer.VOCABS['tiny'][0], aligned_d_head=24, fused_lengths=(12,)),
@@ -179,11 +183,14 @@ class Suite:
         return case
 
     def train_row(self, part: str, step: Step, dtype: str, vs: Optional[dict] = None, donate: bool = True,
-                  **fields) -> Optional[dict]:
-        """Compiles and times one training step; a step out of device memory is a row saying so."""
-        mcfg = workload.model_config(self.ctx.config, mem_len=step.tgt_len, compute_dtype=dtype, dropout=0.0,
-                                     dropatt=0.0, **{'scan_layers': True, **step.model, **fields})
-        case = step.name + ''.join(f' {k}={v}' for k, v in fields.items()) + ('' if donate else ' not donated')
+                  dropout: bool = False, **fields) -> Optional[dict]:
+        """Compiles and times one training step (`dropout`: with the step's config's dropout and
+        dropatt, else none); a step out of device memory is a row saying so."""
+        rates = dict(zip(('dropout', 'dropatt'), step.dropout if dropout else (0.0, 0.0)))
+        mcfg = workload.model_config(self.ctx.config, mem_len=step.tgt_len, compute_dtype=dtype,
+                                     **{'scan_layers': True, **step.model, **rates, **fields})
+        shown = {**(rates if dropout else {}), **fields}
+        case = step.name + ''.join(f' {k}={v}' for k, v in shown.items()) + ('' if donate else ' not donated')
         self.ctx.log(f'accel: {part} {case} {dtype} batch {step.batch} tgt = mem = {step.tgt_len}')
         fitted = None
         try:
@@ -210,6 +217,7 @@ class Suite:
         for step in self.setup['train']:
             for dtype in ('bfloat16', 'float32'):
                 self.train_row('train', step, dtype)
+            self.train_row('train', step, 'bfloat16', dropout=True)
 
     def evaluation(self, impls=('auto',), part: str = 'eval') -> None:
         step = self.setup['eval']
@@ -474,6 +482,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
                 'environment': {k: os.environ.get(k) for k in ENVIRONMENT},
                 'step': 'memjax.bench.workload train step (forward, backward, clip + Adam), state donated unless '
                         'said, dropout 0, scan_layers unless said',
+                'targets': 'uniform random ids (off the CPU the step\'s work does not depend on them)',
                 'flops': 'memjax.bench.flops (model FLOPs; MFU counts no recomputation)'},
         notes=suite.notes + [
             'mfu_datasheet_percent: against the chip\'s dense rate for the dtype (memjax.bench.chips; float32 = '

@@ -1,8 +1,10 @@
 """`adaptive-softmax`: training-step cost of an adaptive softmax as the share of tail targets grows.
 
-memjax scores a tail cluster only at the positions whose target falls in it
-(`memjax.model.adaptive`), so on real text, where most targets are frequent words, a step should
-cost little more than the head alone, and no [tokens x tail vocabulary] logit matrix is ever held.
+On one CPU device memjax's kernel scores a tail cluster only at the positions whose target falls
+in it (`memjax.model.adaptive`), so on real text, where most targets are frequent words, a step
+should cost little more than the head alone, and no [tokens x tail vocabulary] logit matrix is ever
+held. (Elsewhere XLA scores every position in chunks, with no branch: there the cost does not depend
+on the targets.)
 The suite compiles one training step with a WikiText-103-sized vocabulary, then times it on batches
 whose targets fall in the tail clusters at a chosen rate, and reports XLA's planned temporaries
 beside the size one full tail-logit matrix would have.
