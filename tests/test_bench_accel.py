@@ -2,7 +2,10 @@
 MFU arithmetic: every figure is recomputed here from what the row says it measured."""
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import pytest
@@ -11,6 +14,7 @@ from memjax import config_lib
 from memjax.bench import chips
 from memjax.bench import flops
 from memjax.bench import harness
+from memjax.bench import step_profile
 from memjax.bench import workload
 from memjax.bench.suites import accel
 from memjax.bench.suites import peak
@@ -21,9 +25,14 @@ pytestmark = pytest.mark.filterwarnings('ignore::DeprecationWarning', 'ignore::F
                                         'ignore::UserWarning')
 
 
+# The profile part names XLA:CPU's ops only with a flag set before JAX starts: it runs from the
+# command line (test_the_profile_adds_up_to_the_traced_step_and_keeps_its_trace).
+IN_PROCESS = tuple(p for p in accel.DEFAULT_PARTS if p != 'profile' and (HAVE_TORCH or p != 'peer'))
+
+
 @pytest.fixture(scope='module')
 def report():
-    parts = () if HAVE_TORCH else tuple(p for p in accel.DEFAULT_PARTS if p != 'peer')
+    parts = IN_PROCESS
     cache = jax.config.jax_enable_compilation_cache
     result = harness.run_suite('accel', harness.Context(size='tiny', warmup=0, repeats=1, parts=parts),
                                command=['test'])
@@ -36,8 +45,7 @@ def rows(report, part):
 
 
 def test_every_part_runs_and_reports_its_rows(report):
-    want = set(accel.DEFAULT_PARTS) - (set() if HAVE_TORCH else {'peer'})
-    assert {r['part'] for r in report['rows']} == want
+    assert {r['part'] for r in report['rows']} == set(IN_PROCESS)
     assert not [r for r in report['rows'] if 'error' in r]
     assert report['figures']['persistent_compilation_cache'] == 'off'
 
@@ -232,3 +240,34 @@ def test_a_later_process_takes_the_peak_from_an_earlier_report(tmp_path, report)
     harness.write_json(path, other)
     with pytest.raises(harness.BenchError, match="measured on 'NVIDIA H200'"):
         peak.from_report(path)
+
+
+def test_the_profile_adds_up_to_the_traced_step_and_keeps_its_trace(tmp_path):
+    """The command sets XLA:CPU's op names in traces; each profiled step's categories add up to the
+    traced step, the model's own categories all take time, and the trace file lies beside the
+    report."""
+    out = tmp_path / 'accel.json'
+    done = subprocess.run([sys.executable, '-m', 'memjax.bench', 'accel', '--parts=profile', '--size=tiny',
+                           '--warmup=1', '--repeats=2', f'--out={out}'], cwd=REPO, capture_output=True, text=True,
+                          check=False, env={**os.environ, 'TMPDIR': str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    profiled = rows(report, 'profile')
+    assert [r['case'] for r in profiled] == [s.name for s in accel.SETUPS['tiny']['profile']]
+    for r in profiled:
+        times = {name: r[f'{name} ms'] for name in step_profile.CATEGORIES}
+        assert sum(times.values()) == pytest.approx(r['profiled_step_ms'], rel=1e-9)
+        assert all(t >= 0 for t in times.values())
+        for name in (step_profile.ATTENTION, step_profile.DENSE, step_profile.SOFTMAX, step_profile.OPTIMIZER):
+            assert times[name] > 0, name
+        assert times[step_profile.COPIES] == 0  # A CPU's arrays are the host's.
+        assert r['profiled_vs_timed'] == pytest.approx(r['profiled_step_ms'] / r['step_ms'])
+        assert r['trace'] == str(tmp_path / f"accel_profile_{r['case'].replace(' ', '_')}.xplane.pb")
+        assert os.path.getsize(r['trace']) > 0
+        shares = [report['figures'][f"profile {r['case']} {name} share"] for name in step_profile.CATEGORIES]
+        assert sum(shares) == pytest.approx(1.0)
+
+
+def test_the_profile_on_a_cpu_without_op_names_is_refused_before_compiling():
+    with pytest.raises(harness.BenchError, match='--xla_cpu_enable_xprof_traceme=true'):
+        harness.run_suite('accel', harness.Context(size='tiny', parts=('profile',)), command=['test'])

@@ -68,7 +68,7 @@ def main(argv):
         peak_from=_PEAK_FROM.value)
     for suite in suites:
         out = outs[suite]
-        suite_ctx = ctx if not out else dataclasses.replace(ctx, on_rows=lambda rows, suite=suite, out=out: (
+        suite_ctx = ctx if not out else dataclasses.replace(ctx, out=out, on_rows=lambda rows, suite=suite, out=out: (
             harness.write_json(out, harness.partial_report(suite, ctx, rows, command))))
         report = harness.run_suite(suite, suite_ctx, command=command)
         print(harness.report_text(report), flush=True)

@@ -105,6 +105,7 @@ class Context:
     # Called with the rows measured so far by a suite that reports rows as it goes (--out keeps
     # them on disk, for a run stopped at a deadline); None: nobody listens.
     on_rows: Optional[Callable[[list], None]] = None
+    out: Optional[str] = None  # --out: the report's path, beside which a suite may keep files (traces).
 
     def __post_init__(self):
         if self.size not in SIZES:

@@ -2,6 +2,11 @@
 
 One command for a time-limited allocation of an accelerator (`launch/accel_bench.sh` runs it in one job):
 
+- profile: where the wt103-large and enwik8-large bf16 training steps spend their time on the
+  device, from a `jax.profiler` trace of a few steps: attention, dense products, adaptive softmax,
+  LayerNorm and elementwise work, optimizer, unattributed kernels, host-device copies, idle
+  (memjax/bench/step_profile.py), adding up to the traced step, beside the step timed without the
+  profiler; the trace files are kept beside the `--out` report.
 - peak: bf16 and float32 (TF32 on GPUs) products up to 16384^3 beside the datasheet rate.
 - peer: HF `TransfoXLLMHeadModel` on the same device (CUDA PyTorch), at enwik8-base's shape:
   eager with bf16 autocast and `torch.compile`, against memjax in bf16, training and evaluation.
@@ -49,6 +54,7 @@ import jax.numpy as jnp
 from memjax import model as model_lib
 from memjax.bench import flops
 from memjax.bench import harness
+from memjax.bench import step_profile
 from memjax.bench import workload
 from memjax.bench.suites import peak
 from memjax.bench.suites import peer
@@ -59,11 +65,14 @@ from memjax.model import memories
 from memjax.model.attention import span_scores_masked
 from memjax.model.positions import position_scores, rel_shift
 
-PARTS = ('peak', 'peer', 'train', 'eval', 'methods', 'attention', 'fused', 'choices', 'probe')
+PARTS = ('profile', 'peak', 'peer', 'train', 'eval', 'methods', 'attention', 'fused', 'choices', 'probe')
 DEFAULT_PARTS = PARTS[:-1]
 # PyTorch allocates on the same chip in the peer part: JAX takes memory as it needs it instead of
 # 75 % of it up front. Read once, when JAX starts its backend (after this module is imported).
 ENVIRONMENT = {'XLA_PYTHON_CLIENT_PREALLOCATE': 'false'}
+# XLA:CPU names its ops in a trace only with this flag (the profile part on a CPU: the tests); an
+# accelerator's kernels are named without it.
+XLA_FLAGS = ('--xla_cpu_enable_xprof_traceme=true',)
 
 # The papers' shapes (configs/transformer_xl_*.py; tests/test_bench.py holds them to the files).
 # Batches are per chip: the papers' global batches ran over 4-64 chips. Each is the largest share
@@ -96,6 +105,7 @@ SETUPS = {
     'full': dict(
         train=(Step('enwik8-base', ENWIK8_BASE, 22, 512, (0.1, 0.0)), Step('wt103-large', WT103_LARGE, 32, 384, (0.2, 0.2)),
                Step('enwik8-large', ENWIK8_LARGE, 16, 768, (0.15, 0.15))),
+        profile=(Step('wt103-large', WT103_LARGE, 32, 384), Step('enwik8-large', ENWIK8_LARGE, 16, 768)),
         largest=Step('wt103-large', WT103_LARGE, 32, 384),
         eval=Step('wt103-large', WT103_LARGE, 16, 128), eval_model=dict(mem_len=1600, clamp_len=1000, same_length=True),
         methods=Step('wt103-base', WT103_BASE, 32, 150),
@@ -104,6 +114,7 @@ SETUPS = {
         peer_vocab=peer.Vocab('enwik8 bytes', 204, (), 1), aligned_d_head=48, fused_lengths=(384, 768, 1600)),
     'tiny': dict(
         train=(Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8, (0.1, 0.1)),), largest=Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8),
+        profile=(Step('1x32 adaptive', TINY_ADAPTIVE, 2, 8),),
         eval=Step('1x32', TINY_MODEL, 2, 4), eval_model=dict(mem_len=12, clamp_len=6, same_length=True),
         methods=Step('1x32', TINY_MODEL, 2, 8),
         peer=peer.SHAPES['tiny'], peer_vocab=peer.VOCABS['tiny'][0], aligned_d_head=24, fused_lengths=(12,)),
@@ -212,6 +223,32 @@ class Suite:
         row['device_peak_gib_so_far'] = (device['peak_bytes_in_use'] / harness.GIB if 'peak_bytes_in_use' in device
                                          else None)
         return self.add(row)
+
+    def profile(self) -> None:
+        """Each profiled step timed alone, then traced: its device time by category
+        (memjax/bench/step_profile.py), one row per step, the categories also as a table."""
+        if jax.default_backend() == 'cpu' and not all(f in os.environ.get('XLA_FLAGS', '') for f in XLA_FLAGS):
+            raise harness.BenchError(f'the profile part needs XLA_FLAGS={" ".join(XLA_FLAGS)} on a CPU, set before JAX '
+                                     'starts; run it as python -m memjax.bench accel, which sets it.')
+        for step in self.setup['profile']:
+            mcfg = workload.model_config(self.ctx.config, mem_len=step.tgt_len, compute_dtype='bfloat16', dropout=0.0,
+                                         dropatt=0.0, **{'scan_layers': True, **step.model})
+            self.ctx.log(f'accel: profile {step.name} bfloat16 batch {step.batch} tgt = mem = {step.tgt_len}')
+            case = self.compile_fitting(mcfg, step.batch, step.tgt_len)
+            timing = case.time_alone(self.ctx)
+            keep = (os.path.splitext(self.ctx.out)[0] + f'_profile_{step.name.replace(" ", "_")}.xplane.pb'
+                    if self.ctx.out else None)
+            found = step_profile.profile(case.loop, self.ctx.repeats, case.compiled.executable.as_text(), keep)
+            batch = case.work.batch_size
+            row = self.throughput('profile', step.name, mcfg, batch, step.tgt_len, timing.median_s,
+                                  flops.train_step_flops(mcfg, batch, step.tgt_len), case.compiled,
+                                  timing=timing.as_dict(), profiled_step_ms=found['step_s'] * 1e3,
+                                  profiled_vs_timed=found['step_s'] / timing.median_s, trace=found['trace'],
+                                  **{f'{name} ms': seconds * 1e3 for name, seconds in found['seconds'].items()})
+            self.ctx.log(f'accel: profile {step.name}, device time per step by category:\n' + harness.format_table(
+                [{'category': name, 'ms': seconds * 1e3, 'share': seconds / found['step_s'] if found['step_s'] else None}
+                 for name, seconds in found['seconds'].items()], ('category', 'ms', 'share')))
+            self.add(row)
 
     def train(self) -> None:
         for step in self.setup['train']:
@@ -470,6 +507,10 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
             sheet = suite.peak['datasheet_gflops_per_s'][dtype]
             figures[f'datasheet_tflops_per_s_{dtype}'] = sheet / 1e3 if sheet else None
     for row in suite.rows:
+        if row['part'] == 'profile':
+            figures.update({f"profile {row['case']} {name} share": row[f'{name} ms'] / row['profiled_step_ms']
+                            for name in step_profile.CATEGORIES if row['profiled_step_ms']})
+            figures[f"profile {row['case']} profiled_vs_timed"] = row['profiled_vs_timed']
         if row['part'] in ('train', 'eval') and 'mfu_datasheet_percent' in row:
             figures[f"{row['part']} {row['case']} {row['dtype']} mfu_datasheet_percent"] = row['mfu_datasheet_percent']
         if row['part'] in ('methods', 'peer', 'choices', 'fused') and row.get('ratio') is not None and row['ratio'] != 1.0:
