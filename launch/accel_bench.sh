@@ -21,7 +21,7 @@ run (default; on the GPU machine): installs those wheels under --site (ahead of
   tests/test_fused_attention.py's GPU check (--check-seconds), then
   python -m memjax.bench accel in three processes by weight (the profile, the
   peak and the fused attention; the PyTorch peer; training, evaluation, methods, attention,
-  choices on the first process's peak), each leaving time to the next, then --probes (NAME=XLA flags, ';'-separated) each
+  choices, the roofline, on the first process's peak), each leaving time to the next, then --probes (NAME=XLA flags, ';'-separated) each
   in a fresh process while more than --probe-seconds of --seconds are left.
   Everything lands in --out: accel.json, accel_peer.json, accel_more.json (each
   rewritten as its rows are measured, so a run stopped at its limit keeps
@@ -113,7 +113,7 @@ run_suite() {
     peak_from=("--peak_from=$MEMJAX_OUT/accel.json")
   fi
   bench accel_peer '' 150 --parts=peer 2> >(tee "$logs/accel_peer.log" >&2)
-  bench accel_more '' 0 --parts=train,eval,methods,attention,choices ${peak_from[@]+"${peak_from[@]}"} \
+  bench accel_more '' 0 --parts=train,roofline,eval,methods,attention,choices ${peak_from[@]+"${peak_from[@]}"} \
     2> >(tee "$logs/accel_more.log" >&2)
   IFS=';' read -r -a probes <<<"=;$MEMJAX_PROBES"
   for probe in "${probes[@]}"; do

@@ -56,7 +56,7 @@ def test_throughput_rows_are_their_own_arithmetic(report):
     best = {dtype: max(r['tflops_per_s'] for r in rows(report, 'peak') if r['dtype'] == dtype)
             for dtype in peak.DTYPES}
     assert best['float32'] * 1e3 == pytest.approx(report['figures']['peak_tflops_per_s_float32'] * 1e3)
-    timed = [r for r in report['rows'] if r['part'] != 'peak']
+    timed = [r for r in report['rows'] if r['part'] not in ('peak', 'roofline')]
     assert timed
     for r in timed:
         step_s = r['step_ms'] / 1e3
@@ -83,6 +83,33 @@ def test_each_training_step_is_timed_without_dropout_in_both_dtypes_and_with_its
                  if r['case'].startswith(step.name)}
         assert step.dropout != (0.0, 0.0)
         assert timed == {('bfloat16', 0.0, 0.0), ('float32', 0.0, 0.0), ('bfloat16', *step.dropout)}
+
+
+def test_the_roofline_times_every_product_shape_of_the_training_rows_and_weighs_them_by_count(report):
+    best = max(r['tflops_per_s'] for r in rows(report, 'peak') if r['dtype'] == 'bfloat16')
+    by_shape = {}
+    for r in rows(report, 'roofline'):
+        if not r['case'].endswith('every product'):
+            batch, m, k, n = map(int, r['case'].split()[-1].split('x'))
+            by_shape[batch, m, k, n] = r
+            assert r['tflops_per_s'] == pytest.approx(2 * batch * m * k * n / (r['step_ms'] / 1e3) / 1e12)
+            assert r['mfu_percent'] == pytest.approx(100 * r['tflops_per_s'] / best)
+    for step in accel.SETUPS['tiny']['train']:
+        products = flops.training_products(workload.model_config(None, mem_len=step.tgt_len, **step.model),
+                                           step.batch, step.tgt_len)
+        assert {p.shape for p in products} <= set(by_shape)
+        total = next(r for r in rows(report, 'roofline') if r['case'] == f'{step.name} every product')
+        assert total['step_ms'] == pytest.approx(sum(by_shape[p.shape]['step_ms'] * p.count for p in products))
+        train = next(r for r in rows(report, 'train') if r['case'] == step.name and r['dtype'] == 'bfloat16')
+        assert total['ratio'] == pytest.approx(total['step_ms'] / train['step_ms'])
+
+
+def test_the_products_of_a_training_step_are_its_model_flops():
+    for setup in accel.SETUPS.values():
+        for step in setup['train']:
+            mcfg = workload.model_config(None, mem_len=step.tgt_len, **step.model)
+            products = flops.training_products(mcfg, step.batch, step.tgt_len)
+            assert sum(p.flops for p in products) == pytest.approx(flops.train_step_flops(mcfg, step.batch, step.tgt_len))
 
 
 def test_eval_rows_run_the_papers_protocol_on_the_evaluation_model(report):

@@ -646,7 +646,7 @@ def test_accel_bench_installs_the_carried_wheels_then_runs_the_suite_and_probes_
     assert benches == [('', ['accel', '--parts=profile,peak,fused', f'--out={out}/accel.json']),
                        ('', ['accel', '--parts=peer', f'--out={out}/accel_peer.json']),
                        # On the first process's peak (the fake writes every --out report).
-                       ('', ['accel', '--parts=train,eval,methods,attention,choices',
+                       ('', ['accel', '--parts=train,roofline,eval,methods,attention,choices',
                              f'--peak_from={out}/accel.json', f'--out={out}/accel_more.json']),
                        ('', ['accel', '--parts=probe', f'--out={out}/probe_baseline.json']),
                        ('--xla_gpu_enable_latency_hiding_scheduler=true',

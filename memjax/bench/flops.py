@@ -25,6 +25,7 @@ against XLA's own cost analysis.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import jax
@@ -39,8 +40,9 @@ BACKWARD_FACTOR = 3  # forward (1) + backward (2: input and weight gradients).
 def _softmax_flops(cfg: ModelConfig, tokens: int, clusters: Optional[range] = None) -> dict[str, float]:
     """Output layer: per cluster an optional projection to its width, then its logits.
 
-    Every cluster is counted at every position, an upper bound for the tail clusters, which
-    memjax scores only where a target falls in them (the count a full softmax would need)."""
+    Every cluster is counted at every position: what memjax computes off the CPU kernel (and a
+    full softmax needs); on one CPU device the kernel scores a tail cluster only where a target
+    falls in it, so there this is an upper bound."""
     bounds = cfg.cluster_bounds
     n_clusters = len(bounds) - 1
     projected = cfg.div_val != 1 or cfg.d_embed != cfg.d_model
@@ -176,3 +178,57 @@ def train_step_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> float:
 
 def train_flops_per_token(cfg: ModelConfig, batch: int, tgt_len: int) -> float:
     return train_step_flops(cfg, batch, tgt_len) / (batch * tgt_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """`count` batched matrix products [batch, m, k] x [batch, k, n] of one training step."""
+    name: str
+    shape: tuple[int, int, int, int]  # (batch, m, k, n)
+    count: int
+
+    @property
+    def flops(self) -> float:
+        batch, m, k, n = self.shape
+        return 2.0 * batch * m * k * n * self.count
+
+
+def training_products(cfg: ModelConfig, batch: int, tgt_len: int) -> list[Product]:
+    """The matrix products of one Transformer-XL training step (memory 'xl': the roofline's
+    shapes): each forward product `y = x w` of `forward_flops`, then its input gradient `dy w^T`
+    (where x needs one) and its weight gradient `x^T dy`. Their FLOPs are `train_step_flops`."""
+    if cfg.memory != 'xl':
+        raise ValueError(f"the products are listed for memory 'xl', not {cfg.memory!r}")
+    tokens, klen, inner = batch * tgt_len, cfg.mem_len + tgt_len, cfg.n_head * cfg.d_head
+    rows = batch * cfg.n_head
+    forward = [  # (name, (batch, m, k, n), count per step, rows of x that take a gradient)
+        ('q_proj', (1, tokens, cfg.d_model, inner), cfg.n_layer, tokens),
+        ('kv_proj', (1, batch * klen, cfg.d_model, inner), 2 * cfg.n_layer, tokens),  # Memory rows: none.
+        ('pos_proj', (1, klen, cfg.d_model, inner), cfg.n_layer, 0),  # Sinusoids: constants.
+        ('content_scores', (rows, tgt_len, cfg.d_head, klen), cfg.n_layer, None),
+        ('position_scores', (rows, tgt_len, cfg.d_head, klen), cfg.n_layer, None),
+        ('attend_values', (rows, tgt_len, klen, cfg.d_head), cfg.n_layer, None),
+        ('out_proj', (1, tokens, inner, cfg.d_model), cfg.n_layer, None),
+        ('ff_inner', (1, tokens, cfg.d_model, cfg.d_inner), cfg.n_layer, None),
+        ('ff_outer', (1, tokens, cfg.d_inner, cfg.d_model), cfg.n_layer, None),
+    ]
+    if cfg.div_val != 1:
+        forward += [(f'embed_proj_{i}', (1, tokens, cfg.cluster_dim(i), cfg.d_model), 1, None)
+                    for i in range(len(cfg.cutoffs) + 1)]
+    elif cfg.d_embed != cfg.d_model:
+        forward.append(('embed_proj', (1, tokens, cfg.d_embed, cfg.d_model), 1, None))
+    bounds, projected = cfg.cluster_bounds, cfg.div_val != 1 or cfg.d_embed != cfg.d_model
+    for i in range(len(bounds) - 1):
+        width = cfg.cluster_dim(0 if cfg.div_val == 1 else i)
+        if projected:
+            forward.append((f'softmax_proj_{i}', (1, tokens, cfg.d_model, width), 1, None))
+        outputs = bounds[i + 1] - bounds[i] + (len(bounds) - 2 if i == 0 else 0)
+        forward.append((f'softmax_logits_{i}', (1, tokens, width, outputs), 1, None))
+    products = []
+    for name, (b, m, k, n), count, grad_rows in forward:
+        grad_rows = m if grad_rows is None else grad_rows
+        products.append(Product(name, (b, m, k, n), count))
+        if grad_rows:
+            products.append(Product(f'{name} input grad', (b, grad_rows, n, k), count))
+        products.append(Product(f'{name} weight grad', (b, k, m, n), count))
+    return products

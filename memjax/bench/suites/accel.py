@@ -17,6 +17,10 @@ One command for a time-limited allocation of an accelerator (`launch/accel_bench
   measured peak, the step's device memory. The targets are uniform random ids: off the CPU a tail
   cluster scores every position, whatever its target (memjax.model.adaptive), so the step's work is
   the same on any text.
+- roofline: the matrix products of each training row (`flops.training_products`: forward, input
+  and weight gradients), each shape timed in a loop inside one compiled program (no host wait
+  between products), its TFLOP/s beside the datasheet and the peak part's best product; then per
+  row the products' time at those rates over the step's.
 - eval: wt103-large's evaluation at the paper's protocol (tgt 128, mem 1600, clamp 1000,
   same_length), the model `memjax.evaluate` runs.
 - methods: LaMemo / XL and infinity-former / XL training steps at wt103-base (bf16), timed
@@ -65,7 +69,7 @@ from memjax.model import memories
 from memjax.model.attention import span_scores_masked
 from memjax.model.positions import position_scores, rel_shift
 
-PARTS = ('profile', 'peak', 'peer', 'train', 'eval', 'methods', 'attention', 'fused', 'choices', 'probe')
+PARTS = ('profile', 'peak', 'peer', 'train', 'roofline', 'eval', 'methods', 'attention', 'fused', 'choices', 'probe')
 DEFAULT_PARTS = PARTS[:-1]
 # PyTorch allocates on the same chip in the peer part: JAX takes memory as it needs it instead of
 # 75 % of it up front. Read once, when JAX starts its backend (after this module is imported).
@@ -121,6 +125,9 @@ SETUPS = {
 }
 COLUMNS = ('part', 'case', 'dtype', 'batch', 'tgt_len', 'mem_len', 'compile_s', 'step_ms', 'tokens_per_s',
            'tflops_per_s', 'mfu_datasheet_percent', 'mfu_percent', 'step_memory_gib', 'vs', 'ratio', 'memory_ratio', 'flops_ratio')
+# FLOPs one call of a roofline product's loop runs on an accelerator (a few ms: launches and the
+# call's own overhead vanish); on a CPU each call runs two products.
+ROOFLINE_CALL_FLOPS = 2.5e12
 # Largest |difference| between memjax's attention outputs and a fused variant's that computes the
 # same attention: bf16 rounding of values ~1 (seen: < 0.02 on CPU); a wrong bias gives ~1.
 ATTENTION_TOLERANCE = 0.05
@@ -255,6 +262,51 @@ class Suite:
             for dtype in ('bfloat16', 'float32'):
                 self.train_row('train', step, dtype)
             self.train_row('train', step, 'bfloat16', dropout=True)
+
+    def roofline(self) -> None:
+        """Each distinct product shape of the training rows, bf16 with float32 accumulation as the
+        model multiplies, timed in a compiled loop; then per row the products' time at those rates."""
+        rates: dict[tuple, dict] = {}
+        for step in self.setup['train']:
+            mcfg = workload.model_config(self.ctx.config, mem_len=step.tgt_len, compute_dtype='bfloat16', **step.model)
+            products = flops.training_products(mcfg, step.batch, step.tgt_len)
+            for product in sorted(products, key=lambda p: -p.flops):
+                if product.shape not in rates:
+                    self.ctx.log(f'accel: roofline {step.name} {product.name} {product.shape}')
+                    rates[product.shape] = self.roofline_row(step, product)
+            total_s = sum(rates[p.shape]['product_s'] * p.count for p in products)
+            trained = next((r for r in self.rows if r['part'] == 'train' and r['case'] == step.name
+                            and r['dtype'] == 'bfloat16' and 'step_ms' in r), None)
+            flop_count = sum(p.flops for p in products)
+            self.add({'part': 'roofline', 'case': f'{step.name} every product', 'dtype': 'bfloat16',
+                      'batch': step.batch, 'tgt_len': step.tgt_len, 'step_ms': total_s * 1e3,
+                      'tflops_per_s': flop_count / total_s / 1e12, 'model_flops_per_step': flop_count,
+                      **(peak.mfu_percents(flop_count / total_s / 1e9, 'bfloat16', self.peak) if self.peak else {}),
+                      **({'vs': trained['case'], 'ratio': total_s * 1e3 / trained['step_ms']} if trained else {})})
+
+    def roofline_row(self, step: Step, product: flops.Product) -> dict:
+        batch, m, k, n = product.shape
+        one = 2.0 * batch * m * k * n
+        reps = 2 if self.ctx.tiny or jax.default_backend() == 'cpu' else int(min(1000, max(4, ROOFLINE_CALL_FLOPS // one)))
+        keys = jax.random.split(jax.random.PRNGKey(0))
+        # Two left operands, alternated: a product of loop-invariant operands would be hoisted out.
+        lhs = jax.random.normal(keys[0], (2, batch, m, k), jnp.float32).astype(jnp.bfloat16)
+        rhs = jax.random.normal(keys[1], (batch, k, n), jnp.float32).astype(jnp.bfloat16)
+
+        def products(lhs, rhs):
+            def one_product(i, _):
+                return jnp.einsum('bmk,bkn->bmn', lhs[i % 2], rhs, preferred_element_type=jnp.float32
+                                  ).astype(jnp.bfloat16)
+            return jax.lax.fori_loop(0, reps, one_product, jnp.zeros((batch, m, n), jnp.bfloat16))
+
+        compiled, timing = harness.compile_and_time(products, lhs, rhs, ctx=self.ctx)
+        product_s = timing.median_s / reps
+        achieved = one / product_s / 1e9
+        return self.add({'part': 'roofline', 'case': f'{step.name} {product.name} {batch}x{m}x{k}x{n}',
+                         'dtype': 'bfloat16', 'step_ms': product_s * 1e3, 'tflops_per_s': achieved / 1e3,
+                         'product_s': product_s, 'products_per_call': reps, 'compile_s': compiled.total_s,
+                         **(peak.mfu_percents(achieved, 'bfloat16', self.peak) if self.peak else {}),
+                         'timing': timing.as_dict()})
 
     def evaluation(self, impls=('auto',), part: str = 'eval') -> None:
         step = self.setup['eval']
@@ -490,7 +542,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
     # Compile seconds are figures here: a compilation served from a persistent cache is not one.
     jax.config.update('jax_enable_compilation_cache', False)
     try:
-        if 'peak' in parts or set(parts) & {'train', 'eval', 'methods', 'attention', 'fused', 'choices', 'probe'}:
+        if 'peak' in parts or set(parts) & {'train', 'roofline', 'eval', 'methods', 'attention', 'fused', 'choices', 'probe'}:
             suite.measure_peak()  # Every MFU's denominator: measured first, in the same process.
         for part in parts:
             if part != 'peak':
@@ -532,4 +584,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
             'step_memory_gib: XLA\'s buffer assignment for one call (arguments + temporaries + outputs not '
             'aliased to a donated argument).',
             'methods ratio: step time over XL\'s, flops_ratio the FLOPs\'; choices ratio: per-token time over '
-            'the train part\'s row; peer ratio: memjax\'s speed-up over the row.'])
+            'the train part\'s row; peer ratio: memjax\'s speed-up over the row.',
+            'roofline: step_ms of a product is one product (a loop of products_per_call in one call, / that '
+            'count); "every product": the step\'s products at those rates, ratio: over the train part\'s '
+            'bf16 step (dropout off).'])
