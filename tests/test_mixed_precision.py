@@ -18,7 +18,7 @@ import pytest
 import training_fixtures
 from memjax import model as model_lib
 from memjax.kernels import softmax
-from memjax.model import ModelConfig, memories
+from memjax.model import ModelConfig, attention, memories
 
 SEG, SEGMENTS, VOCAB = 8, 3, 40
 BASE = dict(vocab_size=VOCAB, d_model=32, n_layer=2, n_head=2, d_head=16, d_inner=64, dropout=0.0, mem_len=SEG)
@@ -194,3 +194,45 @@ def test_attention_softmax_keeps_only_its_rounded_weights_for_the_backward_pass(
     _, backward = jax.vjp(ours, scores)
     kept = [x for x in jax.tree.leaves(backward) if hasattr(x, 'shape') and x.shape == scores.shape]
     assert [x.dtype for x in kept] == [jnp.dtype(dtype)]
+
+
+def test_bf16_scores_gradient_reaches_its_shift_and_products_in_bf16():
+    """Under bf16 the masked scores are float32 (their softmax is), but their gradient is rounded
+    to bf16 once and shifted and multiplied in bf16: every product of the backward that reads a
+    [B, H, T, K] array reads bf16. The gradients agree with autodiff's of the float32 scores to
+    bf16 accuracy."""
+    rng = np.random.default_rng(1)
+    batch, qlen, klen, heads, dim = 2, 5, 9, 3, 8
+    operands = [rng.standard_normal(shape, np.float32) for shape in
+                ((batch, qlen, heads, dim), (batch, klen, heads, dim), (batch, qlen, heads, dim), (klen, heads, dim))]
+    valid = np.ones((batch, klen), bool)
+    weights = rng.standard_normal((batch, heads, qlen, klen), np.float32)
+
+    def loss(*xs):
+        scores = attention.span_scores_masked(dim ** -0.5, *xs, valid)
+        return jnp.sum(jnp.where(scores > -1e30, scores, 0.0) * weights)
+
+    half = [jnp.asarray(x, jnp.bfloat16) for x in operands]
+    assert attention.span_scores_masked(dim ** -0.5, *half, valid).dtype == jnp.float32
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*half)
+    backward_products = [eqn for eqn in _equations(jaxpr.jaxpr) if eqn.primitive.name == 'dot_general'
+                         and any(v.aval.shape[-1:] == (klen,) and v.aval.ndim == 4 for v in eqn.invars)]
+    assert len(backward_products) == 4  # The content and positional terms' query and key gradients.
+    for eqn in backward_products:
+        assert [v.aval.dtype for v in eqn.invars] == [jnp.bfloat16] * 2, eqn
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*half)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*[x.astype(jnp.float32) for x in half])
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        assert relative_error(g, w) < 0.02  # Seen: ~0.3 %, a rounding or two of bf16.
+
+
+def _equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it (custom rules, pjit, loops)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(inner, 'jaxpr', inner)
+                if hasattr(inner, 'eqns'):
+                    yield from _equations(inner)

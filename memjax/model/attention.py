@@ -396,12 +396,46 @@ def _span_key_validity(blocks: Sequence[KeyBlock], batch: int, qlen: int) -> Opt
                            + [jnp.ones((batch, qlen), bool)], axis=-1)
 
 
+def _content_and_position_scores(content_query, key, position_query, pos_key, dtype):
+    """[B, H, T, K] content + rel-shifted position scores, the products' outputs in `dtype`."""
+    content = jnp.einsum('bthd,bkhd->bhtk', content_query, key, preferred_element_type=dtype)
+    position = jnp.einsum('bthd,khd->hbtk', position_query, pos_key, preferred_element_type=dtype)
+    return content + rel_shift(position.transpose(1, 0, 2, 3))
+
+
+@jax.custom_vjp
+def _low_precision_span_scores(content_query, key, position_query, pos_key):
+    """`_content_and_position_scores` in float32 from operands in a lower compute dtype, whose backward runs in that
+    dtype: the scores' gradient is rounded to it once, then shifted back and multiplied by the
+    operands in it. Autodiff would carry the float32 gradient, 4 bytes per score, through the
+    shift and into four float32 products (the [B, H, T, K] gradient is the step's largest
+    tensor); the softmax's own arithmetic, before, stays float32."""
+    return _content_and_position_scores(content_query, key, position_query, pos_key, jnp.float32)
+
+
+def _low_precision_span_scores_forward(*operands):
+    return _low_precision_span_scores(*operands), operands
+
+
+def _low_precision_span_scores_backward(operands, grad):
+    dtype = operands[0].dtype
+    _, vjp = jax.vjp(functools.partial(_content_and_position_scores, dtype=dtype), *operands)
+    return vjp(grad.astype(dtype))
+
+
+_low_precision_span_scores.defvjp(_low_precision_span_scores_forward, _low_precision_span_scores_backward)
+
+
 def span_scores_masked(scale: float, content_query, key, position_query, pos_key, key_valid):
     """Masked scores [B, H, T, K] of one contiguous span of K keys (`pos_key`: its K distance rows),
     the segment's T queries last: (content + rel-shifted position scores) * scale, where each key
-    is valid and not in the query's future; the float32 minimum elsewhere."""
+    is valid and not in the query's future; the float32 minimum elsewhere. Float32 scores in any
+    compute dtype; under a lower one their gradient is in it (`_low_precision_span_scores`)."""
     qlen, klen = content_query.shape[1], key.shape[1]
-    scores = _content_scores(content_query, key) + rel_shift(position_scores(position_query, pos_key))
+    if content_query.dtype == jnp.float32:
+        scores = _content_scores(content_query, key) + rel_shift(position_scores(position_query, pos_key))
+    else:
+        scores = _low_precision_span_scores(content_query, key, position_query, pos_key)
     visible = (jnp.arange(klen)[None, :] <= klen - qlen + jnp.arange(qlen)[:, None]) & key_valid[:, None, None, :]
     return jnp.where(visible, scores * scale, jnp.finfo(jnp.float32).min)
 

@@ -59,8 +59,11 @@ def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
         return 1.0 + cfg.init_std * jax.random.normal(key, shape, dtype)
 
     # dtype is the output's only: flax takes the mean and variance, and normalises, in float32 (a
-    # bf16 variance of activations near each other cancels to zero), then rounds the result.
-    return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name=name,
+    # bf16 variance of activations near each other cancels to zero), then rounds the result. Under
+    # such a lower compute dtype, those float32 intermediates ([tokens, d_model] each) are recomputed
+    # in the backward pass from the input, in the compute dtype, rather than kept for it.
+    norm = nn.LayerNorm if cfg.dtype == jnp.float32 else nn.remat(nn.LayerNorm)
+    return norm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name=name,
                         scale_init=nn.with_logical_partitioning(gain_init, ('norm',)),
                         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)))
 
