@@ -19,13 +19,13 @@ prepare (on a machine with the package index): downloads into --wheels what the
 run (default; on the GPU machine): installs those wheels under --site (ahead of
   the image's own transformers on PYTHONPATH), records the machine, runs
   tests/test_fused_attention.py's GPU check (--check-seconds), then
-  python -m memjax.bench accel in three processes by weight (the profile, the
-  peak and the fused attention; the PyTorch peer; training, evaluation, methods, attention,
-  choices, the roofline, on the first process's peak), each leaving time to the next, then --probes (NAME=XLA flags, ';'-separated) each
+  python -m memjax.bench accel in three processes by weight (the peak and the
+  fused attention; the PyTorch peer; the profile, training, the roofline, evaluation,
+  methods, attention, choices on the first process's peak), each leaving time to the next, then --probes (NAME=XLA flags, ';'-separated) each
   in a fresh process while more than --probe-seconds of --seconds are left.
   Everything lands in --out: accel.json, accel_peer.json, accel_more.json (each
   rewritten as its rows are measured, so a run stopped at its limit keeps
-  them), their .log files, the profile's traces (accel_profile_*.xplane.pb), probe_NAME.json, machine.txt.
+  them), their .log files, the profile's traces (accel_more_profile_*.xplane.pb), probe_NAME.json, machine.txt.
 
 Example (a GPU machine without network that receives the checkout, .wheels included, and returns \$OUT):
   launch/accel_bench.sh prepare        # here, once
@@ -103,17 +103,18 @@ run_suite() {
       tests/test_fused_attention.py -k on_a_gpu >"$logs/fused_gpu_check.log" 2>&1 ||
       log "the fused attention's GPU check failed or stopped (exit $?): see fused_gpu_check.log"
   fi
-  # By weight, each leaving time to the ones after it: the profile of the two large training steps
-  # (where their time goes, compile seconds), the peak and the fused attention (alone,
+  # By weight, each leaving time to the ones after it: the peak and the fused attention (alone,
   # then in the training and evaluation steps), the PyTorch peer (in a process of its own: a
-  # fresh JAX allocator beside PyTorch's), the rest, on the first process's peak.
-  bench accel '' 330 --parts=profile,peak,fused 2> >(tee "$logs/accel.log" >&2)
+  # fresh JAX allocator beside PyTorch's), the rest, on the first process's peak: first the profile
+  # of the two large bf16 training steps (where their time goes; their compile seconds and timed
+  # steps are the train part's bf16 rows).
+  bench accel '' 330 --parts=peak,fused 2> >(tee "$logs/accel.log" >&2)
   local peak_from=()
   if [[ -s "$MEMJAX_OUT/accel.json" ]]; then
     peak_from=("--peak_from=$MEMJAX_OUT/accel.json")
   fi
   bench accel_peer '' 150 --parts=peer 2> >(tee "$logs/accel_peer.log" >&2)
-  bench accel_more '' 0 --parts=train,roofline,eval,methods,attention,choices ${peak_from[@]+"${peak_from[@]}"} \
+  bench accel_more '' 0 --parts=profile,train,roofline,eval,methods,attention,choices ${peak_from[@]+"${peak_from[@]}"} \
     2> >(tee "$logs/accel_more.log" >&2)
   IFS=';' read -r -a probes <<<"=;$MEMJAX_PROBES"
   for probe in "${probes[@]}"; do

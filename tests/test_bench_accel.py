@@ -272,9 +272,9 @@ def test_a_later_process_takes_the_peak_from_an_earlier_report(tmp_path, report)
 def test_the_profile_adds_up_to_the_traced_step_and_keeps_its_trace(tmp_path):
     """The command sets XLA:CPU's op names in traces; each profiled step's categories add up to the
     traced step, the model's own categories all take time, and the trace file lies beside the
-    report."""
+    report. The profiled step, timed without the profiler, is the train part's bf16 row."""
     out = tmp_path / 'accel.json'
-    done = subprocess.run([sys.executable, '-m', 'memjax.bench', 'accel', '--parts=profile', '--size=tiny',
+    done = subprocess.run([sys.executable, '-m', 'memjax.bench', 'accel', '--parts=profile,train', '--size=tiny',
                            '--warmup=1', '--repeats=2', f'--out={out}'], cwd=REPO, capture_output=True, text=True,
                           check=False, env={**os.environ, 'TMPDIR': str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -293,6 +293,10 @@ def test_the_profile_adds_up_to_the_traced_step_and_keeps_its_trace(tmp_path):
         assert os.path.getsize(r['trace']) > 0
         shares = [report['figures'][f"profile {r['case']} {name} share"] for name in step_profile.CATEGORIES]
         assert sum(shares) == pytest.approx(1.0)
+        trained = [t for t in rows(report, 'train') if t['case'] == r['case'] and t['dtype'] == 'bfloat16']
+        assert [(t['step_ms'], t['compile_s'], t['timed_by']) for t in trained] == [
+            (r['step_ms'], r['compile_s'], 'profile')]
+    assert {r['dtype'] for r in rows(report, 'train')} == {'bfloat16', 'float32'}
 
 
 def test_the_profile_on_a_cpu_without_op_names_is_refused_before_compiling():

@@ -643,10 +643,10 @@ def test_accel_bench_installs_the_carried_wheels_then_runs_the_suite_and_probes_
     install = calls[0][3:]
     assert install[:3] == ['-m', 'pip', 'install'] and '--target=/s' in install and install[-1].endswith('.whl')
     benches = [(c[1], c[5:]) for c in calls if c[3:6] == ['-m', 'memjax.bench', 'accel']]
-    assert benches == [('', ['accel', '--parts=profile,peak,fused', f'--out={out}/accel.json']),
+    assert benches == [('', ['accel', '--parts=peak,fused', f'--out={out}/accel.json']),
                        ('', ['accel', '--parts=peer', f'--out={out}/accel_peer.json']),
                        # On the first process's peak (the fake writes every --out report).
-                       ('', ['accel', '--parts=train,roofline,eval,methods,attention,choices',
+                       ('', ['accel', '--parts=profile,train,roofline,eval,methods,attention,choices',
                              f'--peak_from={out}/accel.json', f'--out={out}/accel_more.json']),
                        ('', ['accel', '--parts=probe', f'--out={out}/probe_baseline.json']),
                        ('--xla_gpu_enable_latency_hiding_scheduler=true',
