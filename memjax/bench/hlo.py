@@ -8,6 +8,7 @@ import collections
 import hashlib
 import math
 import re
+from typing import Optional
 
 from memjax.kernels import cpu as cpu_kernels
 
@@ -123,6 +124,18 @@ def op_flops(hlo: str) -> dict[str, float]:
         return flops
 
     return {name: total(name) for name in shapes}
+
+
+def op_names(hlo: str) -> dict[str, Optional[str]]:
+    """{op name of the optimized HLO: the `op_name` of its metadata, the JAX code it computes (None
+    for an op XLA made itself: a layout copy, a conversion)}."""
+    names = {}
+    for line in hlo.splitlines():
+        instruction = INSTRUCTION.match(line)
+        if instruction is not None:
+            found = re.search(r'op_name="([^"]*)"', line)
+            names[instruction.group(1)] = found.group(1) if found else None
+    return names
 
 
 def control_flow_ops(hlo: str) -> frozenset[str]:

@@ -12,13 +12,14 @@ the categories add up to the traced step exactly, and `idle` is what the device 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import os
 import re
 import shutil
 import tempfile
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import jax
 
@@ -69,14 +70,7 @@ def category(op_name: Optional[str], multiplies: bool) -> str:
 def op_categories(hlo: str) -> dict[str, str]:
     """{op name of the optimized HLO `hlo`: its category}."""
     flops = hlo_lib.op_flops(hlo)
-    found = {}
-    for line in hlo.splitlines():
-        instruction = hlo_lib.INSTRUCTION.match(line)
-        if instruction is not None:
-            name = instruction.group(1)
-            op_name = re.search(r'op_name="([^"]*)"', line)
-            found[name] = category(op_name.group(1) if op_name else None, flops.get(name, 0.0) > 0)
-    return found
+    return {name: category(op_name, flops.get(name, 0.0) > 0) for name, op_name in hlo_lib.op_names(hlo).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,17 +146,24 @@ def device_events(trace_path: str, categories: dict[str, str], skip: frozenset[s
     return events
 
 
-def profile(loop: Callable, steps: int, hlo: str, keep_as: Optional[str] = None) -> dict:
-    """{'seconds': {category: per step}, 'step_s': the traced span per step, 'trace': the kept
-    file}: `steps` calls of `loop` (after one untraced call) traced; `hlo` is its optimized HLO.
-    `keep_as`: where to copy the trace file (None: not kept)."""
-    categories, skip = op_categories(hlo), hlo_lib.control_flow_ops(hlo)
+@contextlib.contextmanager
+def traced(loop: Callable, steps: int) -> Iterator[str]:
+    """The path of a `jax.profiler` trace of `steps` calls of `loop`, valid inside the `with`; one
+    untraced call first keeps compilation and first-run allocations out of it."""
     jax.block_until_ready(loop())
     with tempfile.TemporaryDirectory(prefix='memjax-profile-') as folder:
         with jax.profiler.trace(folder):
             for _ in range(steps):
                 jax.block_until_ready(loop())
-        trace = glob.glob(os.path.join(folder, '**', '*.xplane.pb'), recursive=True)[0]
+        yield glob.glob(os.path.join(folder, '**', '*.xplane.pb'), recursive=True)[0]
+
+
+def profile(loop: Callable, steps: int, hlo: str, keep_as: Optional[str] = None) -> dict:
+    """{'seconds': {category: per step}, 'step_s': the traced span per step, 'trace': the kept
+    file}: `steps` calls of `loop` traced; `hlo` is its optimized HLO. `keep_as`: where to copy the
+    trace file (None: not kept)."""
+    categories, skip = op_categories(hlo), hlo_lib.control_flow_ops(hlo)
+    with traced(loop, steps) as trace:
         seconds, span = sweep(device_events(trace, categories, skip))
         if keep_as:
             shutil.copyfile(trace, keep_as)

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import collections
 import functools
-import glob
 import os
 import re
-import tempfile
 from typing import Any, Callable
 
 import jax
@@ -30,6 +28,7 @@ import numpy as np
 
 from memjax.bench import harness
 from memjax.bench import hlo as hlo_lib
+from memjax.bench import step_profile
 from memjax.bench.suites import peak as peak_suite
 from memjax.bench.suites import peer
 from memjax.kernels import cpu as cpu_kernels
@@ -60,14 +59,8 @@ def _source(op_name: str) -> str:
 def hlo_op_sources(hlo: str) -> dict[str, str]:
     """{op name of the optimized HLO: the model code it computes (`_source`)}; ops XLA made itself
     (layout copies) are named by their kind."""
-    sources = {}
-    for line in hlo.splitlines():
-        instruction = hlo_lib.INSTRUCTION.match(line)
-        if instruction is not None:
-            name = instruction.group(1)
-            found = re.search(r'op_name="([^"]*)"', line)
-            sources[name] = _source(found.group(1)) if found else 'XLA: ' + re.sub(r'\.\d+$', '', name)
-    return sources
+    return {name: _source(op_name) if op_name else 'XLA: ' + re.sub(r'\.\d+$', '', name)
+            for name, op_name in hlo_lib.op_names(hlo).items()}
 
 
 def by_source(values: dict[str, float], sources: dict[str, str]) -> dict[str, float]:
@@ -85,12 +78,7 @@ def profile_xla(loop: Callable, steps: int, hlo: str) -> tuple[dict[str, float],
         raise harness.BenchError(f'the ops suite needs XLA_FLAGS={" ".join(XLA_FLAGS)} set before JAX '
                                  'starts; run it as python -m memjax.bench ops, which sets it.')
     from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
-    jax.block_until_ready(loop())
-    with tempfile.TemporaryDirectory(prefix='memjax-ops-') as folder:
-        with jax.profiler.trace(folder):
-            for _ in range(steps):
-                jax.block_until_ready(loop())
-        trace = glob.glob(os.path.join(folder, '**', '*.xplane.pb'), recursive=True)[0]
+    with step_profile.traced(loop, steps) as trace:
         profile = ProfileData.from_file(trace)
     seconds: dict[str, float] = collections.Counter()
     flops: dict[str, float] = collections.Counter()
