@@ -57,7 +57,7 @@ def inputs(batch, t, mem, heads, dims, dtype=jnp.float32, clamp_len=-1, masked=3
     return (*(jnp.asarray(x, dtype) for x in (cq, pq, k, v, pos_key)), jnp.asarray(valid))
 
 
-def check(batch, t, mem, heads, dims, *, window=0, rate=0.0, skew='scratch', clamp_len=-1, tiles=(16, 16),
+def check(batch, t, mem, heads, dims, *, window=0, rate=0.0, skew='gather', clamp_len=-1, tiles=(16, 16),
           dtype=jnp.float32, tolerance=1e-5, interpret=True):
     cq, pq, k, v, pos_key, valid = inputs(batch, t, mem, heads, dims, dtype, clamp_len)
     scale = dims ** -0.5
@@ -111,12 +111,11 @@ def test_dropout_draws_one_mask_for_the_forward_and_the_backward_pass():
     check(2, 12, 20, 2, 8, window=14, rate=0.3)
 
 
-@pytest.mark.parametrize('groups', [1, 2])
-def test_batch_rows_summed_in_one_program_give_the_same_gradients(monkeypatch, groups):
-    """The query-gradient kernel sums the distance rows' gradient over a group of batch rows
-    (one row per group at test sizes unless told otherwise); dropout's mask stays per row."""
-    monkeypatch.setattr(fused, 'batch_groups', lambda batch, programs: groups)
-    check(4, 12, 20, 2, 8, rate=0.2)
+@pytest.mark.parametrize('skew', fused.SKEWS)
+def test_the_distance_rows_gradient_sums_every_batch_row_each_with_its_dropout_mask(skew):
+    """The table's gradient sums the batch: XLA's product over the scattered scores' gradient
+    ('gather'), the kernel's per-row shares ('roll'); each row draws its own dropout mask."""
+    check(4, 12, 20, 2, 8, rate=0.2, skew=skew)
 
 
 def test_dropout_keeps_one_minus_rate_independently_per_batch_row_and_head():
@@ -139,8 +138,8 @@ def test_bfloat16_within_bfloat16_tolerance():
 
 @pytest.mark.parametrize('t,mem,dims', [(384, 384, 41), (20, 13, 64), (128, 1600, 256)])
 def test_the_triton_form_lowers_for_cuda_forward_and_backward(t, mem, dims):
-    """Triton's rules (power-of-two blocks, no gather of values) are checked where the kernel is
-    lowered, which needs no GPU: a training step's attention at tgt = mem = 384 (bf16), a short
+    """Triton's rules (power-of-two blocks; gathers and scatters only as loads and stores at
+    computed addresses) are checked where the kernel is lowered, which needs no GPU: a training step's attention at tgt = mem = 384 (bf16), a short
     segment (smaller query tiles) and heads of 256 (64 x 32 tiles) at the evaluation's memory."""
     cq = jax.ShapeDtypeStruct((3, t, 2, dims), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((3, t + mem, 2, dims), jnp.bfloat16)
@@ -148,7 +147,7 @@ def test_the_triton_form_lowers_for_cuda_forward_and_backward(t, mem, dims):
     valid = jax.ShapeDtypeStruct((3, t + mem), jnp.bool_)
     block_q, block_k = fused.tiles_for(dims)
     run = functools.partial(fused.span_attention, scale=0.125, window=500, dropout_rate=0.1,
-                            dropout_seed=jnp.int32(1), skew='scratch', block_q=block_q, block_k=block_k)
+                            dropout_seed=jnp.int32(1), skew='gather', block_q=block_q, block_k=block_k)
     loss = lambda *xs: run(*xs)[0].astype(jnp.float32).sum()
     step = jax.grad(loss, argnums=range(5))
     exported = jax.export.export(jax.jit(step), platforms=['cuda'], disabled_checks=[
@@ -188,8 +187,9 @@ ON_A_GPU = pytest.mark.skipif(jax.default_backend() != 'gpu', reason=(
     (128, 128, 0, 0.0, jnp.float32, 1e-5), (100, 300, 256, 0.0, jnp.float32, 1e-5),
     (128, 256, 0, 0.2, jnp.float32, 1e-5), (384, 384, 0, 0.0, jnp.bfloat16, 3e-2)])
 def test_on_a_gpu_the_compiled_kernel_matches_the_naive_attention(t, mem, window, rate, dtype, tolerance):
-    """What interpret mode cannot show: Triton's compilation (its pipelining, the barriers around
-    the shift's scratch). float32 at the highest matmul precision on both sides."""
+    """What interpret mode cannot show: Triton's compilation, its software pipelining on (the
+    kernels load P at shifted addresses and scatter its gradient, never reading back in a loop what
+    they wrote). float32 at the highest matmul precision on both sides."""
     with jax.default_matmul_precision('highest'):
         check(2, t, mem, 2, 64, window=window, rate=rate, tiles=(64, 64), dtype=dtype, tolerance=tolerance,
               interpret=False)
@@ -280,8 +280,8 @@ def test_a_kernel_that_does_not_compile_is_one_line_when_asked_for_and_xlas_atte
     """Compiled for a chip instead of interpreted, the kernel does not lower on this CPU, as it would
     not on an untested chip: 'fused' is refused in one line naming the reason, from inside the
     training step's trace too, and 'auto' (where it would fuse) takes XLA's path with one warning."""
-    assert fused_choice.compile_failure('scratch', 16, 'float32') is not None
-    assert fused_choice.compile_failure('scratch', 16, 'float32', interpret=True) is None
+    assert fused_choice.compile_failure('gather', 16, 'float32') is not None
+    assert fused_choice.compile_failure('gather', 16, 'float32', interpret=True) is None
     refusal = r"attention_impl='fused': the fused attention does not compile on this gpu for heads of 16 in float32 \(.+\); use"
     with pytest.raises(errors.ConfigError, match=refusal):
         fused_choice.path('fused', 16, jnp.float32, platform='gpu')

@@ -17,8 +17,8 @@ from memjax import errors
 from memjax.kernels.relative_attention import span_attention, tiles_for
 
 
-# Platforms where `attention_impl='auto'` fuses: none until a GPU run has checked the backward pass
-# against the reference (the forward matched it on an H200; docs/performance.md, "Status").
+# Platforms where `attention_impl='auto'` fuses: none until a GPU run has checked the kernel's
+# forward and backward passes against the reference (docs/performance.md, "Status").
 FUSED_BY_DEFAULT: tuple[str, ...] = ()
 
 
@@ -34,7 +34,7 @@ def path(impl: str, head_dim: int, dtype: Any, platform: Optional[str] = None) -
     platform = platform or jax.devices()[0].platform
     if impl == 'reference' or (impl == 'auto' and platform not in FUSED_BY_DEFAULT):
         return None
-    options = {'skew': 'roll' if platform == 'tpu' else 'scratch', 'interpret': platform not in ('gpu', 'tpu')}
+    options = {'skew': 'roll' if platform == 'tpu' else 'gather', 'interpret': platform not in ('gpu', 'tpu')}
     failure = None if options['interpret'] else compile_failure(options['skew'], head_dim, jnp.dtype(dtype).name)
     if failure is None:
         return options
