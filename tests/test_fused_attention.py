@@ -183,16 +183,21 @@ ON_A_GPU = pytest.mark.skipif(jax.default_backend() != 'gpu', reason=(
 
 
 @ON_A_GPU
-@pytest.mark.parametrize('t,mem,window,rate,dtype,tolerance', [
-    (128, 128, 0, 0.0, jnp.float32, 1e-5), (100, 300, 256, 0.0, jnp.float32, 1e-5),
-    (128, 256, 0, 0.2, jnp.float32, 1e-5), (384, 384, 0, 0.0, jnp.bfloat16, 3e-2)])
-def test_on_a_gpu_the_compiled_kernel_matches_the_naive_attention(t, mem, window, rate, dtype, tolerance):
+@pytest.mark.parametrize('t,mem,dims,window,clamp_len,rate,dtype,tolerance', [
+    (128, 128, 64, 0, -1, 0.0, jnp.float32, 1e-5),  # Tiles that divide: the plain causal case.
+    (100, 300, 41, 256, 90, 0.0, jnp.float32, 1e-5),  # same_length, clamp_len, tiles that do not divide.
+    (128, 256, 128, 0, -1, 0.2, jnp.float32, 1e-5),  # Dropout, wide heads.
+    (100, 60, 41, 0, -1, 0.1, jnp.bfloat16, 3e-2),  # A memory shorter than the segment.
+    (384, 384, 64, 500, 200, 0.1, jnp.bfloat16, 3e-2),  # A training step's shape, every option on.
+    (384, 384, 128, 0, -1, 0.0, jnp.bfloat16, 3e-2)])
+def test_on_a_gpu_the_compiled_kernel_matches_the_naive_attention(t, mem, dims, window, clamp_len, rate, dtype,
+                                                                  tolerance):
     """What interpret mode cannot show: Triton's compilation, its software pipelining on (the
     kernels load P at shifted addresses and scatter its gradient, never reading back in a loop what
     they wrote). float32 at the highest matmul precision on both sides."""
     with jax.default_matmul_precision('highest'):
-        check(2, t, mem, 2, 64, window=window, rate=rate, tiles=(64, 64), dtype=dtype, tolerance=tolerance,
-              interpret=False)
+        check(2, t, mem, 2, dims, window=window, rate=rate, clamp_len=clamp_len, tiles=fused.tiles_for(dims),
+              dtype=dtype, tolerance=tolerance, interpret=False)
 
 
 # --- The model with the fused path forced on ---------------------------------------------------

@@ -417,7 +417,9 @@ def _query_gradients(spec: Spec, seed, cq, pq, k, v, table, valid, grad_out, lse
         by_query_row = pl.BlockSpec((None, None, spec.block_q, 1), lambda b, h, q: (b, h, q, 0))
         keys_of_head = pl.BlockSpec((None, None, k_pad, dims), lambda b, h, q: (b, h, 0, 0))
         (positions,), (position_spec,) = _position_inputs(spec, pq, table, 'query')
-        zeros = jnp.zeros(positions.shape[:-1] + (spec.keys + 1,), pq.dtype)
+        # dP in float32, as P: in bf16 its products from the interpreted kernel's output meet an
+        # XLA:CPU dot that takes no bf16 operands; on a chip, whether bf16 pays is the accel suite's.
+        zeros = jnp.zeros(positions.shape[:-1] + (spec.keys + 1,), jnp.float32)
         grad_spec = pl.BlockSpec((None, None, spec.block_q, spec.keys + 1), lambda b, h, q: (b, h, q, 0))
         in_specs = [_seed_spec(spec), by_query, position_spec, keys_of_head, keys_of_head,
                     pl.BlockSpec((None, 1, k_pad), lambda b, h, q: (b, 0, 0)),
