@@ -136,6 +136,65 @@ def test_bfloat16_within_bfloat16_tolerance():
     check(2, 16, 16, 2, 64, dtype=jnp.bfloat16, tolerance=3e-2)
 
 
+_READS, _WRITES = {'get', 'load'}, {'swap', 'masked_swap', 'addupdate'}
+
+
+def _ref_uses(jaxpr, refs: dict, uses: dict) -> None:
+    """Adds to `uses` (kernel ref index -> {'read', 'write'}) how `jaxpr` uses the refs `refs` maps
+    (its variables -> index), following them into loops, conditionals and calls."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in _READS | _WRITES and eqn.invars and _ref(eqn.invars[0], refs):
+            uses.setdefault(refs[eqn.invars[0]], set()).add('read' if name in _READS else 'write')
+        inner_maps = []
+        if name == 'while':
+            c, b = eqn.params['cond_nconsts'], eqn.params['body_nconsts']
+            inner_maps = [(eqn.params['body_jaxpr'].jaxpr, eqn.invars[c:]),
+                          (eqn.params['cond_jaxpr'].jaxpr, eqn.invars[:c] + eqn.invars[c + b:])]
+        elif name == 'cond':
+            inner_maps = [(branch.jaxpr, eqn.invars[1:]) for branch in eqn.params['branches']]
+        else:
+            for value in eqn.params.values():
+                inner = getattr(value, 'jaxpr', value)
+                if hasattr(inner, 'eqns') and len(inner.invars) == len(eqn.invars):
+                    inner_maps.append((inner, eqn.invars))
+        for inner, outer in inner_maps:
+            _ref_uses(inner, {i: refs[o] for i, o in zip(inner.invars, outer) if _ref(o, refs)}, uses)
+
+
+def _ref(var, refs: dict) -> bool:
+    return not hasattr(var, 'val') and var in refs  # Literals (constants) are not hashable.
+
+
+def test_the_gpu_forms_kernels_read_back_nothing_they_write():
+    """Triton's software pipelining issues a loop's loads ahead of the stores before them: a kernel
+    that reads what it wrote (the former shift through a scratch block) reads it unwritten. Every
+    ref each kernel of the 'gather' form (forward, both gradients, dropout and same_length on)
+    writes, it never reads."""
+    cq, pq, k, v, pos_key, valid = inputs(2, 20, 13, 2, 8)
+    run = functools.partial(fused.span_attention, scale=0.3, window=16, dropout_rate=0.1, dropout_seed=jnp.int32(1),
+                            block_q=16, block_k=16, skew='gather', interpret=True)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *xs: run(*xs, valid)[0].sum(), argnums=range(5)))(cq, pq, k, v, pos_key)
+    kernels = [eqn.params['jaxpr'] for eqn in _equations(jaxpr.jaxpr) if eqn.primitive.name == 'pallas_call']
+    assert len(kernels) == 3
+    for kernel in kernels:
+        uses = {}
+        _ref_uses(kernel, {ref: i for i, ref in enumerate(kernel.invars)}, uses)
+        written = [i for i, kinds in uses.items() if 'write' in kinds]
+        assert written and not [i for i in written if 'read' in uses[i]], uses
+
+
+def _equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(inner, 'jaxpr', inner)
+                if hasattr(inner, 'eqns'):
+                    yield from _equations(inner)
+
+
 @pytest.mark.parametrize('t,mem,dims', [(384, 384, 41), (20, 13, 64), (128, 1600, 256)])
 def test_the_triton_form_lowers_for_cuda_forward_and_backward(t, mem, dims):
     """Triton's rules (power-of-two blocks; gathers and scatters only as loads and stores at
