@@ -4,6 +4,7 @@ tests/test_bench_accel.py)."""
 
 import pytest
 
+from memjax.bench import hlo as hlo_lib
 from memjax.bench import step_profile
 from memjax.bench import workload
 from memjax.bench.suites import accel
@@ -53,3 +54,23 @@ def test_the_sweep_splits_overlaps_evenly_and_counts_gaps_as_idle():
     assert seconds[step_profile.COPIES] == pytest.approx(4e-9)
     assert sum(seconds.values()) == pytest.approx(span)
     assert set(seconds) == set(step_profile.CATEGORIES)
+
+
+def test_products_are_found_however_a_chip_lowers_them():
+    """A CPU's dots, a GPU's cuBLAS calls, a TPU's convolutions: each counts as a product."""
+    hlo = """
+  %a = f32[4,16]{1,0} parameter(0)
+  %b = f32[16,8]{1,0} parameter(1)
+  %dot.1 = f32[4,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %custom-call.2 = (bf16[4,8]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul"
+  %convolution.3 = bf16[4,8]{1,0} convolution(%a, %b), dim_labels=bf_io->bf
+  %custom-call.4 = f32[4,16]{1,0} custom-call(%a), custom_call_target="Sharding"
+  %add.5 = f32[4,8]{1,0} add(%dot.1, %dot.1)
+"""
+    assert hlo_lib.matmul_ops(hlo) == {'dot.1', 'custom-call.2', 'convolution.3'}
+
+
+def test_layer_norm_under_remat_is_elementwise_not_attention():
+    assert step_profile.category(f'{LAYER}/attention/checkpoint/rematted_computation/layer_norm/mul', False) == (
+        step_profile.ELEMENTWISE)
+    assert step_profile.category(f'{LAYER}/attention/checkpoint/query/dot_general', True) == step_profile.DENSE

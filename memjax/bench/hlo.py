@@ -138,6 +138,16 @@ def op_names(hlo: str) -> dict[str, Optional[str]]:
     return names
 
 
+def matmul_ops(hlo: str) -> frozenset[str]:
+    """Names of the optimized HLO's ops that multiply matrices, however they were lowered: dots and
+    fusions of them (`op_flops`), convolutions (a TPU's products), cuBLAS calls (a GPU's)."""
+    flops = op_flops(hlo)
+    found = (INSTRUCTION.match(line) for line in hlo.splitlines())
+    return frozenset(m.group(1) for m in found if m is not None and (
+        flops.get(m.group(1), 0.0) > 0 or m.group(3) == 'convolution'
+        or (m.group(3) == 'custom-call' and re.search(r'custom_call_target="__cublas', m.group(4)))))
+
+
 def control_flow_ops(hlo: str) -> frozenset[str]:
     """Names of the optimized HLO's loops, conditionals and calls: each one's profile event spans the
     ops of the computations it runs, which have events of their own."""

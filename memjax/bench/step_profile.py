@@ -37,6 +37,7 @@ IDLE = 'idle'
 CATEGORIES = (ATTENTION, DENSE, SOFTMAX, ELEMENTWISE, OPTIMIZER, UNATTRIBUTED, COPIES, IDLE)
 # The attention modules' own linear maps (memjax.model.attention): products like the feed-forward's.
 _PROJECTIONS = frozenset({'query', 'key', 'value', 'out', 'pos'})
+_REMAT = frozenset({'checkpoint', 'rematted_computation'})  # Path parts remat adds.
 
 
 def category(op_name: Optional[str], multiplies: bool) -> str:
@@ -44,7 +45,8 @@ def category(op_name: Optional[str], multiplies: bool) -> str:
     or a conversion, with no source); `multiplies`: it runs a matrix product.
 
     - attention: the scores, softmax, relative shift, weighted values and attention dropout, i.e.
-      ops under an `attention` module other than its projections and LayerNorm;
+      ops under an `attention` module other than its projections and LayerNorm (its residual add
+      and dropout too, which op names do not tell apart);
     - dense products: the model's other matrix products (projections, feed-forward);
     - adaptive softmax: the embedding and the output head (`io`), products included;
     - layer norm and elementwise: the model's other ops (LayerNorm, residuals, dropout,
@@ -58,10 +60,10 @@ def category(op_name: Optional[str], multiplies: bool) -> str:
         return OPTIMIZER
     if any(part.startswith('io.') or part == 'io' for part in parts):
         return SOFTMAX
+    if 'layer_norm' in parts:  # Under remat: .../attention/checkpoint/.../layer_norm/...
+        return ELEMENTWISE
     if 'attention' in parts:
-        below = parts[parts.index('attention') + 1:]
-        if below and below[0] == 'layer_norm':
-            return ELEMENTWISE
+        below = [p for p in parts[parts.index('attention') + 1:] if p not in _REMAT]
         if not (below and below[0] in _PROJECTIONS):
             return ATTENTION
     return DENSE if multiplies else ELEMENTWISE
@@ -69,8 +71,8 @@ def category(op_name: Optional[str], multiplies: bool) -> str:
 
 def op_categories(hlo: str) -> dict[str, str]:
     """{op name of the optimized HLO `hlo`: its category}."""
-    flops = hlo_lib.op_flops(hlo)
-    return {name: category(op_name, flops.get(name, 0.0) > 0) for name, op_name in hlo_lib.op_names(hlo).items()}
+    products = hlo_lib.matmul_ops(hlo)
+    return {name: category(op_name, name in products) for name, op_name in hlo_lib.op_names(hlo).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +129,10 @@ def device_events(trace_path: str, categories: dict[str, str], skip: frozenset[s
     accelerator = [p for p in planes if p.name.startswith('/device:') and 'CPU' not in p.name]
     events = []
     for plane in accelerator or planes:
-        for line in plane.lines:
+        # A GPU's kernels are on its stream lines; a TPU's ops on 'XLA Ops'. Where both exist the
+        # latter is derived from the former (and spans the gaps between an op's kernels).
+        lines = [l for l in plane.lines if l.name.startswith('Stream')] or list(plane.lines)
+        for line in lines:
             for event in line.events:
                 op = _op_of(event, categories)
                 if op in skip:

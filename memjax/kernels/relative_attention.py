@@ -1,10 +1,12 @@
-"""Transformer-XL's span attention as tiled Pallas kernels: the scores never exist whole.
+"""Transformer-XL's span attention as tiled Pallas kernels: the scores and weights never exist whole.
 
 Why: every score of these models has a positional term, the query against the encoding of the
 query-to-key distance, aligned by the relative shift. Stock fused attention kernels take no such
 term (or only as a precomputed [B, H, T, K] bias), so the reference path writes the whole score
 matrix to device memory, reads it back for the softmax and keeps the weights for the backward pass:
-at the papers' evaluation settings (mem 1600) that matrix dominates time and memory.
+at the papers' evaluation settings (mem 1600) that matrix dominates time and memory. (On a GPU one
+[B, H, T, K] float32 array does exist here, the positional term P below, 4 bytes a score once, and
+its gradient in the backward pass; the reference's path keeps several times that per score.)
 
 Here a query tile walks the key tiles with a running maximum and sum (flash attention). The
 backward pass recomputes the scores tile by tile from the forward's log-normaliser: one kernel walks
@@ -19,7 +21,8 @@ The positional term has one form per lowering:
   pass, not kept), which read each tile's entries at their shifted addresses: query i against key j
   is P[i, j - i + T - 1] (`_distance_rows`), a gathered load of an input. The query-gradient kernel
   scatters the scores' gradient back to those addresses in a dP of P's shape (each element written
-  at most once, the rest zeros from an aliased input), and XLA's products take dP . R and
+  at most once: masked pairs, padded queries among them, are not stored; the rest stays zeros from
+  an aliased input), and XLA's products take dP . R and
   dP^T . (q + v). No value a kernel writes inside its loop is read back inside it, which Triton's
   software pipelining requires: it issues a loop's loads ahead of the stores before them (a shift
   through a scratch block read back in the same iteration gave NaN gradients on an H200).
@@ -144,20 +147,21 @@ def _scores(spec: Spec, i0, j0, content_query, key, valid, position):
     key_index = j0 + _iota((bq, bk), 1)
     scores = _dot(content_query, key, trans_b=True) + position(query, key_index)
     newest = k - t + query  # The query's own key.
-    visible = (key_index <= newest) & (valid != 0)  # valid: [1, bk]
+    visible = (key_index <= newest) & (valid != 0) & (query < t)  # valid: [1, bk]; padded queries see nothing.
     if spec.window:
         visible &= key_index > newest - spec.window
     return jnp.where(visible, scores * spec.scale, MIN), visible, query, key_index
 
 
-def _positions(spec: Spec, i0, j0, pos_ref, table_ref, rows_from: int = 0):
+def _positions(spec: Spec, i0, j0, source, table_ref, rows_from: int = 0):
     """The positional scores of query tile i0 and key tile j0 as `_scores` takes them: 'gather'
-    reads P (`pos_ref`, its rows from query `rows_from` on) at the shifted addresses; 'roll'
-    multiplies the tile's position queries (`pos_ref`) by the table's window and rotates."""
+    reads P (`source`, a ref of its rows from query `rows_from` on) at the shifted addresses;
+    'roll' multiplies the tile's position queries (`source`, loaded) by the table's window and
+    rotates."""
     if spec.skew == 'gather':
-        return lambda query, key_index: pos_ref[query - rows_from, _distance_rows(spec, query, key_index)]
+        return lambda query, key_index: source[query - rows_from, _distance_rows(spec, query, key_index)]
     table, _ = _window(spec, i0, j0, table_ref)
-    return lambda *_: _skew(spec, _dot(pos_ref[pl.ds(i0 - rows_from, spec.block_q), :], table, trans_b=True))
+    return lambda *_: _skew(spec, _dot(source, table, trans_b=True))
 
 
 def _grad_scores(spec: Spec, scores, visible, lse, grad_out, value, bias, seed, b, h, query, key_index):
@@ -203,6 +207,7 @@ def _forward_kernel(spec: Spec, seed_ref, cq_ref, pos_ref, k_ref, v_ref, *refs):
     bq, bk = spec.block_q, spec.block_k
     i0 = qi * bq
     content_query = cq_ref[...]
+    positions = pos_ref if table_ref is None else pos_ref[...]  # 'roll': the queries, loaded once.
     seed = seed_ref[0]
     lo, hi = _key_tiles(spec, i0, k_ref.shape[0] // bk)
 
@@ -211,7 +216,7 @@ def _forward_kernel(spec: Spec, seed_ref, cq_ref, pos_ref, k_ref, v_ref, *refs):
         j0 = kt * bk
         key, value = k_ref[pl.ds(j0, bk), :], v_ref[pl.ds(j0, bk), :]
         scores, _, query, key_index = _scores(spec, i0, j0, content_query, key, valid_ref[:, pl.ds(j0, bk)],
-                                              _positions(spec, i0, j0, pos_ref, table_ref, rows_from=i0))
+                                              _positions(spec, i0, j0, positions, table_ref, rows_from=i0))
         m_new = jnp.maximum(m, scores.max(axis=1))
         probs = jnp.exp(scores - m_new[:, None])
         alpha = jnp.exp(m - m_new)
@@ -321,8 +326,9 @@ def _key_grad_kernel(spec: Spec, seed_ref, cq_ref, pos_ref, k_ref, v_ref, *refs)
         i0 = qt * bq
         rows = pl.ds(i0, bq)
         content_query, grad_out, lse = cq_ref[rows, :], do_ref[rows, :], lse_ref[rows, :]
+        positions = pos_ref if table_ref is None else pos_ref[rows, :]
         scores, visible, query, key_index = _scores(spec, i0, j0, content_query, key, valid,
-                                                    _positions(spec, i0, j0, pos_ref, table_ref))
+                                                    _positions(spec, i0, j0, positions, table_ref))
         probs, grad_scores = _grad_scores(spec, scores, visible, lse, grad_out, value,
                                           glse_ref[rows, :] - delta_ref[rows, :], seed, b, h, query, key_index)
         dv = dv + _dot(_dropped(spec, probs, seed, b, h, query, key_index).astype(grad_out.dtype), grad_out,

@@ -430,9 +430,10 @@ def span_scores_masked(scale: float, content_query, key, position_query, pos_key
     """Masked scores [B, H, T, K] of one contiguous span of K keys (`pos_key`: its K distance rows),
     the segment's T queries last: (content + rel-shifted position scores) * scale, where each key
     is valid and not in the query's future; the float32 minimum elsewhere. Float32 scores in any
-    compute dtype; under a lower one their gradient is in it (`_low_precision_span_scores`)."""
+    compute dtype; when every operand is in a lower one, their gradient is in it too
+    (`_low_precision_span_scores`)."""
     qlen, klen = content_query.shape[1], key.shape[1]
-    if content_query.dtype == jnp.float32:
+    if jnp.dtype(jnp.float32) in {x.dtype for x in (content_query, key, position_query, pos_key)}:
         scores = _content_scores(content_query, key) + rel_shift(position_scores(position_query, pos_key))
     else:
         scores = _low_precision_span_scores(content_query, key, position_query, pos_key)
@@ -611,8 +612,8 @@ class RelativeAttention(nn.Module):
         attention_dropout = Dropout(cfg.dropatt)
         probs = None
         if fused is not None and span_valid is not None and not self.is_mutable_collection('intermediates'):
-            # The tiled kernel: the scores never exist whole; dropout's mask is redrawn in the
-            # backward pass from the seed (nothing reads the weights here).
+            # The tiled kernel: the scores and weights never exist whole; dropout's mask is redrawn
+            # in the backward pass from the seed (nothing reads the weights here).
             rate, seed = 0.0, jnp.zeros((), jnp.int32)
             if cfg.dropatt > 0 and not deterministic:
                 rate = cfg.dropatt

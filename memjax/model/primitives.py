@@ -61,8 +61,9 @@ def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
     # dtype is the output's only: flax takes the mean and variance, and normalises, in float32 (a
     # bf16 variance of activations near each other cancels to zero), then rounds the result. Under
     # such a lower compute dtype, those float32 intermediates ([tokens, d_model] each) are recomputed
-    # in the backward pass from the input, in the compute dtype, rather than kept for it.
-    norm = nn.LayerNorm if cfg.dtype == jnp.float32 else nn.remat(nn.LayerNorm)
+    # in the backward pass from the input, which is in the compute dtype, rather than kept for it.
+    # (No CSE barrier inside a scanned stack: the scan keeps the recomputation apart already.)
+    norm = nn.LayerNorm if cfg.dtype == jnp.float32 else nn.remat(nn.LayerNorm, prevent_cse=not cfg.scan_layers)
     return norm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name=name,
                         scale_init=nn.with_logical_partitioning(gain_init, ('norm',)),
                         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)))

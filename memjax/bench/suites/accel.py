@@ -241,14 +241,24 @@ class Suite:
             mcfg = workload.model_config(self.ctx.config, mem_len=step.tgt_len, compute_dtype='bfloat16', dropout=0.0,
                                          dropatt=0.0, **{'scan_layers': True, **step.model})
             self.ctx.log(f'accel: profile {step.name} bfloat16 batch {step.batch} tgt = mem = {step.tgt_len}')
-            case = self.compile_fitting(mcfg, step.batch, step.tgt_len)
-            timing = case.time_alone(self.ctx)
             keep = (os.path.splitext(self.ctx.out)[0] + f'_profile_{step.name.replace(" ", "_")}.xplane.pb'
                     if self.ctx.out else None)
-            found = step_profile.profile(case.loop, self.ctx.repeats, case.compiled.executable.as_text(), keep)
+            case = None
+            try:
+                case = self.compile_fitting(mcfg, step.batch, step.tgt_len)
+                timing = case.time_alone(self.ctx)
+                found = step_profile.profile(case.loop, self.ctx.repeats, case.compiled.executable.as_text(), keep)
+            except Exception as error:  # pylint: disable=broad-except
+                if not _out_of_memory(error):
+                    raise
+                self.add({'part': 'profile', 'case': step.name, 'dtype': 'bfloat16',
+                          'batch': case.work.batch_size if case else step.batch,
+                          'error': f'out of device memory: {str(error)[:200]}'})
+                continue
             batch = case.work.batch_size
             row = self.throughput('profile', step.name, mcfg, batch, step.tgt_len, timing.median_s,
                                   flops.train_step_flops(mcfg, batch, step.tgt_len), case.compiled,
+                                  donated=True, xla_flops_per_step=case.compiled.flops,
                                   timing=timing.as_dict(), profiled_step_ms=found['step_s'] * 1e3,
                                   profiled_vs_timed=found['step_s'] / timing.median_s, trace=found['trace'],
                                   **{f'{name} ms': seconds * 1e3 for name, seconds in found['seconds'].items()})
@@ -282,11 +292,13 @@ class Suite:
             trained = next((r for r in self.rows if r['part'] == 'train' and r['case'] == step.name
                             and r['dtype'] == 'bfloat16' and 'step_ms' in r), None)
             flop_count = sum(p.flops for p in products)
+            # Per token: the train part may have halved a batch that did not fit.
             self.add({'part': 'roofline', 'case': f'{step.name} every product', 'dtype': 'bfloat16',
                       'batch': step.batch, 'tgt_len': step.tgt_len, 'step_ms': total_s * 1e3,
                       'tflops_per_s': flop_count / total_s / 1e12, 'model_flops_per_step': flop_count,
                       **(peak.mfu_percents(flop_count / total_s / 1e9, 'bfloat16', self.peak) if self.peak else {}),
-                      **({'vs': trained['case'], 'ratio': total_s * 1e3 / trained['step_ms']} if trained else {})})
+                      **({'vs': trained['case'], 'ratio': total_s * 1e3 / trained['step_ms'] * trained['batch']
+                          / step.batch} if trained else {})})
 
     def roofline_row(self, step: Step, product: flops.Product) -> dict:
         batch, m, k, n = product.shape
@@ -563,7 +575,7 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
             sheet = suite.peak['datasheet_gflops_per_s'][dtype]
             figures[f'datasheet_tflops_per_s_{dtype}'] = sheet / 1e3 if sheet else None
     for row in suite.rows:
-        if row['part'] == 'profile':
+        if row['part'] == 'profile' and 'profiled_step_ms' in row:
             figures.update({f"profile {row['case']} {name} share": row[f'{name} ms'] / row['profiled_step_ms']
                             for name in step_profile.CATEGORIES if row['profiled_step_ms']})
             figures[f"profile {row['case']} profiled_vs_timed"] = row['profiled_vs_timed']
@@ -590,5 +602,5 @@ def run(ctx: harness.Context) -> harness.SuiteResult:
             'methods ratio: step time over XL\'s, flops_ratio the FLOPs\'; choices ratio: per-token time over '
             'the train part\'s row; peer ratio: memjax\'s speed-up over the row.',
             'roofline: step_ms of a product is one product (a loop of products_per_call in one call, / that '
-            'count); "every product": the step\'s products at those rates, ratio: over the train part\'s '
-            'bf16 step (dropout off).'])
+            'count); "every product": the step\'s products at those rates, ratio: per token, over the train '
+            'part\'s bf16 step (dropout off).'])
