@@ -17,6 +17,7 @@ from memjax.kernels import relative_attention as fused
 from memjax.model import ModelConfig, build_model, init_memory, init_params, lm_loss
 from memjax.model.positions import relative_sinusoid_table
 from memjax.training import loop as trainer
+import jaxprs
 import training_fixtures
 
 
@@ -175,24 +176,13 @@ def test_the_gpu_forms_kernels_read_back_nothing_they_write():
     run = functools.partial(fused.span_attention, scale=0.3, window=16, dropout_rate=0.1, dropout_seed=jnp.int32(1),
                             block_q=16, block_k=16, skew='gather', interpret=True)
     jaxpr = jax.make_jaxpr(jax.grad(lambda *xs: run(*xs, valid)[0].sum(), argnums=range(5)))(cq, pq, k, v, pos_key)
-    kernels = [eqn.params['jaxpr'] for eqn in _equations(jaxpr.jaxpr) if eqn.primitive.name == 'pallas_call']
+    kernels = [eqn.params['jaxpr'] for eqn in jaxprs.equations(jaxpr.jaxpr) if eqn.primitive.name == 'pallas_call']
     assert len(kernels) == 3
     for kernel in kernels:
         uses = {}
         _ref_uses(kernel, {ref: i for i, ref in enumerate(kernel.invars)}, uses)
         written = [i for i, kinds in uses.items() if 'write' in kinds]
         assert written and not [i for i in written if 'read' in uses[i]], uses
-
-
-def _equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs inside it."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (list, tuple)) else (value,):
-                inner = getattr(inner, 'jaxpr', inner)
-                if hasattr(inner, 'eqns'):
-                    yield from _equations(inner)
 
 
 @pytest.mark.parametrize('t,mem,dims', [(384, 384, 41), (20, 13, 64), (128, 1600, 256)])

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxprs
 import training_fixtures
 from memjax import model as model_lib
 from memjax.kernels import softmax
@@ -215,7 +216,7 @@ def test_bf16_scores_gradient_reaches_its_shift_and_products_in_bf16():
     half = [jnp.asarray(x, jnp.bfloat16) for x in operands]
     assert attention.span_scores_masked(dim ** -0.5, *half, valid).dtype == jnp.float32
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(*half)
-    backward_products = [eqn for eqn in _equations(jaxpr.jaxpr) if eqn.primitive.name == 'dot_general'
+    backward_products = [eqn for eqn in jaxprs.equations(jaxpr.jaxpr) if eqn.primitive.name == 'dot_general'
                          and any(v.aval.shape[-1:] == (klen,) and v.aval.ndim == 4 for v in eqn.invars)]
     assert len(backward_products) == 4  # The content and positional terms' query and key gradients.
     for eqn in backward_products:
@@ -225,14 +226,3 @@ def test_bf16_scores_gradient_reaches_its_shift_and_products_in_bf16():
     for g, w in zip(got, want):
         assert g.dtype == jnp.bfloat16
         assert relative_error(g, w) < 0.02  # Seen: ~0.3 %, a rounding or two of bf16.
-
-
-def _equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs inside it (custom rules, pjit, loops)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, (list, tuple)) else (value,):
-                inner = getattr(inner, 'jaxpr', inner)
-                if hasattr(inner, 'eqns'):
-                    yield from _equations(inner)
