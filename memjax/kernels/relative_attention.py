@@ -370,13 +370,14 @@ def _position_scores(pq, table):
     return jnp.einsum('bhtd,hkd->bhtk', pq, table, preferred_element_type=jnp.float32)
 
 
-def _position_inputs(spec: Spec, pq, table, by):
-    """The position inputs of a kernel and their block specs: 'gather', P (its rows `by`: 'query'
-    tile or 'all'); 'roll', the position queries (likewise) and the table. Grids are (b, h, tile)."""
+def _position_inputs(spec: Spec, pq, table, by, positions=None):
+    """The position inputs of a kernel and their block specs: 'gather', P (`positions`, formed here
+    if None; its rows `by`: 'query' tile or 'all'); 'roll', the position queries (likewise) and the
+    table. Grids are (b, h, tile)."""
     t_pad, dims = pq.shape[2:]
     if spec.skew == 'gather':
         length = spec.block_q if by == 'query' else t_pad
-        positions = _position_scores(pq, table)
+        positions = _position_scores(pq, table) if positions is None else positions
         block = pl.BlockSpec((None, None, length, positions.shape[-1]),
                              (lambda b, h, q: (b, h, q, 0)) if by == 'query' else (lambda b, h, j: (b, h, 0, 0)))
         return [positions], [block]
@@ -413,8 +414,9 @@ def _attention_forward(spec, seed, cq, pq, k, v, table, valid):
     return (out, lse), (seed, cq, pq, k, v, table, valid, out, lse)
 
 
-def _query_gradients(spec: Spec, seed, cq, pq, k, v, table, valid, grad_out, lse, delta, grad_lse):
-    """(the content queries', the position queries' and the table's gradients)."""
+def _query_gradients(spec: Spec, seed, cq, pq, k, v, table, valid, grad_out, lse, delta, grad_lse, positions):
+    """(the content queries', the position queries' and the table's gradients); `positions`: P
+    ('gather')."""
     batch, heads, t_pad, dims = cq.shape
     k_pad = k.shape[2]
     n_q = t_pad // spec.block_q
@@ -422,7 +424,7 @@ def _query_gradients(spec: Spec, seed, cq, pq, k, v, table, valid, grad_out, lse
         by_query = pl.BlockSpec((None, None, spec.block_q, dims), lambda b, h, q: (b, h, q, 0))
         by_query_row = pl.BlockSpec((None, None, spec.block_q, 1), lambda b, h, q: (b, h, q, 0))
         keys_of_head = pl.BlockSpec((None, None, k_pad, dims), lambda b, h, q: (b, h, 0, 0))
-        (positions,), (position_spec,) = _position_inputs(spec, pq, table, 'query')
+        _, (position_spec,) = _position_inputs(spec, pq, table, 'query', positions)
         # dP in float32, as P: in bf16 its products from the interpreted kernel's output meet an
         # XLA:CPU dot that takes no bf16 operands; on a chip, whether bf16 pays is the accel suite's.
         zeros = jnp.zeros(positions.shape[:-1] + (spec.keys + 1,), jnp.float32)
@@ -464,12 +466,15 @@ def _attention_backward(spec, residuals, grads):
     delta = jnp.sum(grad_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
     grad_out = grad_out.astype(v.dtype)
     grad_lse = grad_lse.astype(jnp.float32)  # [B, H, T, 1], as the forward's log-normaliser.
-    dcq, dpq, dtable = _query_gradients(spec, seed, cq, pq, k, v, table, valid, grad_out, lse, delta, grad_lse)
+    # P formed once for both gradient kernels (the forward's is not kept: B x H x T x K floats).
+    positions = _position_scores(pq, table) if spec.skew == 'gather' else None
+    dcq, dpq, dtable = _query_gradients(spec, seed, cq, pq, k, v, table, valid, grad_out, lse, delta, grad_lse,
+                                        positions)
 
     per_key = pl.BlockSpec((None, None, spec.block_k, dims), lambda b, h, j: (b, h, j, 0))
     queries_of_head = pl.BlockSpec((None, None, t_pad, dims), lambda b, h, j: (b, h, 0, 0))
     rows_of_head = pl.BlockSpec((None, None, t_pad, 1), lambda b, h, j: (b, h, 0, 0))
-    positions, position_specs = _position_inputs(spec, pq, table, 'all')
+    positions, position_specs = _position_inputs(spec, pq, table, 'all', positions)
     in_specs = [_seed_spec(spec), queries_of_head, position_specs[0], per_key, per_key, *position_specs[1:],
                 pl.BlockSpec((None, 1, k_pad), lambda b, h, j: (b, 0, 0)),
                 queries_of_head, rows_of_head, rows_of_head, rows_of_head]

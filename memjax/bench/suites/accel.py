@@ -125,9 +125,6 @@ SETUPS = {
 }
 COLUMNS = ('part', 'case', 'dtype', 'batch', 'tgt_len', 'mem_len', 'compile_s', 'step_ms', 'tokens_per_s',
            'tflops_per_s', 'mfu_datasheet_percent', 'mfu_percent', 'step_memory_gib', 'vs', 'ratio', 'memory_ratio', 'flops_ratio')
-# FLOPs one call of a roofline product's loop runs on an accelerator (a few ms: launches and the
-# call's own overhead vanish); on a CPU each call runs two products.
-ROOFLINE_CALL_FLOPS = 2.5e12
 # Largest |difference| between memjax's attention outputs and a fused variant's that computes the
 # same attention: bf16 rounding of values ~1 (seen: < 0.02 on CPU); a wrong bias gives ~1.
 ATTENTION_TOLERANCE = 0.05
@@ -302,27 +299,14 @@ class Suite:
 
     def roofline_row(self, step: Step, product: flops.Product) -> dict:
         batch, m, k, n = product.shape
-        one = 2.0 * batch * m * k * n
-        reps = 2 if self.ctx.tiny or jax.default_backend() == 'cpu' else int(min(1000, max(4, ROOFLINE_CALL_FLOPS // one)))
-        keys = jax.random.split(jax.random.PRNGKey(0))
-        # Two left operands, alternated: a product of loop-invariant operands would be hoisted out.
-        lhs = jax.random.normal(keys[0], (2, batch, m, k), jnp.float32).astype(jnp.bfloat16)
-        rhs = jax.random.normal(keys[1], (batch, k, n), jnp.float32).astype(jnp.bfloat16)
-
-        def products(lhs, rhs):
-            def one_product(i, _):
-                return jnp.einsum('bmk,bkn->bmn', lhs[i % 2], rhs, preferred_element_type=jnp.float32
-                                  ).astype(jnp.bfloat16)
-            return jax.lax.fori_loop(0, reps, one_product, jnp.zeros((batch, m, n), jnp.bfloat16))
-
-        compiled, timing = harness.compile_and_time(products, lhs, rhs, ctx=self.ctx)
-        product_s = timing.median_s / reps
-        achieved = one / product_s / 1e9
+        measured = peak.measure(product.shape, 'bfloat16', self.ctx)  # In a loop inside one program.
+        product_s = measured['median_ms'] / 1e3
         return self.add({'part': 'roofline', 'case': f'{step.name} {product.name} {batch}x{m}x{k}x{n}',
-                         'dtype': 'bfloat16', 'step_ms': product_s * 1e3, 'tflops_per_s': achieved / 1e3,
-                         'product_s': product_s, 'products_per_call': reps, 'compile_s': compiled.total_s,
-                         **(peak.mfu_percents(achieved, 'bfloat16', self.peak) if self.peak else {}),
-                         'timing': timing.as_dict()})
+                         'dtype': 'bfloat16', 'step_ms': measured['median_ms'],
+                         'tflops_per_s': measured['gflops_per_s'] / 1e3, 'product_s': product_s,
+                         'products_per_call': measured['products_per_call'], 'compile_s': measured['compile_s'],
+                         **(peak.mfu_percents(measured['gflops_per_s'], 'bfloat16', self.peak) if self.peak else {}),
+                         'timing': measured['timing']})
 
     def evaluation(self, impls=('auto',), part: str = 'eval') -> None:
         step = self.setup['eval']
