@@ -94,9 +94,9 @@ TRAIN = ('--config.train.batch_size=8', '--config.eval.batch_size=8',
          '--config.train.checkpoint_every=8')
 SIGNAL_AFTER = f'step 4/{NUM_STEPS}'
 KILL_AFTER = f'step 20/{NUM_STEPS}'
-# A lost process is noticed after HEARTBEAT_S without its heartbeat (three of memjax's 2 s beats
-# missed); the survivor is gone within LOSS_BOUND_S of the kill (the watch's period, the lock's
-# release and a loaded machine's slack).
+# A lost process is noticed after HEARTBEAT_S without its heartbeat (four of its beats missed:
+# peer_watch.beat_period); the survivor is gone within LOSS_BOUND_S of the kill (the watch's
+# period, the lock's release and a loaded machine's slack).
 HEARTBEAT_S = 6
 LOSS_BOUND_S = HEARTBEAT_S + 20
 

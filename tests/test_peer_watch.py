@@ -1,6 +1,11 @@
 """How a process of a multi-process run judges its peers (memjax/runtime/peer_watch.py), from
 hand-made tables of what it has heard; tests/test_multihost.py kills real processes."""
 
+import itertools
+
+import numpy as np
+import pytest
+
 from memjax.runtime import peer_watch
 
 TIMEOUT = 30.0
@@ -38,3 +43,49 @@ def test_a_peer_that_failed_stops_this_one_after_the_grace():
     assert judge(now=200.0 + peer_watch.GRACE_S, moved={1: 200.0, 2: 200.0}, ended=ended) is None
     assert (judge(now=200.0 + peer_watch.GRACE_S + 1, moved={1: 210.0, 2: 150.0}, ended=ended)
             == 'process 2 of 3 ended with exit status 3 (its log says why)')
+
+
+
+def heard(timeout, phases, delays, silent_from=float('inf')):
+    """Replays a peer's beats and this process's reads and judgements at `beat_period(timeout)` as
+    the watch's threads run them, on a clock of its own: each beat and read as late as `delays` says
+    (a call to the coordinator that takes its time), the first of each at `phases`. The peer stops
+    beating at `silent_from`. Returns the first judgement's time and verdict, or None."""
+    period = peer_watch.beat_period(timeout)
+    count = int(20 * timeout / period)
+    beat_phase, read_phase, judge_phase = phases
+    beats = beat_phase + period * np.arange(count) + delays[0][:count]
+    reads = read_phase + period * np.arange(count) + delays[1][:count]
+    moved, seen, done = {1: 0.0}, 0, 0
+    for k in range(2 * count):
+        now = judge_phase + k * period / 2
+        while done < count and reads[done] <= now:  # The reads finished by now.
+            beaten = int(np.sum(beats <= min(reads[done], silent_from)))
+            if beaten != seen:
+                seen, moved[1] = beaten, reads[done]
+            done += 1
+        if done == count:
+            return None
+        message = peer_watch.verdict(0, 2, timeout, now, moved, now, {})
+        if message:
+            return now, message
+    return None
+
+
+@pytest.mark.parametrize('timeout', [1, 2, 3, 6, 30])
+def test_a_live_peer_is_never_judged_silent_and_a_silent_one_is_named_in_bounded_time(timeout):
+    """Whatever --heartbeat_timeout says (>= 1 s), however the threads' phases fall and however
+    late the coordinator answers within half a period; beats every 2 s took a timeout of 1-3 s
+    for a loss."""
+    period = peer_watch.beat_period(timeout)
+    rng = np.random.default_rng(timeout)
+    steps = [i * period / 3 for i in range(3)]
+    for phases in itertools.product(steps, steps, steps):
+        for _ in range(4):
+            delays = rng.uniform(0, period / 2, size=(2, int(20 * timeout / period)))
+            assert heard(timeout, phases, delays) is None, phases
+            silent_from = 7.3 * timeout
+            when, message = heard(timeout, phases, delays, silent_from)
+            # wait_for_verdict's bound: the timeout and two periods after the last beat.
+            assert silent_from < when <= silent_from + timeout + 2 * period, (when, silent_from)
+            assert message.startswith('process 1 of 2 has not been heard from for')

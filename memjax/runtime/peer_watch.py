@@ -4,7 +4,8 @@ A process killed without notice (kill -9, a host lost) leaves the others blocked
 collective, in C++, where no Python exception reaches them: they wait until JAX's
 coordination service misses the dead one's heartbeats and aborts them with a dump of every
 thread, and a pod's allocation is billed meanwhile. Here every process publishes a counter
-in the coordination service's key-value store every PERIOD_S seconds and reads the others'.
+in the coordination service's key-value store every `beat_period(timeout)` seconds and reads
+the others'.
 A second thread, which makes no call that could block, judges: a counter that has not moved
 for `timeout` seconds, or a coordinator that has not answered for as long, ends this process
 with one line that names the lost process (exit status 3). JAX's own heartbeat deadline is
@@ -24,7 +25,7 @@ from absl import logging
 
 from memjax import errors
 
-PERIOD_S = 2.0
+PERIOD_S = 2.0  # The beat's period, unless the timeout asks for a shorter one (beat_period).
 GRACE_S = 10.0
 _PREFIX = 'memjax/peers/'
 # How long the last words (this process's end, the lock's release) may take before exiting anyway.
@@ -34,11 +35,19 @@ _watch: Optional['_Watch'] = None
 _on_loss: list[Callable[[], None]] = []
 
 
+def beat_period(timeout: float) -> float:
+    """How often a process publishes its counter and reads the others': four beats per timeout at
+    least, so that a live peer whose beat and read fall out of phase (a change seen up to two
+    periods after the last) is never judged silent, whatever `--heartbeat_timeout` says."""
+    return min(PERIOD_S, timeout / 4)
+
+
 class _Watch:
     """The publishing thread and the judging thread of one process."""
 
     def __init__(self, client, process_id: int, num_processes: int, timeout: float):
         self._client, self._me, self._count, self.timeout = client, process_id, num_processes, timeout
+        self.period = beat_period(timeout)
         now = time.monotonic()
         self._beats: dict[int, str] = {}
         self._moved = {p: now for p in range(num_processes) if p != process_id}  # Last change seen.
@@ -57,7 +66,7 @@ class _Watch:
                 self._client.key_value_set(f'{_PREFIX}beat/{self._me}', str(beat), allow_overwrite=True)
                 entries = self._client.key_value_dir_get(_PREFIX)
             except Exception:  # pylint: disable=broad-except  (a coordinator that does not answer: judged)
-                self._stop.wait(PERIOD_S)
+                self._stop.wait(self.period)
                 continue
             now = time.monotonic()
             with self._lock:
@@ -71,10 +80,10 @@ class _Watch:
                         self._beats[process], self._moved[process] = value, now
                     elif kind == 'ended' and process not in self._ended:
                         self._ended[process] = (int(value), now)
-            self._stop.wait(PERIOD_S)
+            self._stop.wait(self.period)
 
     def _judge(self) -> None:
-        while not self._stop.wait(PERIOD_S / 2):
+        while not self._stop.wait(self.period / 2):
             with self._lock:
                 verdict = self._verdict(time.monotonic())
             if verdict and not self._stop.is_set():
@@ -136,9 +145,9 @@ def wait_for_verdict() -> None:
     with the line naming it within the timeout; otherwise this returns after it."""
     if _watch is None:
         return
-    deadline = time.monotonic() + _watch.timeout + 2 * PERIOD_S
+    deadline = time.monotonic() + _watch.timeout + 2 * _watch.period
     while time.monotonic() < deadline:
-        time.sleep(PERIOD_S / 4)
+        time.sleep(_watch.period / 4)
 
 
 def start(client, process_id: int, num_processes: int, timeout: float) -> None:
