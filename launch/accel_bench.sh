@@ -97,10 +97,12 @@ run_suite() {
     } >"$MEMJAX_OUT/machine.txt" 2>&1
   fi
   # The fused attention's correctness on this chip (interpret mode cannot show Triton's
-  # compilation): its log says which cases passed and how long each took (compile included); a
-  # failure is reported and the suite goes on.
+  # compilation): its log says which cases passed and how long each took (compile included), each
+  # case's line written as it ends, so that a check stopped at its limit still tells the cases it
+  # finished; a failure is reported and the suite goes on.
   if ((MEMJAX_CHECK_SECONDS > 0)); then
-    run timeout -k 5 "$MEMJAX_CHECK_SECONDS" python3 -m pytest -q -p no:cacheprovider --durations=0 \
+    run timeout -k 5 "$MEMJAX_CHECK_SECONDS" python3 -m pytest -v -rA -o console_output_style=times \
+      -p no:cacheprovider --durations=0 \
       tests/test_fused_attention.py -k on_a_gpu >"$logs/fused_gpu_check.log" 2>&1 ||
       log "the fused attention's GPU check failed or stopped (exit $?): see fused_gpu_check.log"
   fi

@@ -235,10 +235,13 @@ ON_A_GPU = pytest.mark.skipif(jax.default_backend() != 'gpu', reason=(
 @pytest.mark.parametrize('t,mem,dims,window,clamp_len,rate,dtype,tolerance', [
     (128, 128, 64, 0, -1, 0.0, jnp.float32, 1e-5),  # Tiles that divide: the plain causal case.
     (100, 300, 41, 256, 90, 0.0, jnp.float32, 1e-5),  # same_length, clamp_len, tiles that do not divide.
-    (128, 256, 128, 0, -1, 0.2, jnp.float32, 1e-5),  # Dropout, wide heads.
     (100, 60, 41, 0, -1, 0.1, jnp.bfloat16, 3e-2),  # A memory shorter than the segment.
     (384, 384, 64, 500, 200, 0.1, jnp.bfloat16, 3e-2),  # A training step's shape, every option on.
-    (384, 384, 128, 0, -1, 0.0, jnp.bfloat16, 3e-2)])
+    (384, 384, 128, 0, -1, 0.0, jnp.bfloat16, 3e-2),
+    # Dropout, wide heads, last: float32 at the highest precision multiplies on CUDA cores, and
+    # 64 x 128 float32 tiles of keys, values and their gradients are the most registers a
+    # program asks for (the slowest compile, the one most likely to spill).
+    (128, 256, 128, 0, -1, 0.2, jnp.float32, 1e-5)])
 def test_on_a_gpu_the_compiled_kernel_matches_the_naive_attention(t, mem, dims, window, clamp_len, rate, dtype,
                                                                   tolerance):
     """What interpret mode cannot show: Triton's compilation, its software pipelining on (the
