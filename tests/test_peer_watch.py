@@ -45,7 +45,6 @@ def test_a_peer_that_failed_stops_this_one_after_the_grace():
             == 'process 2 of 3 ended with exit status 3 (its log says why)')
 
 
-
 def heard(timeout, phases, delays, silent_from=float('inf')):
     """Replays a peer's beats and this process's reads and judgements at `beat_period(timeout)` as
     the watch's threads run them, on a clock of its own: each beat and read as late as `delays` says
