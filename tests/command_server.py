@@ -56,9 +56,18 @@ def interruptible() -> None:
 # --- The server -------------------------------------------------------------------------------
 
 
+def source_run_by_dash_m(module: str) -> str:
+    """The file `python -m module` runs: a package's `__main__.py` (memjax.bench), not its
+    `__init__.py`."""
+    spec = importlib.util.find_spec(module)
+    if spec.submodule_search_locations is not None:
+        spec = importlib.util.find_spec(f'{module}.__main__')
+    return spec.origin
+
+
 def _import_what_the_module_imports(module: str) -> None:
-    """Runs the top-level import statements of `module`'s source (not the module)."""
-    path = importlib.util.find_spec(module).origin
+    """Runs the top-level import statements of the source `python -m module` runs (not the module)."""
+    path = source_run_by_dash_m(module)
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     imports = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from memjax import errors
 import cli_fixtures
 import command_server
 import training_fixtures
@@ -25,6 +26,19 @@ def test_a_served_command_gives_what_a_new_interpreter_gives(tmp_path):
                          for f in (True, False))
         assert (served.returncode, served.stdout, served.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
         assert served.returncode != 0 and (served.stdout or served.stderr)
+
+
+def test_a_packages_server_imports_what_its_main_module_imports():
+    """`python -m memjax.bench` runs memjax/bench/__main__.py: its server has imported what that
+    file imports (JAX's library mapped before any fork), not only the package's __init__.py, so
+    that the command starts in milliseconds, as memjax.train's does."""
+    env = cli_fixtures.cpu_env(1)
+    result = command_server.run([sys.executable, '-m', 'memjax.bench', 'no-such-suite'], env=env,
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == errors.EXIT_USAGE and "unknown benchmark suite 'no-such-suite'" in result.stderr
+    server = next(s for s in command_server._servers.values() if s.process.args[3] == 'memjax.bench')  # pylint: disable=protected-access
+    with open(f'/proc/{server.process.pid}/maps') as f:
+        assert 'libjax_common' in f.read()
 
 
 def test_a_served_command_runs_in_the_callers_folder(tmp_path):
