@@ -16,9 +16,11 @@ from memjax.kernels import fused_choice
 from memjax.kernels import relative_attention as fused
 from memjax.model import ModelConfig, build_model, init_memory, init_params, lm_loss
 from memjax.model.positions import relative_sinusoid_table
-from memjax.training import loop as trainer
 import jaxprs
-import training_fixtures
+
+# The training loop and training_fixtures are imported in the tests that train: they import the
+# data pipeline (grain, TFDS), which the GPU machines' image lacks, and launch/accel_bench.sh runs
+# this file's on-chip check there.
 
 
 def naive_attention(cq, pq, k, v, pos_key, valid, scale, window=0, rate=0.0, seed=0):
@@ -283,6 +285,7 @@ TRAINING = [dict(memory='xl', mem_len=12, sch_beta=1.0), dict(memory='xl', mem_l
 def test_every_kind_computes_the_same_loss_and_gradients_with_the_fused_path(kind, training):
     """In evaluation, and in training with the skeleton's random choices drawn from the same keys
     (cross-head permutations, skipped layers whose memory lags, sticky samples; dropout off)."""
+    import training_fixtures  # pylint: disable=g-import-not-at-top  (the module's imports say why)
     reference = ModelConfig(**TINY, **kind, attention_impl='reference')
     forced = ModelConfig(**TINY, **kind, attention_impl='fused')
     params = training_fixtures.perturbed_params(reference)
@@ -337,6 +340,8 @@ def test_a_kernel_that_does_not_compile_is_one_line_when_asked_for_and_xlas_atte
     """Compiled for a chip instead of interpreted, the kernel does not lower on this CPU, as it would
     not on an untested chip: 'fused' is refused in one line naming the reason, from inside the
     training step's trace too, and 'auto' (where it would fuse) takes XLA's path with one warning."""
+    import training_fixtures  # pylint: disable=g-import-not-at-top  (the module's imports say why)
+    from memjax.training import loop as trainer  # pylint: disable=g-import-not-at-top
     assert fused_choice.compile_failure('gather', 16, 'float32') is not None
     assert fused_choice.compile_failure('gather', 16, 'float32', interpret=True) is None
     refusal = r"attention_impl='fused': the fused attention does not compile on this gpu for heads of 16 in float32 \(.+\); use"
