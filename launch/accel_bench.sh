@@ -15,7 +15,8 @@ Usage: launch/accel_bench.sh [settings] [prepare | run]
 prepare (on a machine with the package index): downloads into --wheels what the
   GPU machine's image lacks for the suite: transformers 4.37.2 (the last with
   Transformer-XL) with the tokenizers and huggingface-hub versions its import
-  check demands, and ml_collections, for --python (the GPU machine's Python).
+  check demands, ml_collections, and pytest (the GPU check's runner, which the
+  image is not known to have), for --python (the GPU machine's Python).
 run (default; on the GPU machine): installs those wheels under --site (ahead of
   the image's own transformers on PYTHONPATH), records the machine, runs
   tests/test_fused_attention.py's GPU check (--check-seconds), then
@@ -47,7 +48,8 @@ define_flag probes 'latency_hiding=--xla_gpu_enable_latency_hiding_scheduler=tru
 
 parse_flags "$@"
 
-WHEEL_PINS=(transformers==4.37.2 tokenizers==0.15.2 huggingface-hub==0.20.3 ml-collections==1.1.0)
+WHEEL_PINS=(transformers==4.37.2 tokenizers==0.15.2 huggingface-hub==0.20.3 ml-collections==1.1.0
+  pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pygments==2.21.0)
 
 prepare() {
   run python3 -m pip download --no-deps --only-binary=:all: --implementation cp \
@@ -99,10 +101,11 @@ run_suite() {
   # The fused attention's correctness on this chip (interpret mode cannot show Triton's
   # compilation): its log says which cases passed and how long each took (compile included), each
   # case's line written as it ends, so that a check stopped at its limit still tells the cases it
-  # finished; a failure is reported and the suite goes on.
+  # finished; a failure is reported and the suite goes on. setup.cfg's addopts are
+  # pytest-xdist's, which the image may lack: cleared.
   if ((MEMJAX_CHECK_SECONDS > 0)); then
     run timeout -k 5 "$MEMJAX_CHECK_SECONDS" python3 -m pytest -v -rA -o console_output_style=times \
-      -p no:cacheprovider --durations=0 \
+      -o addopts= -p no:cacheprovider --durations=0 \
       tests/test_fused_attention.py -k on_a_gpu >"$logs/fused_gpu_check.log" 2>&1 ||
       log "the fused attention's GPU check failed or stopped (exit $?): see fused_gpu_check.log"
   fi

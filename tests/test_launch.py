@@ -662,6 +662,22 @@ def test_accel_bench_installs_the_carried_wheels_then_runs_the_suite_and_probes_
     assert timeout_limits(fake)[:4] == pytest.approx([180, 230, 410, 560], abs=2)
 
 
+def test_accel_bench_runs_its_gpu_check_without_pytest_xdist(fake):
+    """The GPU machine's image may lack pytest-xdist, whose option setup.cfg's addopts give: the
+    check's own command line, run here with that plugin off, collects the on-chip cases."""
+    _write_executable(fake.root / 'bin' / 'python3', FAKE_PYTHON3)
+    _write_executable(fake.root / 'bin' / 'timeout', FAKE_TIMEOUT)
+    (fake.root / 'wheels').mkdir()
+    (fake.root / 'wheels' / 'w.whl').touch()
+    fake.run('accel_bench.sh', f'--wheels={fake.root}/wheels', f'--out={fake.root}/out', '--seconds=60', 'run')
+    check = next(c for c in fake.calls() if c[0] == 'python3' and c[3:5] == ['-m', 'pytest'])
+    done = subprocess.run([sys.executable, *check[3:], '-p', 'no:xdist', '--collect-only', '-q'], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+    collected = [line.strip() for line in done.stdout.splitlines() if '<Function ' in line]
+    assert done.returncode == 0 and collected, done.stdout[-2000:] + done.stderr[-2000:]
+    assert all(line.startswith('<Function test_on_a_gpu_') for line in collected)
+
+
 def test_accel_bench_starts_no_probe_without_the_time_for_one(fake):
     _write_executable(fake.root / 'bin' / 'python3', FAKE_PYTHON3)
     _write_executable(fake.root / 'bin' / 'timeout', FAKE_TIMEOUT)
@@ -685,7 +701,7 @@ def test_accel_bench_without_wheels_says_how_to_get_them(fake):
 def test_accel_bench_prepare_downloads_the_pinned_wheels_for_the_devices_python(fake):
     printed = commands(fake.run('accel_bench.sh', '--dry-run', '--python=3.12', 'prepare').stdout)
     assert len(printed) == 1 and printed[0][:4] == ['python3', '-m', 'pip', 'download']
-    assert {'transformers==4.37.2', 'tokenizers==0.15.2', 'huggingface-hub==0.20.3'} <= set(printed[0])
+    assert {'transformers==4.37.2', 'tokenizers==0.15.2', 'huggingface-hub==0.20.3', 'pytest==9.2.0'} <= set(printed[0])
     assert '--python-version=3.12' in printed[0] and '--only-binary=:all:' in printed[0]
 
 
