@@ -255,6 +255,7 @@ def test_scaling_suite_json(tmp_path_factory):
 # generate: incremental generation, the re-run baseline and HF's generate on the same weights.
 
 
+@needs_torch  # HF's generate on the same weights is one of the suite's three implementations.
 def test_generate_suite_json(tmp_path_factory):
     """The suite itself refuses to time implementations that chose different tokens (incremental vs
     re-run, GPT-2 vs HF); here its report is checked for what it claims."""
