@@ -20,8 +20,8 @@ from memjax.model.positions import relative_sinusoid_table
 import jaxprs
 
 # The training loop and training_fixtures are imported in the tests that train: they import the
-# data pipeline (grain, TFDS), which the GPU machines' image lacks, and launch/accel_bench.sh runs
-# this file's on-chip check there.
+# data pipeline (grain, TFDS), which is not among the GPU machines' image's packages, and
+# launch/accel_bench.sh runs this file's on-chip check there (tests/test_gpu_image.py).
 
 
 def naive_attention(cq, pq, k, v, pos_key, valid, scale, window=0, rate=0.0, seed=0):
