@@ -11,9 +11,10 @@ leaks compiled code between runs.
 
 import importlib.metadata
 import os
-import re
 import shutil
 import tempfile
+
+from packaging import version as versions
 
 # The suite's programs are small and run for milliseconds: most of their time is XLA:CPU
 # compiling them, and it checks results, not speed (no flag here allows fast-math: the values
@@ -35,8 +36,8 @@ DROPPED_IN = {'--xla_cpu_use_fusion_emitters=false': (0, 11, 1)}
 
 def fast_compile_flags(jaxlib_version: str) -> list[str]:
     """FAST_COMPILE_FLAGS that jaxlib `jaxlib_version` knows."""
-    version = tuple(int(part) for part in re.findall(r'\d+', jaxlib_version)[:3])
-    return [flag for flag in FAST_COMPILE_FLAGS if flag not in DROPPED_IN or version < DROPPED_IN[flag]]
+    release = versions.Version(jaxlib_version).release
+    return [flag for flag in FAST_COMPILE_FLAGS if flag not in DROPPED_IN or release < DROPPED_IN[flag]]
 
 
 def with_fast_compile(flags: str) -> str:

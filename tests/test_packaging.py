@@ -9,12 +9,12 @@ use; the embedded corpus) is missing only for the users who install it that way.
 import importlib.metadata
 import os
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
 import zipfile
 
+from packaging import version as versions
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -23,9 +23,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 OFFLINE_BUILDS_FROM = (70, 1)
 
 
-def _setuptools_version() -> tuple:
+def _setuptools_release() -> tuple:
     try:
-        return tuple(int(part) for part in re.findall(r'\d+', importlib.metadata.version('setuptools'))[:2])
+        return versions.Version(importlib.metadata.version('setuptools')).release
     except importlib.metadata.PackageNotFoundError:
         return ()
 
@@ -36,7 +36,7 @@ def _package_files(root: pathlib.Path) -> set[str]:
             if path.is_file() and '__pycache__' not in path.parts and path.suffix != '.pyc'}
 
 
-@pytest.mark.skipif(_setuptools_version() < OFFLINE_BUILDS_FROM,
+@pytest.mark.skipif(_setuptools_release() < OFFLINE_BUILDS_FROM,
                     reason="needs setuptools >= 70.1 (the test extra's) to build memjax's wheel offline")
 def test_a_wheel_holds_every_file_of_the_package(tmp_path):
     # A copy: the build writes build/ and memjax.egg-info beside the sources.
