@@ -30,7 +30,8 @@ def saved_and_requested(**changes):
     dict(train__num_steps=5000, train__learning_rate=1e-3, train__warmup_steps=10),
     dict(eval__model__mem_len=640, eval__model__same_length=True, eval__split="test"),
     dict(mesh__data=2, mesh__tensor=4, train__grad_accum_steps=2),
-    dict(model__dropout=0.3, model__remat='full'),
+    dict(model__dropout=0.3, model__remat='full', model__attention_impl='reference'),
+    dict(model__init_std=0.005, model__proj_init_std=0.02),  # Read when parameters are initialised.
     dict(train__keep_checkpoints=10, train__log_every=1, data__data_dir='/elsewhere'),
     dict(train__clip_norm=1.0, train__weight_decay=0.0),  # Clipping stays on, decay stays off.
 ])
@@ -100,6 +101,21 @@ def test_evaluation_compares_only_what_shapes_the_parameters():
     saved, requested = saved_and_requested(model__n_layer=2, data__sp_vocab_size=100)
     with pytest.raises(errors.ConfigError, match=r'data\.sp_vocab_size 8000 -> 100, model\.n_layer 4 -> 2'):
         resume.check_same_params(saved, requested, 'ckpt/8', 'Evaluation')
+
+
+@pytest.mark.parametrize('purpose', ['Evaluation', 'config.train.init_from'])
+def test_an_imported_model_is_read_with_a_config_file_of_its_shape(purpose):
+    """An imported workdir's config holds its segment length resolved (memjax.import_transfo_xl);
+    a config file leaves it to the data (-1) and may initialise otherwise: neither shapes a
+    parameter. Another segment length given is not a parameter either; another width is."""
+    saved, requested = saved_and_requested(model__init_std=0.005, model__proj_init_std=0.02)
+    saved['model']['segment_len'] = saved['train']['tgt_len'] = 6
+    resume.check_same_params(saved, requested, 'imported/checkpoints/0', purpose)
+    resume.check_same_params(saved, training_fixtures.override(requested, model__segment_len=12),
+                             'imported/checkpoints/0', purpose)
+    with pytest.raises(errors.ConfigError, match=r'model\.d_model 128 -> 64'):
+        resume.check_same_params(saved, training_fixtures.override(requested, model__d_model=64),
+                                 'imported/checkpoints/0', purpose)
 
 
 def test_second_run_on_a_workdir_is_refused_while_the_first_holds_it(tmp_path):

@@ -44,6 +44,9 @@ RESUME_SAFE = {
     'model.dropout': 'regularisation',
     'model.dropatt': 'regularisation',
     'model.remat': 'recomputation in the backward pass',
+    'model.attention_impl': "the attention's path: the same values",
+    'model.init_std': 'only read when parameters are initialised',
+    'model.proj_init_std': 'only read when parameters are initialised',
     'data.data_dir': 'location of the prepared data, not its content',
     'data.manual_dir': 'location of the raw files, not their content',
     'data.cache_dir': 'location of the token cache',
@@ -54,9 +57,10 @@ RESUME_SAFE = {
 # Optimizer terms that are in the optimizer state only when they are on (> 0): their value may
 # change, switching them on or off may not.
 ON_OFF = ('train.clip_norm', 'train.weight_decay')
-# Model fields that change what the model computes but not its parameters; the run-time ones
-# among them evaluation may override (config.eval.model).
-NOT_PARAMS = ('model.dropout', 'model.dropatt', 'model.compute_dtype', 'model.remat') + tuple(
+# Model fields that change what the model computes but not its parameters (the run-time ones among
+# them evaluation may override: config.eval.model), or only how they start.
+NOT_PARAMS = ('model.dropout', 'model.dropatt', 'model.compute_dtype', 'model.remat', 'model.segment_len',
+              'model.init_std', 'model.proj_init_std') + tuple(
     'model.' + name for name in memories.run_time_fields() + TRAINING_FIELDS)
 # Fields whose default computes something else than memjax did before they existed: a saved run of
 # that memory kind without the field ran with this value.
@@ -89,7 +93,8 @@ def differences(saved: dict, requested: dict) -> list[tuple[str, Any, Any]]:
     Fields new to this memjax version (absent from the saved config) and fields it no longer
     has are left out: neither run asked for a value, except where the saved run computed
     something the new default does not (ADDED_WITH_NEW_DEFAULT). `model.vocab_size = -1` means
-    "from the tokenizer", which the saved config has resolved.
+    "from the tokenizer", `model.segment_len = -1` "from the data's tgt_len" (compared in its own
+    field), which a saved config (an imported model's) may hold resolved.
     """
     old, new = _flatten(to_plain(saved)), _flatten(to_plain(requested))
     for name, (memory, value) in ADDED_WITH_NEW_DEFAULT.items():
@@ -97,7 +102,7 @@ def differences(saved: dict, requested: dict) -> list[tuple[str, Any, Any]]:
             old[name] = value
     changed = []
     for name in sorted(set(old) & set(new)):
-        if name == 'model.vocab_size' and new[name] == -1:
+        if name in ('model.vocab_size', 'model.segment_len') and new[name] == -1:
             continue
         if old[name] != new[name]:
             changed.append((name, old[name], new[name]))
