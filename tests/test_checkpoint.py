@@ -12,6 +12,7 @@ import pytest
 
 from memjax.training import checkpoints as checkpointing
 from memjax import errors
+from memjax.data import tokenizers
 from memjax import evaluate
 from memjax import model as model_lib
 from memjax.training import loop as trainer
@@ -317,13 +318,19 @@ def test_transformer_without_memory_trains_checkpoints_and_resumes(config, tmp_p
 
 def test_init_from_takes_the_source_tokenizer_and_reads_numbered_workdirs(config, baseline,
                                                                          tmp_path):
+    """Also over the tokenizer of an earlier start that saved nothing (here one of other byte ids,
+    as an imported vocabulary has); a bad init_from stops the start before anything is written."""
     new = training_fixtures.tiny_config(config.data.text_path, train__init_from=baseline[0])
     workdir = str(tmp_path / 'new')
-    os.makedirs(workdir)
-    restore.adopt_tokenizer(new.train.init_from, workdir)
+    tokenizers.ByteTokenizer(list(range(255, -1, -1))).save(workdir)
+    restore.start_tokenizer(experiment.resolved(new, 1), workdir)
     with open(os.path.join(workdir, 'tokenizer.json')) as a, \
             open(os.path.join(baseline[0], 'tokenizer.json')) as b:
         assert a.read() == b.read()
+    mistyped = training_fixtures.override(new, train__init_from=baseline[0] + 'x')
+    with pytest.raises(errors.CheckpointError, match=r'init_from=\S+x: no checkpoints there'):
+        trainer.train_and_evaluate(mistyped, str(tmp_path / 'other'))
+    assert os.listdir(tmp_path / 'other') == ['memjax.log']  # Its log only: no tokenizer, no config.
     numbered = tmp_path / '2024'  # A workdir named like a step folder.
     (numbered / 'checkpoints' / '8').mkdir(parents=True)
     assert restore.init_from_dir(str(numbered)) == (str(numbered / 'checkpoints'), None)

@@ -138,6 +138,35 @@ def test_build_tokenizer_reuses_workdir_and_checks_kind(tmp_path):
                               tmp_path / 'run')
 
 
+def test_a_training_start_replaces_a_tokenizer_an_earlier_start_left_behind(tmp_path, caplog):
+    """A workdir without a checkpoint holds at most the tokenizer of a start that saved nothing, made
+    from the data and settings of then: a new start writes its own (init_from's run's before
+    config.data's), with a warning when it differs; a damaged one is replaced too."""
+    def vocabulary(name, words):
+        tokenizers.WordTokenizer(['<eos>', '<unk>', *words]).save(tmp_path / name)
+        return str(tmp_path / name)
+
+    workdir, then, now = tmp_path / 'run', vocabulary('then', ['old']), vocabulary('now', ['new', 'words'])
+    cfg = DataConfig(name='embedded', tokenizer='word', vocab_path=now)
+    factory.build_tokenizer(dataclasses.replace(cfg, vocab_path=then), workdir)  # The earlier start's.
+    factory.start_tokenizer(cfg, workdir)
+    assert factory.load_tokenizer(workdir).tokens == ['<eos>', '<unk>', 'new', 'words']
+    assert 'another than this start\'s (data.vocab_path=' in caplog.text
+    caplog.clear()
+    written = (workdir / 'tokenizer.json').stat().st_mtime_ns
+    factory.start_tokenizer(cfg, workdir)  # The same one: nothing written, nothing said.
+    assert (workdir / 'tokenizer.json').stat().st_mtime_ns == written and 'replaced' not in caplog.text
+    source_run = vocabulary('source_run', ['trained', 'with'])
+    factory.start_tokenizer(cfg, workdir, source_run)
+    assert factory.load_tokenizer(workdir).tokens == ['<eos>', '<unk>', 'trained', 'with']
+    assert 'the run of config.train.init_from' in caplog.text
+    (workdir / 'tokenizer.json').write_text('{"kind": "word", "tok')  # Cut short.
+    factory.start_tokenizer(cfg, workdir)
+    assert factory.load_tokenizer(workdir).tokens == ['<eos>', '<unk>', 'new', 'words']
+    with pytest.raises(ValueError, match="data.tokenizer is 'char' but .*source_run's, the run of config.* set data.tokenizer='word'"):
+        factory.start_tokenizer(dataclasses.replace(cfg, tokenizer='char'), workdir, source_run)
+
+
 def test_unknown_tokenizer_kind():
     with pytest.raises(ValueError, match='data.tokenizer'):
         factory.build_tokenizer(DataConfig(tokenizer='bpe'), None)

@@ -6,6 +6,8 @@ import json
 import os
 from typing import Iterable, Optional
 
+from absl import logging
+
 from memjax import errors
 from memjax.data import builders, pipeline, prepared, sorting
 from memjax.data.config import TOKENIZERS, DataConfig
@@ -96,31 +98,72 @@ def build_tokenizer(data_cfg: DataConfig,
                     save: bool = True) -> Tokenizer:
     """Loads the run's tokenizer, or builds it from the train split once.
 
-    Order: `workdir`/tokenizer.json if present (resumed run, evaluation),
-    else data.vocab_path, else trained on the train split of data.name. With
-    `save` the result is saved into `workdir` so later commands reuse the
-    same ids.
+    Order: `workdir`/tokenizer.json if present (resumed run, evaluation; a training start has
+    written its own there: `start_tokenizer`), else data.vocab_path, else trained on the train
+    split of data.name. With `save` the result is saved into `workdir` so later commands reuse
+    the same ids.
     """
+    saved = storage.path(workdir) / TOKENIZER_FILE if workdir else None
+    if saved is not None and saved.exists():
+        tok = _checked_kind(load_tokenizer(saved), data_cfg, str(saved))
+    else:
+        tok = _from_config(data_cfg)[0]
+    if save and saved is not None and not saved.exists():
+        tok.save(saved.parent)
+    return tok
+
+
+def start_tokenizer(data_cfg: DataConfig, workdir: os.PathLike, source_run: Optional[str] = None) -> None:
+    """Writes the tokenizer of a training start into its `workdir`, which holds no checkpoint:
+    `source_run`'s (config.train.init_from: its parameters were trained with those ids, which a
+    tokenizer built afresh could give otherwise at the same size), else the one config.data gives.
+
+    A tokenizer.json already there was left by a start that saved nothing, made from the data and
+    settings of then: it is replaced, with a warning, when it differs.
+    """
+    source = storage.path(source_run) / TOKENIZER_FILE if source_run else None
+    if source is not None and source.exists():
+        origin = f'{source_run}\'s, the run of config.train.init_from'
+        tok = load_tokenizer(source)
+        _checked_kind(tok, data_cfg, origin, f'set data.tokenizer={tok.kind!r}, whose ids its parameters were trained with')
+        logging.info('Took the tokenizer of %s (config.train.init_from).', source_run)
+    else:
+        tok, origin = _from_config(data_cfg)
+    saved = storage.path(workdir) / TOKENIZER_FILE
+    if saved.exists():
+        try:
+            left = load_tokenizer(saved).fingerprint
+        except errors.UserError:  # Damaged: nothing to keep.
+            left = None
+        if left == tok.fingerprint:
+            return
+        logging.warning('%s held the tokenizer of an earlier start that saved no checkpoint, another than '
+                        'this start\'s (%s): replaced by this one.', saved, origin)
+    tok.save(saved.parent)
+
+
+def _from_config(data_cfg: DataConfig) -> tuple[Tokenizer, str]:
+    """(the tokenizer config.data gives, where it came from): data.vocab_path's, a fixed
+    vocabulary, or one trained on the train split."""
     kind = data_cfg.tokenizer
     if kind not in TOKENIZERS:
         raise errors.DataError(f'Unknown data.tokenizer {kind!r}; expected one of '
                                f'{TOKENIZERS}.')
-    saved = storage.path(workdir) / TOKENIZER_FILE if workdir else None
-    if saved is not None and saved.exists():
-        tok, origin = load_tokenizer(saved), str(saved)
-    elif data_cfg.vocab_path:
+    if data_cfg.vocab_path:
         tok, origin = load_tokenizer(data_cfg.vocab_path), f'data.vocab_path={data_cfg.vocab_path}'
     elif kind in FIXED_VOCABULARIES:
         tok, origin = train_tokenizer(data_cfg, ()), 'its fixed vocabulary'
     else:
         docs = prepared.run_documents(data_cfg, prepared.prepare(data_cfg), 'train')
-        tok, origin = train_tokenizer(data_cfg, docs), 'train split'
-    if tok.kind != kind:
-        raise errors.DataError(
-            f'data.tokenizer is {kind!r} but {origin} holds a {tok.kind!r} '
-            'tokenizer; use a fresh workdir or the matching data.tokenizer.')
-    if save and saved is not None and not saved.exists():
-        tok.save(saved.parent)
+        tok, origin = train_tokenizer(data_cfg, docs), 'trained on the train split'
+    return _checked_kind(tok, data_cfg, origin), origin
+
+
+def _checked_kind(tok: Tokenizer, data_cfg: DataConfig, origin: str,
+                  fix: str = 'use a fresh workdir or the matching data.tokenizer') -> Tokenizer:
+    if tok.kind != data_cfg.tokenizer:
+        raise errors.DataError(f'data.tokenizer is {data_cfg.tokenizer!r} but {origin} holds a {tok.kind!r} '
+                               f'tokenizer; {fix}.')
     return tok
 
 

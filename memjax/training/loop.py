@@ -76,7 +76,7 @@ def _train_locked(run: config_lib.RunConfig, workdir: str) -> dict:
                                                   'see its log.')
             if refused is not None:
                 raise refused
-            restore.adopt_tokenizer(run.train.init_from, workdir)
+            restore.start_tokenizer(run, workdir)
             return _train(run, workdir)
         finally:
             forget()

@@ -12,6 +12,7 @@ from memjax import config_lib
 from memjax import errors
 from memjax import model as model_lib
 from memjax.convert import hf_gpt2
+from memjax.data import factory as data_factory
 from memjax.data import tokenizers
 from memjax.runtime import distributed
 from memjax.runtime import storage
@@ -148,11 +149,7 @@ def init_from(exp: experiment.Experiment) -> tuple[train_step_lib.TrainState, An
     tcfg = exp.run.train
     if hf_gpt2.is_checkpoint_dir(tcfg.init_from):
         return _from_gpt2(exp)
-    source, step = init_from_dir(tcfg.init_from)
-    if not checkpointing.has_checkpoints(source):
-        raise errors.CheckpointError(
-            f'config.train.init_from={tcfg.init_from}: no checkpoints there; name a training '
-            'workdir, its checkpoints/ folder or one of its step folders.')
+    source, step = _init_from_checkpoints(tcfg.init_from)
     ckpt = checkpointing.Checkpointer(source, keep=1, read_only=True)
     try:
         if step is not None and step not in ckpt.all_steps():
@@ -203,6 +200,16 @@ def _from_gpt2(exp: experiment.Experiment) -> tuple[train_step_lib.TrainState, A
     return experiment.init_state(exp, params)[0], exp.partitioner.init_memory(exp.mcfg, exp.run.train.batch_size)
 
 
+def _init_from_checkpoints(init_from: str) -> tuple[str, Optional[int]]:
+    """`init_from_dir`, refused in one line when no checkpoint is there."""
+    source, step = init_from_dir(init_from)
+    if not checkpointing.has_checkpoints(source):
+        raise errors.CheckpointError(
+            f'config.train.init_from={init_from}: no checkpoints there; name a training '
+            'workdir, its checkpoints/ folder or one of its step folders.')
+    return source, step
+
+
 def init_from_dir(init_from: str) -> tuple[str, Optional[int]]:
     """(checkpoints folder, step or None) named by config.train.init_from."""
     source = str(storage.path(init_from)).rstrip('/')
@@ -214,20 +221,16 @@ def init_from_dir(init_from: str) -> tuple[str, Optional[int]]:
     return source, None
 
 
-def adopt_tokenizer(init_from: str, workdir: str) -> None:
-    """A run started with init_from takes the source run's tokenizer: a tokenizer built afresh
-    could give the same vocabulary size with other ids, and the parameters would still load."""
-    if not init_from or hf_gpt2.is_checkpoint_dir(init_from):
-        return  # The same on every process: the barrier below is reached by all or by none.
-    source = init_from_dir(init_from)[0].rpartition('/')[0]
-    if (jax.process_index() == 0 and not checkpointing.has_checkpoints(run_files.checkpoint_dir(workdir))
-            and not storage.path(workdir).joinpath(tokenizers.TOKENIZER_FILE).exists()
-            and storage.path(source).joinpath(tokenizers.TOKENIZER_FILE).exists()):
-        # tokenizer.model (sentencepiece) before tokenizer.json, each replaced whole, so that an
-        # interrupted copy never leaves a tokenizer.json without its model.
-        names = sorted((n for n in storage.listdir(source) if n.startswith('tokenizer.')),
-                       key=lambda n: n == tokenizers.TOKENIZER_FILE)
-        for name in names:
-            storage.write_bytes(storage.join(workdir, name), storage.path(source).joinpath(name).read_bytes())
-        logging.info('Took the tokenizer of %s (config.train.init_from).', source)
-    distributed.barrier('init_from tokenizer')
+def start_tokenizer(run: config_lib.RunConfig, workdir: str) -> None:
+    """Gives a training start whose workdir holds no checkpoint the tokenizer it trains with,
+    before anything else is prepared (data_factory.start_tokenizer: config.train.init_from's, else
+    config.data's; never one an earlier start left behind). A bad init_from stops it here, before
+    anything is written. A resumed run keeps its own."""
+    source_run = None
+    if run.train.init_from and not hf_gpt2.is_checkpoint_dir(run.train.init_from):
+        source_run = _init_from_checkpoints(run.train.init_from)[0].rpartition('/')[0]
+    if checkpointing.has_checkpoints(run_files.checkpoint_dir(workdir)):
+        return
+    with distributed.primary_first('the tokenizer of a start'):
+        if distributed.is_primary():  # The others read what it wrote (experiment.setup).
+            data_factory.start_tokenizer(run.data, workdir, source_run)
