@@ -113,6 +113,38 @@ def test_training_resumes_from_previous_checkpoint_when_newest_is_damaged(config
     assert restored.step == 8
 
 
+def test_parameters_read_alone_are_checked_against_their_saved_checksums(config, baseline, tmp_path, caplog):
+    """Evaluation and generation (restore.newest_params) and init_from read the parameters without
+    the rest of the state, which the whole checkpoint's fingerprint needs: each array read is
+    checked against the checksums saved with it. A damaged newest step is told and the previous one
+    read; init_from naming it stops in one line that names an earlier step."""
+    workdir = str(tmp_path / 'run')
+    shutil.copytree(baseline[0], workdir)
+    directory = run_files.checkpoint_dir(workdir)
+    exp = experiment.setup(config, workdir, training=False)
+    ckpt = checkpointing.Checkpointer(directory, keep=3, read_only=True)
+    step_4 = ckpt.restore_step(4, *experiment.abstract_state(exp)).state.params
+    ckpt.close()
+    assert restore.newest_params(exp, workdir)[0] == 8
+    # Arrays that read back whole but are not those saved with step 8's record: step 4's.
+    shutil.rmtree(os.path.join(directory, '8', 'arrays'))
+    shutil.copytree(os.path.join(directory, '4', 'arrays'), os.path.join(directory, '8', 'arrays'))
+    with caplog.at_level(logging.WARNING):
+        step, params = restore.newest_params(exp, workdir)
+    assert step == 4 and all(np.array_equal(a, b) for a, b in zip(
+        jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(step_4)))
+    assert 'checkpoints/8 is damaged:' in caplog.text and 'differ from the checksums saved with them' in caplog.text
+    new = training_fixtures.tiny_config(config.data.text_path, train__init_from=os.path.join(directory, '8'))
+    with pytest.raises(errors.CheckpointError, match=r'init_from=\S+/8: \S+/8 is damaged: .* differ from the '
+                                                     r'checksums saved with them\. Name an earlier step.s folder, '
+                                                     r'e\.g\. \S+/checkpoints/4\.$'):
+        restore.init_from(experiment.setup(new, str(tmp_path / 'new')))
+    truncate_metadata(os.path.join(directory, '8'))  # Its record of the run does not read either.
+    with pytest.raises(errors.CheckpointError, match=r'init_from=\S+/8: \S+/8 does not read \(\w+Error: .*\)\. '
+                                                     r'Name an earlier step.s folder, e\.g\. \S+/checkpoints/4\.$'):
+        restore.init_from(experiment.setup(new, str(tmp_path / 'newer')))
+
+
 def test_fingerprint_sees_every_byte():
     tree = {'a': np.arange(6, dtype=np.float32), 'b': np.zeros((2, 2), np.int32)}
     changed = {'a': tree['a'].copy(), 'b': tree['b']}

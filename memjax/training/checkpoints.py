@@ -44,6 +44,10 @@ class CheckpointMismatchError(errors.CheckpointError):
     """The checkpoint is intact but holds arrays of other shapes than the run expects."""
 
 
+class DamagedCheckpointError(errors.CheckpointError):
+    """The checkpoint's arrays are not those that were saved (a flipped bit, a file overwritten)."""
+
+
 # Odd multipliers: a flipped bit changes a weighted sum by 2^k * odd, never 0 mod 2^32.
 _WEIGHT_A, _WEIGHT_B, _OFFSET_B = 0x9E3779B1, 0x85EBCA77, 0x5BD1E995
 VALID_LOSS = 'valid_loss'
@@ -103,12 +107,20 @@ def _weighted_sums(rows: jax.Array) -> jax.Array:
 
 def fingerprint(tree: Any) -> str:
     """SHA-256 over the dtypes, shapes and bit checksums of every leaf, in tree order."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    digest = hashlib.sha256()
-    for leaf, sums in zip(leaves, jax.device_get(_checksums(leaves))):
+    return checksums(tree)[0]
+
+
+def checksums(tree: Any) -> tuple[str, dict[str, list[int]]]:
+    """(`fingerprint(tree)`, each leaf's two checksums by name): the fingerprint checks a whole
+    restore, the named sums a part of the tree restored alone (the parameters that evaluation reads)."""
+    named = jax.tree_util.tree_flatten_with_path(tree)[0]
+    digest, by_name = hashlib.sha256(), {}
+    for (path, leaf), sums in zip(named, jax.device_get(_checksums([leaf for _, leaf in named]))):
+        sums = np.asarray(sums, np.uint32)
         digest.update(f'{leaf.dtype}{tuple(leaf.shape)}'.encode())
-        digest.update(np.asarray(sums, np.uint32).tobytes())
-    return digest.hexdigest()
+        digest.update(sums.tobytes())
+        by_name[_path_name(path)] = sums.tolist()
+    return digest.hexdigest(), by_name
 
 
 class _Manager(ocp.CheckpointManager):
@@ -251,7 +263,8 @@ class Checkpointer:
         """Starts writing `step`; `valid_loss` (this step's validation) ranks it for keep-best;
         `data` is the training data's fingerprint."""
         arrays = {'state': state, 'memory': memory}
-        meta = {'step': int(step), 'data_state': data_state, 'fingerprint': fingerprint(arrays),
+        whole, leaves = checksums(arrays)
+        meta = {'step': int(step), 'data_state': data_state, 'fingerprint': whole, 'leaf_checksums': leaves,
                 'config': config, 'data': data}
         self.wait()  # A failed background write is the previous step's: named as such.
         self._writing = step
@@ -326,20 +339,28 @@ class Checkpointer:
         return Restored(int(meta['step']), arrays['state'], memory, meta['data_state'], meta.get('data'))
 
     def restore_part(self, step: int, abstract: Any) -> Any:
-        """Only the arrays of `abstract` (a subtree of {'state', 'memory'}), e.g. the parameters.
-
-        The fingerprint covers the whole checkpoint, so a part is checked by orbax alone.
+        """Only the arrays of `abstract` (a subtree of {'state', 'memory'}), e.g. the parameters,
+        each checked against the checksums saved with it; raises DamagedCheckpointError when one
+        differs. (Checkpoints saved before memjax kept them are checked by orbax alone.)
         """
         self.check_shapes(step, abstract, part=True)
+        saved = self.meta(step).get('leaf_checksums')
         # A partial restore needs orbax's PyTree handler, which the named handlers would refuse.
         with logs.dropped(*_READ_ONLY_NOTES):
             manager = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(read_only=True))
         try:
-            return manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.PyTreeRestore(
+            restored = manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.PyTreeRestore(
                 item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
                 partial_restore=True)))['arrays']
         finally:
             manager.close()
+        if saved is not None:
+            differ = sorted(name for name, sums in checksums(restored)[1].items() if saved.get(name, sums) != sums)
+            if differ:
+                raise DamagedCheckpointError(
+                    f'{self.step_dir(step)} is damaged: {len(differ)} of its arrays ({", ".join(differ[:3])}'
+                    f'{", ..." if len(differ) > 3 else ""}) differ from the checksums saved with them')
+        return restored
 
     def latest_intact(self, read: Any, quarantine: bool = False) -> Any:
         """`read(step)` of the newest step it succeeds on, or None when there is none.

@@ -155,7 +155,11 @@ def init_from(exp: experiment.Experiment) -> tuple[train_step_lib.TrainState, An
         if step is not None and step not in ckpt.all_steps():
             raise errors.CheckpointError(f'config.train.init_from={tcfg.init_from}: {source} has '
                                          f'no step {step} (it has {ckpt.all_steps()}).')
-        step, source_config = saved_run.saved_with(ckpt, step)
+        named = step
+        try:
+            step, source_config = saved_run.saved_with(ckpt, named)
+        except Exception as error:  # pylint: disable=broad-except  (orbax raises many types for damaged files)
+            raise _damaged_source(ckpt, named, tcfg.init_from, error) from None
         if step is None:
             raise errors.CheckpointError(f'config.train.init_from={tcfg.init_from}: no readable '
                                          'checkpoint there.')
@@ -164,17 +168,31 @@ def init_from(exp: experiment.Experiment) -> tuple[train_step_lib.TrainState, An
                                      'config.train.init_from')
         keep_optimizer = tcfg.init_from_state == 'params_and_optimizer'
         abstract = experiment.abstract_state(exp)[0]
-        if keep_optimizer:
-            state = ckpt.restore_part(step, {'state': abstract})['state']
-        else:
-            params = ckpt.restore_part(step, {'state': {'params': abstract.params}})
-            state, _ = experiment.init_state(exp, params['state']['params'])
+        try:
+            part = ckpt.restore_part(step, {'state': abstract if keep_optimizer else {'params': abstract.params}})
+        except checkpointing.CheckpointMismatchError:
+            raise
+        except Exception as error:  # pylint: disable=broad-except
+            raise _damaged_source(ckpt, step, tcfg.init_from, error) from None
     finally:
         ckpt.close()
+    state = part['state'] if keep_optimizer else experiment.init_state(exp, part['state']['params'])[0]
     logging.info('Started from %s of %s (%s); fresh data stream and memory.',
                  'parameters and optimizer state' if keep_optimizer else 'parameters',
                  ckpt.step_dir(step), f'step {int(state.step)}')
     return state, exp.partitioner.init_memory(exp.mcfg, tcfg.batch_size)
+
+
+def _damaged_source(ckpt: checkpointing.Checkpointer, step: int, init_from: str,
+                    error: Exception) -> errors.CheckpointError:
+    """The one line for an init_from step that is damaged, naming an earlier step to start from."""
+    why = (str(error) if isinstance(error, checkpointing.DamagedCheckpointError) else
+           f'{ckpt.step_dir(step)} does not read ({type(error).__name__}: {" ".join(str(error).split())[:200]})')
+    earlier = [s for s in ckpt.all_steps() if s < step]
+    return errors.CheckpointError(
+        f'config.train.init_from={init_from}: {why}. Name '
+        + (f'an earlier step\'s folder, e.g. {ckpt.step_dir(earlier[-1])}.' if earlier
+           else 'another run: it has no earlier step.'))
 
 
 def _from_gpt2(exp: experiment.Experiment) -> tuple[train_step_lib.TrainState, Any]:
