@@ -25,6 +25,7 @@ from memjax.runtime import host_memory
 from memjax.runtime import logs
 from memjax.runtime import peer_watch
 from memjax.training import workdir as workdir_lib
+from memjax import path_flags
 
 _HOST_MEMORY = flags.DEFINE_enum(
     'host_memory', 'auto', host_memory.MODES,
@@ -84,7 +85,7 @@ def define_workdir_flags() -> tuple[flags.FlagHolder, flags.FlagHolder]:
     config = config_flags.DEFINE_config_file(
         'config', None, 'Path to a configs/*.py file; default: the config the workdir\'s run was trained with '
         '(its config.json), to which --config.a.b=v overrides apply as well.', lock_config=True)
-    workdir = flags.DEFINE_string('workdir', None, 'Training workdir holding checkpoints/.')
+    workdir = path_flags.define('workdir', None, 'Training workdir holding checkpoints/.')
     flags.mark_flag_as_required('workdir')
     return config, workdir
 
@@ -105,6 +106,7 @@ def with_workdir_config(argv: Sequence[str]) -> list[str]:
             workdir = argv[i + 1]
     if workdir is None:
         return argv  # absl says that --workdir is required.
+    workdir = path_flags.expand(workdir)
     workdir_lib.check(workdir, create=False)
     return [argv[0], f'--config={WORKDIR_CONFIG_FILE}:{workdir}', *argv[1:]]
 

@@ -26,10 +26,11 @@ from memjax import cli
 from memjax import errors
 from memjax.generation import Sampling
 from memjax.generation.text import check_settings, generate
+from memjax import path_flags
 
 _CONFIG, _WORKDIR = cli.define_workdir_flags()
 _PROMPT = flags.DEFINE_string('prompt', None, 'Text to continue.')
-_PROMPT_FILE = flags.DEFINE_string('prompt_file', None, 'File whose text to continue (UTF-8).')
+_PROMPT_FILE = path_flags.define('prompt_file', None, 'File whose text to continue (UTF-8).')
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 100, 'Tokens to produce.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'Softmax temperature; 0: greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k most probable tokens; 0: all.')

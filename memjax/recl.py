@@ -31,12 +31,13 @@ from memjax import cli
 from memjax import errors
 from memjax.analysis import recl as recl_lib
 from memjax.runtime import storage
+from memjax import path_flags
 
-_WORKDIRS = flags.DEFINE_list('workdirs', None, 'The group: trained workdirs, comma-separated; WORKDIR@trams scores '
+_WORKDIRS = path_flags.define_list('workdirs', None, 'The group: trained workdirs, comma-separated; WORKDIR@trams scores '
                               'an XL run as TRAMS.')
 _CONTEXTS = flags.DEFINE_list('contexts', None, 'Context lengths in tokens, increasing by a step Delta.')
 _R = flags.DEFINE_list('r', ['0.1', '0.5', '1.0'], 'Shares of the hardest tokens (by the group\'s baseline) scored.')
-_OUT = flags.DEFINE_string('out', None, 'Folder for the table, the figure and the per-token losses.')
+_OUT = path_flags.define('out', None, 'Folder for the table, the figure and the per-token losses.')
 _SPLIT = flags.DEFINE_string('split', 'validation', 'The split scored.')
 _MAX_BATCHES = flags.DEFINE_integer('max_batches', -1, 'Evaluation batches of the split scored; -1: all of it.')
 _CLAMP_LEN = flags.DEFINE_integer('clamp_len', None, 'Relative distances beyond it scored as it, for every run; -2: '

@@ -27,10 +27,11 @@ from memjax import cli
 from memjax.runtime import distributed
 from memjax import errors
 from memjax.training import loop as trainer
+from memjax import path_flags
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file.',
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, logs and metrics.')
+_WORKDIR = path_flags.define('workdir', None, 'Directory for checkpoints, logs and metrics.')
 flags.mark_flags_as_required(['config', 'workdir'])
 # --help lists what users set on this command, not only the two flags above.
 flags.adopt_module_key_flags(cli)

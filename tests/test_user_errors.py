@@ -17,6 +17,7 @@ from memjax.generation import text as generation_text
 from memjax.training import loop as trainer
 from memjax.training import experiment
 from memjax.training import run_files
+from memjax.training import run_lock
 import cli_fixtures
 import command_server
 import disks
@@ -110,6 +111,24 @@ def test_a_config_file_that_does_not_load_is_one_line_and_verbose_shows_its_trac
     assert code == errors.EXIT_USAGE and 'Traceback (most recent call last)' in stderr
     assert ('mine.py", line' in stderr) == traced  # The file's own line, where it has one.
     assert not os.path.exists(tmp_path / 'w')
+
+
+def test_a_workdir_written_with_a_tilde_is_one_folder_in_the_home_for_every_module(trained, corpus, env, tmp_path):
+    """`--workdir=~/run` reaches the command as typed (no shell expands a `~` inside a word): it is
+    the home's folder for the lock as for the checkpoints, so a run there is refused while another
+    holds it, and a trained workdir written so is evaluated; nothing named `~` is made."""
+    home = tmp_path / 'home'
+    (home / 'run').mkdir(parents=True)
+    os.symlink(trained[0], home / 'trained')
+    env = {**env, 'HOME': str(home)}
+    with run_lock.RunLock(str(home / 'run')):
+        code, stderr = run(cli_fixtures.tiny_command('~/run', corpus, trained[1]), env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, f'{home}/run', f'process {os.getpid()}')
+    code, stderr = run([sys.executable, '-m', 'memjax.evaluate', '--workdir=~/trained', '--config.eval.split=test',
+                        f'--config.data.data_dir={trained[1]}'], env)
+    assert code == 0, stderr[-3000:]
+    assert os.path.exists(os.path.join(trained[0], 'eval_test.json'))
+    assert not os.path.exists(os.path.join(training_fixtures.REPO, '~'))
 
 
 def test_training_into_a_folder_memjax_did_not_write_changes_nothing_there(corpus, env, tmp_path):

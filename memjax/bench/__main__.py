@@ -24,13 +24,14 @@ from memjax import cli
 from memjax import errors
 from memjax.bench import harness
 from memjax.training import workdir as workdir_lib
+from memjax import path_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Optional configs/*.py file; suites take the model fields they do not vary '
     'from it (default: each suite\'s own base config).', lock_config=True)
 _SIZE = flags.DEFINE_enum('size', 'full', harness.SIZES,
                           'tiny: seconds-long shapes (CI); full: the real measurement.')
-_OUT = flags.DEFINE_string('out', None, 'Write the JSON report here; {suite} in it is the suite\'s name '
+_OUT = path_flags.define('out', None, 'Write the JSON report here; {suite} in it is the suite\'s name '
                            '(needed with several suites: --out=reports/{suite}.json).')
 _WARMUP = flags.DEFINE_integer('warmup', None, 'Untimed runs before timing (default 2; tiny: 1).')
 _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed runs; the median is reported '
@@ -39,7 +40,7 @@ flags.adopt_module_key_flags(cli)  # --host_memory, --verbose in --help.
 _LIST = flags.DEFINE_boolean('list', False, 'Print the available suites and exit.')
 _PARTS = flags.DEFINE_list('parts', [], 'Only these parts of a suite that has parts (accel: peak, peer, train, '
                            'eval, methods, attention, fused, choices, probe); default: the suite\'s own.')
-_PEAK_FROM = flags.DEFINE_string('peak_from', None, 'accel: the --out report of an earlier run on this '
+_PEAK_FROM = path_flags.define('peak_from', None, 'accel: the --out report of an earlier run on this '
                                  'machine whose peak rows are this run\'s roofline (not measured again).')
 
 

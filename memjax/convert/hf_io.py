@@ -25,6 +25,7 @@ from flax import traverse_util
 from memjax import errors
 from memjax.runtime import logs
 from memjax.model import ModelConfig, convert_layer_layout, init_params
+from memjax import path_flags
 
 CONFIG_FILE = 'config.json'
 PARAMS_FILE = 'params.msgpack'
@@ -266,7 +267,7 @@ def command_flags(argv: Optional[Sequence[str]], prog: str, about: str, required
     the command needs, and the flags; a missing, unknown or extra argument is one line."""
     values = flags.FlagValues()
     for name, text in {**required, **optional}.items():
-        flags.DEFINE_string(name, None, text, flag_values=values)
+        path_flags.define(name, None, text, flag_values=values)  # Every flag of an import names a file.
     argv = sys.argv[1:] if argv is None else list(argv)
     if {'--help', '-h', '--helpfull'} & set(argv):
         listed = [f'  --{name}: {text}' for name, text in required.items()]
