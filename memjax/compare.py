@@ -39,7 +39,7 @@ import json
 import os
 import sys
 import traceback
-from typing import Callable
+from typing import Callable, Iterator
 
 from absl import flags
 from absl import logging
@@ -62,6 +62,7 @@ from memjax.data import pipeline
 from memjax.runtime import storage
 from memjax.training import experiment
 from memjax.training import loop as trainer
+from memjax.training import resume
 from memjax.training import run_files
 from memjax.training import run_lock
 from memjax.training import saved_run
@@ -213,10 +214,13 @@ def read_done(path: str, fields: tuple[str, ...], what: str) -> dict | None:
 
 
 def train_one(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Trains (or resumes) one run; its summary, with the train step's memory, is kept beside it."""
+    """Trains (or resumes) one run; its summary, with the train step's memory and the config it was
+    trained with, is kept beside it. A record of another config is not this run's: the run resumes
+    (training further, or only validating again), and a config it cannot resume with was refused
+    before anything trained (`_check_saved_runs`)."""
     path = os.path.join(workdir, 'compare_train.json')
     done = read_done(path, TRAIN_FIELDS, 'run')
-    if done is not None:
+    if done is not None and done.get('config') == resume.to_plain(config):
         return done
     summary = trainer.train_and_evaluate(config, workdir)
     if summary.get('preempted'):  # Saved, not finished: nothing is recorded as done.
@@ -225,20 +229,22 @@ def train_one(config: ml_collections.ConfigDict, workdir: str) -> dict:
     summary['params'] = parameter_count(saved_run.saved_config(workdir))
     summary['step_memory_bytes'] = int(memory.argument_size_in_bytes + memory.output_size_in_bytes
                                        - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+    summary['config'] = resume.to_plain(config)
     run_files.write_result(path, summary, history=False)  # Last: a run without it is trained (or resumed) again.
     return summary
 
 
-def evaluate_one(config: ml_collections.ConfigDict, workdir: str, name: str, overrides: dict) -> dict:
-    """Scores the run's newest checkpoint with `overrides` on config.eval.model (resumable)."""
+def evaluate_one(config: ml_collections.ConfigDict, workdir: str, name: str, overrides: dict, step: int) -> dict:
+    """Scores the run's newest checkpoint, `step`, with `overrides` on config.eval.model (resumable: a
+    record of the same step and config is read back)."""
     path = os.path.join(workdir, f'compare_eval_{name}.json')
-    done = read_done(path, EVAL_FIELDS, 'evaluation')
-    if done is not None:
-        return done
     config = config.copy_and_resolve_references()
     config.eval.model.update(overrides)
+    done = read_done(path, EVAL_FIELDS, 'evaluation')
+    if done is not None and done.get('step') == step and done.get('config') == resume.to_plain(config):
+        return done
     summary = evaluate.evaluate_checkpoint(config, workdir, out_path=os.path.join(workdir, f'eval_{name}.json'))
-    summary['eval_tokens_per_s'] = summary['tokens_per_s']
+    summary.update(eval_tokens_per_s=summary['tokens_per_s'], config=resume.to_plain(config))
     run_files.write_result(path, summary, history=False)  # Written once complete: a resumed comparison trusts it.
     return summary
 
@@ -267,24 +273,46 @@ def run_comparison(config: ml_collections.ConfigDict, workdir: str) -> dict:
         return _compare(config, section, workdir)
 
 
-def _compare(config: ml_collections.ConfigDict, section: ml_collections.ConfigDict, workdir: str) -> dict:
-    mem_lens = _mem_lens(config)
-    trained = [m for m in section.methods if not METHODS[m].runs_on]
+def _trained_runs(config: ml_collections.ConfigDict, section: ml_collections.ConfigDict) -> Iterator[tuple]:
+    """(method, seed, its run's config or the error that stopped making it) of every run trained."""
     xl_params = parameter_count(run_config(config, 'xl', 0)) if section.match_params else None
-    results, failures = {}, {}
-    for method in trained:
+    for method in [m for m in section.methods if not METHODS[m].runs_on]:
         for seed in range(section.seeds):
             run = run_config(config, method, seed)
             try:
                 if xl_params is not None and method != 'xl':
                     run.model.d_inner = matched_d_inner(run, xl_params)
-                logging.info('compare: training %s seed %d', method, seed)
-                results[(method, seed)] = {'train': train_one(run, os.path.join(workdir, method, f'seed{seed}')),
-                                           'config': run}
-            except Stopped:
-                raise
-            except Exception as error:  # pylint: disable=broad-except  (reported; the others go on)
-                failures[f'{method}/seed{seed}'] = _failure(error, f'{method} seed {seed}')
+            except Exception as error:  # pylint: disable=broad-except  (reported with the method's runs)
+                run = error
+            yield method, seed, run
+
+
+def _check_saved_runs(runs: list[tuple], workdir: str) -> None:
+    """Refuses, before anything trains, a comparison whose `runs` (`_trained_runs`) already hold
+    checkpoints of a config they cannot resume with (another model, data or batch), as memjax.train
+    refuses it."""
+    for method, seed, run in runs:
+        if not isinstance(run, Exception):
+            saved_run.check_saved_config(experiment.resolved(run, jax.device_count()),
+                                         os.path.join(workdir, method, f'seed{seed}'), training=True)
+
+
+def _compare(config: ml_collections.ConfigDict, section: ml_collections.ConfigDict, workdir: str) -> dict:
+    mem_lens = _mem_lens(config)
+    runs = list(_trained_runs(config, section))
+    _check_saved_runs(runs, workdir)
+    results, failures = {}, {}
+    for method, seed, run in runs:
+        try:
+            if isinstance(run, Exception):
+                raise run
+            logging.info('compare: training %s seed %d', method, seed)
+            results[(method, seed)] = {'train': train_one(run, os.path.join(workdir, method, f'seed{seed}')),
+                                       'config': run}
+        except Stopped:
+            raise
+        except Exception as error:  # pylint: disable=broad-except  (reported; the others go on)
+            failures[f'{method}/seed{seed}'] = _failure(error, f'{method} seed {seed}')
     rows = []
     for method in section.methods:
         spec = METHODS[method]
@@ -304,7 +332,8 @@ def _compare(config: ml_collections.ConfigDict, section: ml_collections.ConfigDi
                     # depend on the memory once, a clamp that clamps nothing as no clamp.
                     name = (f'{method}_mem{mem_len}' if spec.evaluation(mem_len) else method) + (
                         f'_clamp{clamp}' if clamp > 0 else '')
-                    found = evaluate_one(source['config'], run_dir, name, {**overrides, 'clamp_len': clamp})
+                    found = evaluate_one(source['config'], run_dir, name, {**overrides, 'clamp_len': clamp},
+                                         source['train']['step'])
                 except Exception as error:  # pylint: disable=broad-except
                     failures[where] = _failure(error, where)
                     continue

@@ -142,6 +142,28 @@ def test_a_second_run_reads_everything_back(compared, corpus):
     assert before == {name: os.stat(os.path.join(checkpoints, name)).st_mtime_ns for name in os.listdir(checkpoints)}
 
 
+def test_a_changed_model_is_refused_before_anything_trains_and_more_steps_train_on(compared, corpus, tmp_path):
+    """The runs' records are read back for the config they were made with only: a model their
+    checkpoints cannot resume with is refused in one line before anything trains or is written, as
+    memjax.train refuses it; more steps resume the runs and score them again."""
+    workdir = str(tmp_path / 'copy')
+    shutil.copytree(compared[0], workdir)
+    files = lambda: {os.path.join(root, name): open(os.path.join(root, name), 'rb').read()
+                     for root, _, names in os.walk(workdir) for name in names if not name.startswith('memjax.')}
+    before = files()
+    wider = training_fixtures.override(tiny_comparison(corpus), model__d_model=64, model__d_inner=128)
+    with pytest.raises(errors.ConfigError, match=r'model\.d_model \d+ -> 64'):
+        compare.run_comparison(wider, workdir)
+    assert files() == before
+    longer = compare.run_comparison(training_fixtures.override(tiny_comparison(corpus), train__num_steps=6), workdir)
+    assert not longer['failures']
+    with open(os.path.join(workdir, 'xl', 'seed0', 'compare_train.json')) as f:
+        assert json.load(f)['step'] == 6
+    losses = lambda report: {(r['method'], r['eval_mem_len'], r['clamp']): r['loss'] for r in report['rows']}
+    assert losses(longer).keys() == losses(compared[1]).keys()
+    assert all(losses(longer)[key] != loss for key, loss in losses(compared[1]).items())
+
+
 def test_asked_for_recl_the_table_gains_each_methods_recl_from_one_group(compared, corpus, tmp_path,
                                                                        caplog):
     """Run again with RECL contexts, a comparison trains and evaluates nothing again and adds the
