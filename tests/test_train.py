@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -235,6 +236,40 @@ def test_a_finite_loss_above_the_divergence_limit_stops_the_interval_at_its_step
                                             config_lib.TrainConfig().diverged_limit(256))
     off = config_lib.TrainConfig(diverged_loss=0.0)
     progress.Interval(10).check_healthy(values, None, off.diverged_limit(256))
+
+
+def test_a_bad_update_after_the_compiling_dispatch_is_named_by_its_own_step():
+    """The first interval holds the compiling dispatch's updates (here steps 1-2) as well as the later
+    ones; its speed counts from after them, but its updates are numbered from its start."""
+    train = config_lib.TrainConfig(segments_per_step=2, diverged_loss=100.0)
+    report = progress.Progress(types.SimpleNamespace(run=types.SimpleNamespace(train=train)), None, 0)
+    update = lambda nll: {'nll_sum': np.array(nll), 'grad_norm': np.ones(2), 'num_tokens': np.full(2, 8.0),
+                          'learning_rate': np.full(2, 1e-3), 'out_of_range_ids': np.zeros(2)}
+    report.before_update(True, np.zeros(1))
+    report.after_update(update([16.0, 16.0]), 2, compiles=True)
+    report.after_update(update([16.0, np.nan]), 4, compiles=False)
+    with pytest.raises(errors.NonFiniteLossError, match='non-finite loss or gradient at step 4 '):
+        report.report(4, None)
+
+
+def test_saves_are_kept_out_of_the_runs_throughput(corpus, tmp_path, monkeypatch):
+    """Each save here takes 1,000 s by the run's clock: train_tokens_per_s counts the updates' time
+    alone (the tiny run's updates take seconds, so 1,000 s more would drag it below tokens / 1,000)."""
+    clock = {'offset': 0.0}
+    real = progress.time.time
+    monkeypatch.setattr(progress, 'time', types.SimpleNamespace(time=lambda: real() + clock['offset']))
+    save = checkpointing.Checkpointer.save
+
+    def slow_save(*args, **kwargs):
+        clock['offset'] += 1000.0
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointing.Checkpointer, 'save', slow_save)
+    config = training_fixtures.tiny_config(corpus, train__num_steps=6, train__checkpoint_every=2, train__eval_every=0)
+    summary = trainer.train_and_evaluate(config, str(tmp_path))
+    assert clock['offset'] == 3000.0
+    tokens = (config.train.num_steps - config.train.segments_per_step) * config.train.batch_size * config.train.tgt_len
+    assert summary['train_tokens_per_s'] > tokens / 1000.0
 
 
 def test_train_step_counts_out_of_range_ids_of_inputs_and_scored_targets():

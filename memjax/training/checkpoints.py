@@ -256,6 +256,7 @@ class Checkpointer:
             self._manager = _Manager(self.directory, options=options, item_handlers=handlers)
         self._writing: Optional[int] = None  # The step whose asynchronous write may be in flight.
         self._failed = False  # A failed write was reported (as a CheckpointError) already.
+        self._saved = False  # The first save compiles the checksums: said in a line, as every compilation is.
         self.damaged: list[int] = []  # Steps found damaged (and quarantined) by latest_intact.
 
     def save(self, step: int, state: Any, memory: Any, data_state: Any, config: dict,
@@ -263,6 +264,9 @@ class Checkpointer:
         """Starts writing `step`; `valid_loss` (this step's validation) ranks it for keep-best;
         `data` is the training data's fingerprint."""
         arrays = {'state': state, 'memory': memory}
+        if not self._saved:
+            logging.info('Compiling the checkpoints\' checksums: the first save includes it.')
+            self._saved = True
         whole, leaves = checksums(arrays)
         meta = {'step': int(step), 'data_state': data_state, 'fingerprint': whole, 'leaf_checksums': leaves,
                 'config': config, 'data': data}

@@ -126,8 +126,9 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
                 save = _keep_best(exp, ckpt, step, valid_loss, best_loss, last_checkpoint) or save
                 best_loss = valid_loss if best_loss is None else min(best_loss, valid_loss)
             if save:
-                ckpt.save(step, state, memory, iterator.get_state(), exp.run.source, valid_loss,
-                          train_streams.fingerprint)
+                with progress.aside():
+                    ckpt.save(step, state, memory, iterator.get_state(), exp.run.source, valid_loss,
+                              train_streams.fingerprint)
                 last_checkpoint = ckpt.step_dir(step)
             if preempted:
                 break

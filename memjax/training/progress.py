@@ -1,8 +1,9 @@
 """What a run reports as it steps: its start, each interval's scalars and progress line (with
 the checks that stop a run before a bad state is saved), and validation."""
 
+import contextlib
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from absl import logging
 import jax
@@ -43,9 +44,10 @@ class Interval:
     """Per-update metrics since the last report, kept on device until they are needed."""
 
     def __init__(self, first_step: int):
-        self.first_step = first_step
+        self.first_step = first_step  # The step before its first update: what its updates are numbered from.
         self.parts = []
         self.start_time = time.time()
+        self.timed_from_step = first_step  # Its speed counts from here: after a compiling dispatch.
         self.untimed_tokens = 0.0  # The compiling first dispatch's: not in its throughput.
 
     def add(self, step_metrics: dict) -> None:
@@ -94,14 +96,14 @@ def diverged(what: str, step: int, limit: float, last_checkpoint: Optional[str])
 class Progress:
     """The run's reports as it steps: per interval (from one report to the next) the train scalars
     and a progress line; the throughput counts neither the dispatches that compile (the first, a
-    new phase's) nor validation."""
+    new phase's) nor validation and saves."""
 
     def __init__(self, exp: experiment.Experiment, writer: metrics_lib.MetricWriter, step: int):
         self.exp, self.writer = exp, writer
         self.interval = Interval(step)
         self.logged_tokens = self.compile_tokens = 0.0
         self.steady_start: Optional[float] = None  # The end of the first compiling dispatch.
-        self.eval_seconds = self.compile_seconds = 0.0
+        self.aside_seconds = self.compile_seconds = 0.0  # Validation and saving; later compilations.
         self._dispatched = 0.0
 
     def before_update(self, compiles: bool, memory: Any) -> None:
@@ -124,7 +126,7 @@ class Progress:
         self.compile_tokens += float(np.sum(step_metrics['num_tokens']))
         # Speeds and the ETA count from here: a first line of "8 tok/s, eta 107h" says nothing.
         interval = self.interval
-        interval.start_time, interval.first_step = now, step
+        interval.start_time, interval.timed_from_step = now, step
         interval.untimed_tokens = float(sum(np.sum(part['num_tokens']) for part in interval.parts))
 
     def report(self, step: int, last_checkpoint: Optional[str]) -> None:
@@ -139,18 +141,25 @@ class Progress:
     def validate(self, eval_step: Callable, params: Any, streams: pipeline.LMStreams, max_batches: int,
                  step: int) -> dict:
         """`validate`, its time kept out of the throughput."""
+        with self.aside():
+            return validate(self.exp, eval_step, params, streams, max_batches, step, self.writer)
+
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Time that is not training (validation, a checkpoint's save), kept out of the throughput."""
         start = time.time()
-        scalars = validate(self.exp, eval_step, params, streams, max_batches, step, self.writer)
-        self.eval_seconds += time.time() - start
-        return scalars
+        try:
+            yield
+        finally:
+            self.aside_seconds += time.time() - start
 
     def next_interval(self, step: int) -> None:
         self.interval = Interval(step)
 
     def train_seconds(self) -> float:
         """Seconds of steady updates so far: since the first compiling dispatch ended, less
-        validation and later compiling dispatches."""
-        return (time.time() - self.steady_start - self.eval_seconds - self.compile_seconds
+        validation, saves and later compiling dispatches."""
+        return (time.time() - self.steady_start - self.aside_seconds - self.compile_seconds
                 if self.steady_start else 0.0)
 
     def tokens_per_s(self, seconds: float) -> Optional[float]:
@@ -166,7 +175,7 @@ class Progress:
         tcfg = self.exp.run.train
         seconds = max(time.time() - self.interval.start_time, 1e-9)
         tokens = float(values['num_tokens'].sum())  # Global: summed over the sharded batch.
-        timed = step > self.interval.first_step  # Not an interval of the compiling dispatch alone.
+        timed = step > self.interval.timed_from_step  # Not an interval of the compiling dispatch alone.
         mean_nll = float(values['nll_sum'].sum() / max(values['num_tokens'].sum(), 1.0))
         scalars = {
             'loss': mean_nll,
@@ -179,7 +188,7 @@ class Progress:
                for k, v in values.items() if k.startswith(train_step_lib.AUX_PREFIX)},
         }
         self.writer.write_scalars(step, 'train', scalars)
-        eta = (tcfg.num_steps - step) * seconds / (step - self.interval.first_step) if timed else None
+        eta = (tcfg.num_steps - step) * seconds / (step - self.interval.timed_from_step) if timed else None
         logging.info(metrics_lib.progress_line(step, tcfg.num_steps, scalars, self.exp.unit, eta))
         return tokens
 
