@@ -203,9 +203,9 @@ def test_the_command_writes_a_workdir_that_generate_reads(files, tmp_path, capsy
     texts = generation_text.generate(None, workdir, 'the and', 8, Sampling(temperature=0), out=out)
     config, params = original.read_model(model_path)
     tok = original.read_vocabulary(corpus_path, config.vocab_size)
-    expected = sample(lm.build_model(config), params, generation_text.prompt_ids(tok, 'the and'), 8,
-                      Sampling(temperature=0)).tokens[0]
-    assert texts == [tok.decode(expected)]
+    prompt = generation_text.prompt_ids(tok, 'the and')
+    expected = sample(lm.build_model(config), params, prompt, 8, Sampling(temperature=0)).tokens[0]
+    assert ['the and' + text for text in texts] == [tok.decode(np.concatenate([prompt, expected]))]
     before = {path: os.stat(os.path.join(root, path)).st_mtime_ns
               for root, _, names in os.walk(workdir) for path in names}
     with pytest.raises(SystemExit):  # Never into a workdir that holds something.

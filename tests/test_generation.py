@@ -232,6 +232,32 @@ def test_word_prompts_stop_mid_line_and_text_streams_whole_characters():
     assert out.getvalue() == 'né à\n'
 
 
+@pytest.mark.parametrize('tokenizer, prompt, new, expected', [
+    # Words are joined by spaces: the prompt's last word and the first new one get one between them.
+    (WordTokenizer(['<eos>', '<unk>', 'in', 'the', 'beginning']), 'in the', ['beginning', '<eos>', 'in'],
+     ' beginning\nin'),
+    (WordTokenizer(['<eos>', '<unk>', 'in', 'the', 'beginning']), 'in the ', ['beginning'], 'beginning'),
+    (WordTokenizer(['<eos>', '<unk>', 'in', 'the', 'beginning']), 'in the\n', ['beginning'], 'beginning'),
+    (ByteTokenizer(), 'in the ', list(b'beginning'), 'beginning'),  # Bytes are the text itself.
+    (ByteTokenizer(), 'caf\u00e9', list(' au lait'.encode()), ' au lait'),
+])
+def test_a_continuation_reads_after_its_prompt_as_the_whole_decodes(tokenizer, prompt, new, expected):
+    """What generation prints after the prompt: the prompt and its continuation decoded together,
+    less the prompt (its space kept once where the tokenizer drops it), streamed or at once."""
+    ids = [tokenizer.encode(t)[0] if isinstance(t, str) else t for t in new]
+    prompt_ids = generation_text.prompt_ids(tokenizer, prompt)
+    after = generation_text.Continuation(tokenizer, prompt_ids, prompt)
+    assert after.text(ids) == expected
+    if not prompt.endswith(' '):
+        assert prompt + expected == tokenizer.decode(np.concatenate([prompt_ids, ids]))
+    out = io.StringIO()
+    stream = generation_text.TextStream(tokenizer, out, after)
+    for i in ids:
+        stream.add([i])
+    stream.close()
+    assert out.getvalue() == expected + '\n'
+
+
 class _CountedFlushes(io.StringIO):
     def __init__(self, tty):
         super().__init__()

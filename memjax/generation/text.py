@@ -31,6 +31,29 @@ def prompt_ids(tokenizer: Tokenizer, text: str) -> np.ndarray:
     return ids
 
 
+# The prompt's last ids that a continuation is decoded after (all of them would make each streamed
+# token cost the prompt's length): enough for a word's or a character's boundary.
+CONTEXT_IDS = 16
+
+
+class Continuation:
+    """The text of ids that continue a prompt, as it reads after the prompt: decoded together with
+    the prompt's last ids, so that a tokenizer that joins its tokens with spaces (words,
+    sentencepiece) puts one between the prompt and the first new token. A space the prompt ends
+    with, which such tokenizers drop, is not written twice."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids=(), prompt_text: str = ''):
+        self.tokenizer = tokenizer
+        self.context = [int(i) for i in prompt_ids[len(prompt_ids) - CONTEXT_IDS:]] if len(prompt_ids) else []
+        self.lead = tokenizer.decode(self.context) if self.context else ''
+        if prompt_text.endswith(' ') and self.lead and not self.lead.endswith(' '):
+            self.lead += ' '
+
+    def text(self, ids) -> str:
+        whole = self.tokenizer.decode(self.context + [int(i) for i in ids])
+        return whole[len(self.lead):] if whole.startswith(self.lead) else self.tokenizer.decode(ids)
+
+
 class TextStream:
     """Writes the text of the ids seen so far as it grows: decoding the whole and writing what is
     new keeps word spacing and byte sequences whole (a partial UTF-8 character waits).
@@ -39,18 +62,19 @@ class TextStream:
     ends only: a notebook keeps each flush as an output of its own, one per byte otherwise, and its
     kernel sends what is written every fraction of a second anyway."""
 
-    def __init__(self, tokenizer: Tokenizer, out: TextIO):
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer: Tokenizer, out: TextIO, after: Optional[Continuation] = None):
+        self.continuation = after or Continuation(tokenizer)
+        self.out = out
         self.ids: list[int] = []
         self.shown = ''
         self.live = getattr(out, 'isatty', lambda: False)()
 
     def add(self, ids) -> None:
         self.ids.extend(int(i) for i in ids)
-        self._show(self.tokenizer.decode(self.ids).rstrip(''.join(map(chr, range(0xDC80, 0xDD00)))))
+        self._show(self.continuation.text(self.ids).rstrip(''.join(map(chr, range(0xDC80, 0xDD00)))))
 
     def close(self) -> None:
-        text = self.tokenizer.decode(self.ids)
+        text = self.continuation.text(self.ids)
         if not text.startswith(self.shown):  # A tokenizer whose prefixes decode otherwise: all of it, anew.
             self.out.write('\n')
             self.shown = ''
@@ -78,7 +102,8 @@ def generate(config: Optional[ml_collections.ConfigDict], workdir: str, text: st
              settings: Sampling, seed: int = 0, num_samples: int = 1, out: TextIO = sys.stdout,
              echo: bool = False) -> list[str]:
     """Continues `text` `num_samples` times with the newest checkpoint of `workdir`; streams the first
-    continuation to `out` (or all, one after another, when there are several) and returns them.
+    continuation to `out` (or all, one after another, when there are several) and returns them, each
+    as it reads after the prompt (`Continuation`).
     With `echo` the prompt is written first, once the model has read it: a refused prompt or run is
     one error, with nothing written."""
     check_settings(settings, num_samples)
@@ -100,13 +125,14 @@ def generate(config: Optional[ml_collections.ConfigDict], workdir: str, text: st
             out.write(prompt.pop())
             out.flush()
 
-    stream = TextStream(exp.tokenizer, out) if num_samples == 1 else None
+    after = Continuation(exp.tokenizer, ids, text)
+    stream = TextStream(exp.tokenizer, out, after) if num_samples == 1 else None
     try:
         result = sample(exp.eval_model, params, np.tile(ids, (num_samples, 1)), max_new_tokens, settings,
                         seed=seed, on_token=None if stream is None else lambda new: (show_prompt(), stream.add(new)))
     except ValueError as error:  # A prompt the model cannot read, a kind that cannot decode.
         raise errors.UsageError(str(error)) from error
-    texts = [exp.tokenizer.decode(row) for row in result.tokens]
+    texts = [after.text(row) for row in result.tokens]
     show_prompt()
     if stream is not None:
         stream.close()
