@@ -22,8 +22,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     def job():
         config, params = original.read_model(args.model)
-        tokenizer = original.read_vocabulary(args.corpus, config.vocab_size)
-        restore.write_imported(config, params, tokenizer, args.workdir)
+        tokenizer, data_name = original.read_corpus(args.corpus, config.vocab_size)
+        restore.write_imported(config, params, tokenizer, args.workdir, data_name)
         return (f'Imported {hf_io.parameter_count(params):,} parameters and a {tokenizer.kind} vocabulary of '
                 f'{tokenizer.vocab_size:,} into {args.workdir} ({hf_io.config_summary(config)}).')
 

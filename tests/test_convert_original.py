@@ -150,7 +150,8 @@ def test_the_imported_model_computes_hf_log_probs_with_the_clusters_in_order(fil
 ])
 def test_character_vocabularies_become_byte_vocabularies_in_their_own_order(tmp_path, dataset, symbols, text, ids):
     torch.save(original_corpus(dataset, symbols), tmp_path / 'cache.pt')
-    tok = original.read_vocabulary(str(tmp_path / 'cache.pt'), len(symbols))
+    tok, data_name = original.read_corpus(str(tmp_path / 'cache.pt'), len(symbols))
+    assert data_name == dataset  # memjax prepares both under the same names.
     assert tok.encode(text).tolist() == ids
     assert tok.decode(ids) == text.replace('\n', '')
     with pytest.raises(errors.DataError, match='not in this imported byte vocabulary'):
@@ -159,11 +160,14 @@ def test_character_vocabularies_become_byte_vocabularies_in_their_own_order(tmp_
 
 def test_word_vocabulary_of_the_original_order_and_a_mismatch_is_refused(files, tmp_path):
     _, _, corpus_path = files
-    tok = original.read_vocabulary(corpus_path, VOCAB.vocab_size)
-    assert (tok.eos_id, tok.unk_id) == (0, 3)
+    tok, data_name = original.read_corpus(corpus_path, VOCAB.vocab_size)
+    assert (tok.eos_id, tok.unk_id) == (0, 3) and data_name == 'wikitext103'
+    words = ['<eos>', 'the', 'and', '<unk>'] + [f'w{i}' for i in range(VOCAB.vocab_size - 4)]
+    torch.save(original_corpus('ptb', words), tmp_path / 'ptb.pt')  # One memjax does not prepare: text files.
+    assert original.read_corpus(str(tmp_path / 'ptb.pt'), VOCAB.vocab_size)[1] == 'text'
     assert tok.encode('the zebra and').tolist() == [1, 3, 2, 0]
     with pytest.raises(errors.CheckpointError, match='different runs'):
-        original.read_vocabulary(corpus_path, VOCAB.vocab_size + 1)
+        original.read_corpus(corpus_path, VOCAB.vocab_size + 1)
 
 
 class _Marker:
@@ -202,7 +206,7 @@ def test_the_command_writes_a_workdir_that_generate_reads(files, tmp_path, capsy
     out = io.StringIO()
     texts = generation_text.generate(None, workdir, 'the and', 8, Sampling(temperature=0), out=out)
     config, params = original.read_model(model_path)
-    tok = original.read_vocabulary(corpus_path, config.vocab_size)
+    tok = original.read_corpus(corpus_path, config.vocab_size)[0]
     prompt = generation_text.prompt_ids(tok, 'the and')
     expected = sample(lm.build_model(config), params, prompt, 8, Sampling(temperature=0)).tokens[0]
     assert ['the and' + text for text in texts] == [tok.decode(np.concatenate([prompt, expected]))]
@@ -213,6 +217,24 @@ def test_the_command_writes_a_workdir_that_generate_reads(files, tmp_path, capsy
     assert 'is not empty' in capsys.readouterr().err
     assert before == {path: os.stat(os.path.join(root, path)).st_mtime_ns
                       for root, _, names in os.walk(workdir) for path in names}
+
+
+@pytest.mark.parametrize('dataset', ['wt103', 'ptb'])
+def test_the_workdir_names_the_data_its_vocabulary_came_from(files, tmp_path, dataset):
+    """Evaluated with its own config, an imported run reads its corpus: WikiText-103 is one memjax
+    prepares; PTB's files the user names (one line asks for them), never the embedded corpus."""
+    _, model_path, _ = files
+    words = ['<eos>', 'the', 'and', '<unk>'] + [f'w{i}' for i in range(VOCAB.vocab_size - 4)]
+    torch.save(original_corpus(dataset, words), tmp_path / 'cache.pt')
+    workdir = str(tmp_path / 'imported')
+    import_transfo_xl.main([f'--model={model_path}', f'--corpus={tmp_path / "cache.pt"}', f'--workdir={workdir}'])
+    config = saved_run.saved_config(workdir)
+    if dataset == 'wt103':
+        assert (config.data.name, config.data.tokenizer) == ('wikitext103', 'word')
+    else:
+        with pytest.raises(errors.ConfigError, match="config.data.name='text' reads a text file of yours: give it "
+                                                     "as --config.data.text_path=FILE"):
+            evaluate.evaluate_checkpoint(config, workdir)
 
 
 def test_evaluate_scores_a_split_with_the_imported_model_as_a_segment_loop(files, tmp_path):
@@ -237,7 +259,7 @@ def test_evaluate_scores_a_split_with_the_imported_model_as_a_segment_loop(files
 
     mcfg, params = original.read_model(model_path)
     model = lm.build_model(mcfg)
-    tokens = original.read_vocabulary(corpus_path, mcfg.vocab_size).encode((corpus / 'valid.txt').read_text())
+    tokens = original.read_corpus(corpus_path, mcfg.vocab_size)[0].encode((corpus / 'valid.txt').read_text())
     # Jitted (once per segment length): op by op, the model would compile each of its operations.
     apply = jax.jit(lambda p, x, m, t: model.apply({'params': p}, x, m, targets=t))
     memory, total, seg = lm.init_memory(mcfg, 1), 0.0, mcfg.segment_len
@@ -266,7 +288,7 @@ def test_a_truncated_file_a_bare_model_and_a_missing_path_are_one_line_naming_th
         for size in (cache.stat().st_size // 2, 10):
             cache.write_bytes(cache.read_bytes()[:size])
             with pytest.raises(errors.CheckpointError, match=f'{cache} could not be read .*: it is truncated or damaged'):
-                original.read_vocabulary(str(cache), len(words))
+                original.read_corpus(str(cache), len(words))
     bare = tmp_path / 'bare.pt'
     torch.save(CLASSES['MemTransformerLM'](), bare)  # The class, none of a trained model's attributes.
     with pytest.raises(errors.CheckpointError, match=f'{bare} holds a MemTransformerLM without the parts'):

@@ -58,6 +58,9 @@ _CORPUS_CLASSES = ('data_utils.Corpus', 'utils.vocabulary.Vocab', 'vocabulary.Vo
 ALLOWED = _MODEL_CLASSES + _TORCH_MODULES + _OLD_TORCH + _CORPUS_CLASSES
 WORD_DATASETS = ('wt103', 'wt2', 'ptb')
 CHAR_DATASETS = ('enwik8', 'text8')
+# The original's datasets that memjax prepares itself (config.data.name); the others are read as
+# text files of the user's ('text').
+DATA_NAMES = {'wt103': 'wikitext103', 'enwik8': 'enwik8', 'text8': 'text8'}
 
 
 def _stand_in(full_name: str) -> type:
@@ -178,9 +181,14 @@ def read_model(path: str) -> tuple[ModelConfig, dict]:
     return config, hf_transfo_xl.params_from_hf_state_dict(hf_state_dict(model), config, source=path)
 
 
-def read_vocabulary(path: str, vocab_size: int) -> Tokenizer:
-    """The memjax tokenizer giving the ids the original `Corpus` in `cache.pt` gives."""
+def read_corpus(path: str, vocab_size: int) -> tuple[Tokenizer, str]:
+    """(the memjax tokenizer giving the ids the original `Corpus` in `cache.pt` gives, the
+    config.data.name of its dataset)."""
     corpus = _attributes(safe_load(path, 'original Transformer-XL corpus cache.pt'))
+    return _tokenizer(path, corpus, vocab_size), DATA_NAMES.get(corpus.get('dataset'), 'text')
+
+
+def _tokenizer(path: str, corpus: dict, vocab_size: int) -> Tokenizer:
     dataset, vocab = corpus.get('dataset'), _attributes(corpus.get('vocab'))
     symbols = vocab.get('idx2sym')
     if not isinstance(symbols, list):

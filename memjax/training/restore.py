@@ -65,18 +65,21 @@ def _params_in_layout(ckpt: checkpointing.Checkpointer, step: int, wanted: Any, 
     return jax.device_put(model_lib.convert_layer_layout(params, scan_layers), shardings)
 
 
-def write_imported(model: model_lib.ModelConfig, params: Any, tokenizer: tokenizers.Tokenizer, workdir: str) -> None:
+def write_imported(model: model_lib.ModelConfig, params: Any, tokenizer: tokenizers.Tokenizer, workdir: str,
+                   data_name: str = 'text') -> None:
     """A new workdir holding imported parameters as its step 0, with their tokenizer: evaluate and
     generate read it as any other; training with config.train.init_from=<it> fine-tunes them.
 
-    Its config is the base config with this model, the tokenizer's kind and the model's segment
-    length; evaluation settings and data are given when evaluating.
+    Its config is the base config with this model, the tokenizer's kind, the model's segment
+    length and the data it was trained on (`data_name`: 'text' for a corpus memjax does not
+    prepare, whose files an evaluation then has to name); evaluation settings are given when
+    evaluating.
     """
     if storage.listdir(workdir):
         raise errors.WorkdirError(f'{workdir} is not empty: import into a new workdir (nothing there is changed).')
     config = config_lib.base_config()
     config.model.update(model.as_dict())
-    config.data.tokenizer = tokenizer.kind
+    config.data.update(name=data_name, tokenizer=tokenizer.kind)
     config.train.tgt_len = model.segment_len
     workdir_lib.check(workdir, create=True)
     try:
@@ -92,12 +95,17 @@ def _write_imported(config: ml_collections.ConfigDict, params: Any, tokenizer: t
                     workdir: str) -> None:
     tokenizer.save(workdir)  # Adopted by experiment.setup as the run's own.
     with run_lock.RunLock(workdir):
-        exp = experiment.setup(config, workdir)
+        # Nothing here reads the data: a corpus of the user's ('text') is named when the run is evaluated.
+        placed = config.copy_and_resolve_references()
+        if placed.data.name == 'text' and not placed.data.text_path:
+            placed.data.name = 'embedded'
+        exp = experiment.setup(placed, workdir)
         state, memory = experiment.init_state(exp, model_lib.convert_layer_layout(params, exp.mcfg.scan_layers))
-        run_files.write_json(storage.join(workdir, run_files.CONFIG_FILE), exp.run.source)
+        source = {**exp.run.source, 'data': resume.to_plain(config.data)}
+        run_files.write_json(storage.join(workdir, run_files.CONFIG_FILE), source)
         ckpt = checkpointing.Checkpointer(run_files.checkpoint_dir(workdir), keep=1)
         try:
-            ckpt.save(0, state, memory, None, exp.run.source)
+            ckpt.save(0, state, memory, None, source)
             ckpt.wait()
         finally:
             ckpt.close()
