@@ -319,7 +319,8 @@ def resolve(config: ml_collections.ConfigDict, process_count: int = 1,
     train = _from_mapping(TrainConfig, 'train', config.train)
     evaluation = _from_mapping(EvalConfig, 'eval', {k: v for k, v in config.eval.items() if k != 'model'})
     mesh = _from_mapping(MeshConfig, 'mesh', config.mesh)
-    errors = failed((isinstance(config.seed, int), f'config.seed={config.seed!r} must be an int.'))
+    errors = failed((isinstance(config.seed, int) and 0 <= config.seed < 2**32,
+                     f'config.seed={config.seed!r} must be an int in [0, 2**32).'))
     errors += data.problems() + train.problems(process_count) + evaluation.problems(process_count)
     evaluation = dataclasses.replace(
         evaluation, batch_size=train.batch_size if evaluation.batch_size == -1 else evaluation.batch_size,

@@ -35,7 +35,7 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 100, 'Tokens to produce
 _TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'Softmax temperature; 0: greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k most probable tokens; 0: all.')
 _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sample in the nucleus of this probability; 1: all.')
-_SEED = flags.DEFINE_integer('seed', 0, 'Seed of the draws.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Seed of the draws.', lower_bound=0, upper_bound=2**32 - 1)
 _NUM_SAMPLES = flags.DEFINE_integer('num_samples', 1, 'Continuations of the prompt, produced side by side.')
 _ECHO = flags.DEFINE_boolean('echo', True, 'Print the prompt before its continuation (--noecho: the continuation alone).')
 flags.adopt_module_key_flags(cli)
