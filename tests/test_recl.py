@@ -23,6 +23,7 @@ from memjax.training import loop as trainer
 from memjax.training import experiment
 from memjax.training import step as train_step_lib
 import cli_fixtures
+import disks
 import training_fixtures
 
 
@@ -319,6 +320,16 @@ def test_a_group_that_reads_the_split_otherwise_or_a_kind_without_a_context_is_r
     (tmp_path / 'a_file').write_text('')
     with pytest.raises(errors.WorkdirError, match='cannot create --out='):
         recl_lib.group_recl([workdir], [4, 8], [1.0], str(tmp_path / 'a_file' / 'recl'))
+
+
+def test_an_out_folder_on_a_full_disk_is_refused_before_anything_is_scored(trained, tmp_path, monkeypatch):
+    workdir, _ = trained
+    monkeypatch.setattr(recl_lib, 'token_losses', lambda *a, **k: pytest.fail('scored'))
+    with disks.small_disk(tmp_path / 'disk', 64) as disk:
+        disks.fill(disk)
+        with pytest.raises(errors.WorkdirError, match=r'cannot (write \S+/recl/recl\.json: \S+ has \d+ bytes free|'
+                                                      r'create --out=)'):
+            recl_lib.group_recl([workdir], [4, 8], [1.0], os.path.join(disk, 'recl'))
 
 
 def write_planted_corpus(folder, distance, seed=0):

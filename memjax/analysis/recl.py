@@ -46,6 +46,7 @@ from memjax.training import experiment
 from memjax.training import metrics as metrics_lib
 from memjax.training import saved_run
 from memjax.training import step as train_step_lib
+from memjax.training import workdir as workdir_lib
 
 THRESHOLD = 0.01  # The paper's: a context step that gains less than 1 % ends the search.
 # memjax.recl's setting that clamps at the trained distances, named where a context reaches further.
@@ -291,6 +292,7 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
     except OSError as error:
         raise errors.WorkdirError(f'cannot create --out={out} ({error.strerror or error}): choose a folder you can '
                                   'write to.') from None
+    workdir_lib.check_writable_file(storage.join(out, 'recl.json'))  # Before anything is scored.
     rows: list[list[np.ndarray]] = [[None] * len(members) for _ in contexts]
     total, done, start = len(contexts) * len(members), 0, time.time()
     for i, ((workdir, _), kind) in enumerate(zip(parsed, kinds)):
@@ -339,7 +341,11 @@ def _scored(run: LoadedRun, kind: str, context: int, split: str, max_batches: in
         losses = token_losses(scored, split, max_batches)
     buffer = io.BytesIO()
     np.save(buffer, losses, allow_pickle=False)
-    storage.write_bytes(path, buffer.getvalue())
+    try:
+        storage.write_bytes(path, buffer.getvalue())
+    except OSError as error:
+        raise errors.WorkdirError(f'cannot keep the losses in {path} ({error.strerror or error}): free some space '
+                                  'there or give another --out; the losses kept so far are read back.') from None
     return losses, False
 
 
