@@ -31,6 +31,7 @@ import os
 from typing import Any, Callable, Sequence
 
 from absl import flags
+import jax
 import ml_collections
 
 from memjax import cli
@@ -38,6 +39,7 @@ from memjax import errors
 from memjax import evaluate
 from memjax.runtime import distributed
 from memjax.runtime import storage
+from memjax.training import experiment
 from memjax.training import workdir as workdir_lib
 
 _POOLS = flags.DEFINE_list('pools', None, 'trams: pool sizes M of the first panel (default: the paper\'s range).')
@@ -138,6 +140,23 @@ def _with(config: ml_collections.ConfigDict, settings: dict) -> ml_collections.C
     return config
 
 
+def _checked_points(panels: list[Panel], config: ml_collections.ConfigDict) -> list[tuple]:
+    """(panel, value, evaluator, its config.eval settings) of every point, each resolved as its
+    evaluation will be: a point that cannot run stops the sweep, named, before any is evaluated."""
+    points = []
+    for panel in panels:
+        for value in panel.values:
+            for evaluator in panel.evaluators:
+                settings = panel.settings(evaluator, value)
+                try:
+                    experiment.resolved(_with(config, settings), jax.device_count())
+                except errors.ConfigError as error:
+                    raise errors.ConfigError(f'the point {panel.axis} = {value} ({evaluator}) cannot be evaluated, '
+                                             f'so nothing was: {" ".join(str(error).split())}') from None
+                points.append((panel, value, evaluator, settings))
+    return points
+
+
 def run_sweep(name: str, config: ml_collections.ConfigDict, workdir: str, grid: Any) -> tuple[list[Panel], list[dict]]:
     """Evaluates every point of sweep `name` over `grid`; writes results.{json,md,png}; returns the
     panels and the points."""
@@ -152,19 +171,16 @@ def run_sweep(name: str, config: ml_collections.ConfigDict, workdir: str, grid: 
         raise errors.WorkdirError(f'cannot create {out} ({error.strerror}): make {workdir} writable.') from None
     done: dict[str, dict] = {}
     points = []
-    for panel in panels:
-        for value in panel.values:
-            for evaluator in panel.evaluators:
-                settings = panel.settings(evaluator, value)
-                key = json.dumps(settings, sort_keys=True)
-                if key not in done:
-                    done[key] = evaluate.evaluate_checkpoint(
-                        _with(config, settings), workdir, storage.join(out, f'point_{len(done)}.json'))
-                summary = done[key]
-                metric = 'bpc' if 'bpc' in summary else 'ppl'
-                points.append({'panel': panel.name, 'axis': panel.axis, 'value': value, 'evaluator': evaluator,
-                               'metric': metric, metric: summary[metric], 'loss': summary['loss'],
-                               'settings': summary['settings']})
+    for panel, value, evaluator, settings in _checked_points(panels, config):
+        key = json.dumps(settings, sort_keys=True)
+        if key not in done:
+            done[key] = evaluate.evaluate_checkpoint(
+                _with(config, settings), workdir, storage.join(out, f'point_{len(done)}.json'))
+        summary = done[key]
+        metric = 'bpc' if 'bpc' in summary else 'ppl'
+        points.append({'panel': panel.name, 'axis': panel.axis, 'value': value, 'evaluator': evaluator,
+                       'metric': metric, metric: summary[metric], 'loss': summary['loss'],
+                       'settings': summary['settings']})
     if distributed.is_primary():
         storage.write_result(storage.join(out, 'results.json'), json.dumps(points, indent=1))
         storage.write_result(storage.join(out, 'results.md'), table(panels, points))

@@ -3,6 +3,7 @@ evaluation for 'xl' parameters. TRAMS (memory='trams'), which selects from that 
 the paper's and the released code's formulas, per-head attention over each head's own rows at naive
 distances, causality, and an XL workdir evaluated with --config.eval.model.memory=trams."""
 
+import os
 import re
 
 import flax.linen as nn
@@ -314,6 +315,20 @@ def test_misused_trams_is_one_line_before_anything_runs(xl_workdir, fields, mess
     corpus, workdir = xl_workdir
     with pytest.raises(errors.ConfigError, match=re.escape(message)):
         config_lib.validate_config(training_fixtures.tiny_config(corpus, **fields))
+
+
+def test_a_sweep_point_that_cannot_run_stops_the_sweep_before_any_is_evaluated(xl_workdir, tmp_path, monkeypatch):
+    corpus, workdir = xl_workdir
+    monkeypatch.setattr(evaluate, 'evaluate_checkpoint', lambda *a, **k: pytest.fail('evaluated'))
+    grid = sweep.TramsGrid(pools=(32, 8), selects=(16,), segments=(8,), pool=32, select=16, segment=8,
+                           segment_pool=32)
+    listing = lambda: sorted(os.listdir(workdir)) + sorted(os.listdir(os.path.join(workdir, 'sweep_trams')))
+    os.makedirs(os.path.join(workdir, 'sweep_trams'), exist_ok=True)
+    before = listing()
+    with pytest.raises(errors.ConfigError, match=r'the point pool M = 8 \(trams\) cannot be evaluated, so nothing '
+                                                 r'was: .*trams_select=16 exceeds the pool \(mem_len=8\)'):
+        sweep.run_sweep('trams', training_fixtures.tiny_config(corpus), workdir, grid)
+    assert listing() == before
 
 
 def test_the_sweep_scores_every_point_as_memjax_evaluate_and_plots_it(xl_workdir):
