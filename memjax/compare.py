@@ -70,6 +70,9 @@ from memjax.training import workdir as workdir_lib
 
 flags.adopt_module_key_flags(evaluate)  # --config, --workdir.
 flags.mark_flag_as_required('config')  # A comparison trains: its config is the user's.
+flags.FLAGS['config'].help = ('Path to a config file with a compare section (configs/compare_kjv.py); '
+                              '--config.a.b=v overrides apply to every run.')
+flags.FLAGS['workdir'].help = 'The comparison\'s folder: a run per method and seed, the table and the figure.'
 flags.adopt_module_key_flags(cli)
 
 

@@ -56,7 +56,7 @@ def table(report: dict, seeds: int) -> str:
     metric = report['rows'][0]['metric_name'] if report['rows'] else 'metric'
     recl = report.get('recl')
     rs = recl['rs'] if recl else []
-    lines = [f'| method | eval memory | clamp_len | loss (mean ± half-range, {seeds} seeds) | {metric} | '
+    lines = [f'| method | eval memory | clamp_len | loss (mean ± half-range, {seeds} seed{"s" * (seeds != 1)}) | {metric} | '
              'train tokens/s | eval tokens/s | parameters | train step memory (MB) | train wall s |'
              + ''.join(f' RECL r = {r:g} |' for r in rs),
              '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |' + ' --- |' * len(rs)]

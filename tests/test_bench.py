@@ -129,8 +129,10 @@ def test_registry_rejects_unknown_and_duplicate_suites():
 def test_context_rejects_bad_settings():
     with pytest.raises(harness.BenchError, match='--size'):
         harness.Context(size='huge')
-    with pytest.raises(harness.BenchError, match='--repeats'):
+    with pytest.raises(harness.BenchError, match=r'^--repeats=0 must be >= 1\.$'):  # Only what is wrong.
         harness.Context(repeats=0)
+    with pytest.raises(harness.BenchError, match=r'^--warmup=-1 must be >= 0\. --repeats=0 must be >= 1\.$'):
+        harness.Context(warmup=-1, repeats=0)
 
 
 def test_format_table_aligns_every_row():

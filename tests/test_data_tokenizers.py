@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from memjax import errors
 from memjax.data import factory, tokenizers
 from memjax.data.config import DataConfig
 
@@ -165,6 +166,16 @@ def test_a_training_start_replaces_a_tokenizer_an_earlier_start_left_behind(tmp_
     assert factory.load_tokenizer(workdir).tokens == ['<eos>', '<unk>', 'new', 'words']
     with pytest.raises(ValueError, match="data.tokenizer is 'char' but .*source_run's, the run of config.* set data.tokenizer='word'"):
         factory.start_tokenizer(dataclasses.replace(cfg, tokenizer='char'), workdir, source_run)
+
+
+def test_a_tokenizer_file_that_does_not_hold_a_vocabulary_is_named_with_the_fix(tmp_path):
+    (tmp_path / 'tokenizer.json').write_text('{"kind": "word", "tokens": []}')
+    with pytest.raises(ValueError, match=r'tokenizer\.json is a damaged memjax tokenizer file \(Word vocabulary lacks '
+                                         r".*'<eos>'.*delete it to build it again"):
+        factory.load_tokenizer(tmp_path)
+    with pytest.raises(errors.MissingFileError,
+                       match=r"a sentencepiece \.model, or a folder with GPT-2's vocab\.json and merges"):
+        factory.load_tokenizer(tmp_path / 'none')
 
 
 def test_unknown_tokenizer_kind():

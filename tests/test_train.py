@@ -302,7 +302,7 @@ def test_speeds_and_the_eta_leave_the_compiling_dispatch_out(corpus, tmp_path, c
     # Where the run's outputs go, and the mesh the devices form.
     outputs = next(r.getMessage() for r in caplog.records if r.getMessage().startswith('Mesh '))
     assert outputs.startswith(f'Mesh data {jax.device_count()} x fsdp 1 x tensor 1;') and outputs.endswith(
-        f'checkpoints every run (at the end) in {tmp_path}/checkpoints, TensorBoard in {tmp_path}/tensorboard.')
+        f'validation at the end, checkpoints at the end in {tmp_path}/checkpoints, TensorBoard in {tmp_path}/tensorboard.')
 
 
 _WRITE_SCALARS = '''

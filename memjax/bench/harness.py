@@ -110,8 +110,10 @@ class Context:
     def __post_init__(self):
         if self.size not in SIZES:
             raise BenchError(f'--size={self.size!r} must be one of {SIZES}.')
-        if self.warmup < 0 or self.repeats < 1:
-            raise BenchError(f'--warmup={self.warmup} must be >= 0 and --repeats={self.repeats} >= 1.')
+        problems = [f'--warmup={self.warmup} must be >= 0.'] * (self.warmup < 0) + [
+            f'--repeats={self.repeats} must be >= 1.'] * (self.repeats < 1)
+        if problems:
+            raise BenchError(' '.join(problems))
 
     @property
     def tiny(self) -> bool:

@@ -58,6 +58,15 @@ class DataConfig:
              '(a UTF-8 text file, or a folder of them).'),
             (self.train_documents >= 0,
              f'config.data.train_documents={self.train_documents} must be >= 0 (0: every document).'),
+            ((self.tokenizer == 'sorting') == (self.name == 'sorting'),
+             f"config.data.tokenizer={self.tokenizer!r} with config.data.name={self.name!r}: the 'sorting' tokenizer "
+             "reads only the generated sorting task (name='sorting'), and that task only it."),
+            (self.word_min_freq >= 1, f'config.data.word_min_freq={self.word_min_freq} must be >= 1.'),
+            (self.word_max_size == 0 or self.word_max_size >= 2,
+             f'config.data.word_max_size={self.word_max_size} must be 0 (no cap) or >= 2 (<eos> and <unk> count).'),
+            (self.name != 'sorting' or min(self.sort_length, self.sort_train_sequences, self.sort_validation_sequences,
+                                           self.sort_test_sequences) >= 1,
+             'config.data.sort_length and sort_{train,validation,test}_sequences must be >= 1.'),
             *((('://' not in getattr(self, field),
                 f'config.data.{field}={getattr(self, field)}: the prepared data is read from local '
                 'disk (array_record has no Cloud Storage reader without TensorFlow); copy it to each '

@@ -30,8 +30,8 @@ def load_tokenizer(path: os.PathLike) -> Tokenizer:
         path = path / TOKENIZER_FILE
     if not path.exists():
         raise errors.MissingFileError(
-            f'Tokenizer file {path} does not exist; point data.vocab_path at a '
-            f'{TOKENIZER_FILE} written by memjax or at a sentencepiece .model.')
+            f'Tokenizer file {path} does not exist; point data.vocab_path at a {TOKENIZER_FILE} written by '
+            f'memjax, a sentencepiece .model, or a folder with GPT-2\'s {" and ".join(GPT2_FILES)}.')
     if path.suffix == '.model':
         return SentencePieceTokenizer.load(path)
     try:
@@ -62,10 +62,12 @@ def load_tokenizer(path: os.PathLike) -> Tokenizer:
                 raise errors.DataError(f'{model_path} does not match the model hash '
                                        f'recorded in {path}; the pair was mixed up.')
             return model
-    except (KeyError, TypeError) as e:
-        raise errors.DataError(f'{path} is a damaged memjax tokenizer file (no valid {e} for '
-                               f'kind {kind!r}); restore it from a backup, or delete it to build '
-                               'it again from the same data (the build is deterministic).') from e
+    except (KeyError, TypeError, errors.DataError) as e:
+        if kind == 'sentencepiece' and isinstance(e, errors.DataError):
+            raise  # About its model file, which it names.
+        why = f'no valid {e} for kind {kind!r}' if isinstance(e, (KeyError, TypeError)) else str(e).rstrip('.')
+        raise errors.DataError(f'{path} is a damaged memjax tokenizer file ({why}); restore it from a backup, or '
+                               'delete it to build it again from the same data (the build is deterministic).') from e
     raise errors.DataError(f'{path}: unknown tokenizer kind {kind!r}; expected one '
                            f'of {TOKENIZERS}.')
 

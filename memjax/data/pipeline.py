@@ -191,7 +191,7 @@ def load_token_ids(data_cfg: DataConfig, split: str, tokenizer: Tokenizer,
         start = time.time()
         encoded = [tokenizer.encode(doc) for doc in
                    prepared.run_documents(data_cfg, builder, split)]
-        logging.info('Tokenised %s documents into %s tokens in %.1f s.', f'{len(encoded):,}',
+        logging.info('Tokenised %s document%s into %s tokens in %.1f s.', f'{len(encoded):,}', 's' * (len(encoded) != 1),
                      f'{sum(len(x) for x in encoded):,}', time.time() - start)
         offsets = np.cumsum([0] + [len(x) for x in encoded], dtype=np.int64)
         prepared.make_folder(tokens_path.parent, 'cache_dir' if cache_dir or data_cfg.cache_dir else 'data_dir')

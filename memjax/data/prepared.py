@@ -63,7 +63,8 @@ def prepare(data_cfg: DataConfig) -> builders.MemjaxTextBuilder:
     with contextlib.redirect_stdout(io.StringIO()):
         builder.download_and_prepare(download_config=download_config)
     absl_logging.info('Prepared %s in %.1f s (%s).', builder.info.full_name, time.time() - start,
-                      ', '.join(f'{name} {info.num_examples:,} documents' for name, info in builder.info.splits.items()))
+                      ', '.join(f'{name} {info.num_examples:,} document{"s" * (info.num_examples != 1)}'
+                                for name, info in builder.info.splits.items()))
     return builder
 
 

@@ -212,14 +212,16 @@ class _PhasedTrainStep:
         phase = self.exp.model.kind.phase(step)
         if phase in self.steps:
             return False
-        updates = progress_lib.first_updates(self.exp.run.train.segments_per_step)
+        count = self.exp.run.train.segments_per_step
+        updates, verb, them = progress_lib.first_updates(count), 'includes' if count == 1 else 'include', (
+            'it' if count == 1 else 'them')
         if self.steps:  # Skip-Retain's phase 2.
             logging.info('Step %d starts training phase %d (config.model.skip_until: no layer skipped from here): '
-                         'compiling its training step; %s of the phase include it, and speeds count from after '
-                         'them.', step, phase + 1, updates)
+                         'compiling its training step; %s of the phase %s it, and speeds count from after %s.',
+                         step, phase + 1, updates, verb, them)
         else:
-            logging.info('Compiling the training step%s: %s include it.',
-                         f' of phase {phase + 1}' if self.exp.model.kind.phase_starts else '', updates)
+            logging.info('Compiling the training step%s: %s %s it.',
+                         f' of phase {phase + 1}' if self.exp.model.kind.phase_starts else '', updates, verb)
         return True
 
     def __call__(self, step: int, *args):

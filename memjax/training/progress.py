@@ -27,12 +27,12 @@ def log_start(exp: experiment.Experiment, workdir: str, params: Any) -> None:
     logging.info('Model: %s, %s parameters; %d %s device(s); batches of %d x %d tokens, %d steps.',
                  memories.describe(mcfg), f'{sum(x.size for x in jax.tree_util.tree_leaves(params)):,}', len(devices),
                  devices[0].platform.upper(), tcfg.batch_size, tcfg.tgt_len, tcfg.num_steps)
-    logging.info('Mesh %s; Adam at %g, %d warmup steps, %s decay to %g x, clip %g; validation every %s, '
-                 'checkpoints every %s in %s, TensorBoard in %s.',
+    every = lambda steps: f'every {steps} steps' if steps else 'at the end'
+    logging.info('Mesh %s; Adam at %g, %d warmup steps, %s decay to %g x, clip %g; validation %s, '
+                 'checkpoints %s in %s, TensorBoard in %s.',
                  ' x '.join(f'{name} {size}' for name, size in exp.run.mesh.shape(len(devices)).items()),
                  tcfg.learning_rate, tcfg.warmup_steps, tcfg.decay, tcfg.min_lr_ratio, tcfg.clip_norm,
-                 f'{tcfg.eval_every} steps' if tcfg.eval_every else 'run (at the end)',
-                 f'{tcfg.checkpoint_every} steps' if tcfg.checkpoint_every else 'run (at the end)',
+                 every(tcfg.eval_every), every(tcfg.checkpoint_every),
                  run_files.checkpoint_dir(workdir), storage.join(workdir, 'tensorboard'))
 
 
