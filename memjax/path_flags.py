@@ -7,6 +7,7 @@ given.
 """
 
 import os
+import sys
 from typing import Any, Optional
 
 from absl import flags
@@ -35,11 +36,18 @@ class _ListParser(flags.ListParser):
 
 
 def define(name: str, default: Optional[str], help_text: str, **kwargs) -> flags.FlagHolder:
-    """A string flag holding a path."""
-    return flags.DEFINE(_Parser(), name, default, help_text, **kwargs)
+    """A string flag holding a path, defined by the calling module (absl tells flags apart by it)."""
+    return flags.DEFINE(_Parser(), name, default, help_text, module_name=_caller(), **kwargs)
 
 
 def define_list(name: str, default: Optional[list[str]], help_text: str, **kwargs) -> flags.FlagHolder:
-    """A comma-separated list of paths."""
+    """A comma-separated list of paths, defined by the calling module."""
     return flags.DEFINE(_ListParser(), name, default, help_text, serializer=flags.CsvListSerializer(','),
-                        **kwargs)
+                        module_name=_caller(), **kwargs)
+
+
+def _caller() -> str:
+    """The module that defines the flag, named as absl names it (a command run with `python -m` by
+    its script path): its --help lists the flag as its own."""
+    name = sys._getframe(2).f_globals['__name__']  # pylint: disable=protected-access
+    return sys.argv[0] if name == '__main__' else name

@@ -22,7 +22,7 @@ def _imported(tmp_path_factory, memory):
     cfg = ModelConfig(vocab_size=256, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, mem_len=8, segment_len=8,
                       memory=memory, init_std=0.3)
     workdir = str(tmp_path_factory.mktemp(memory) / 'run')
-    restore.write_imported(cfg, model_lib.init_params(cfg, jax.random.key(0)), ByteTokenizer(), workdir)
+    restore.write_imported(cfg, model_lib.init_params(cfg, jax.random.key(0)), ByteTokenizer(), workdir, 'embedded')
     config = saved_run.saved_config(workdir)
     config.train.update(batch_size=2, tgt_len=8, segments_per_step=2)
     return config, workdir

@@ -66,7 +66,7 @@ def _params_in_layout(ckpt: checkpointing.Checkpointer, step: int, wanted: Any, 
 
 
 def write_imported(model: model_lib.ModelConfig, params: Any, tokenizer: tokenizers.Tokenizer, workdir: str,
-                   data_name: str = 'text') -> None:
+                   data_name: str) -> None:
     """A new workdir holding imported parameters as its step 0, with their tokenizer: evaluate and
     generate read it as any other; training with config.train.init_from=<it> fine-tunes them.
 
