@@ -93,6 +93,11 @@ def test_a_bench_report_that_cannot_be_written_is_refused_before_measuring(env, 
     assert_one_line(code, stderr, errors.EXIT_RUNTIME, f'{tmp_path} is a folder')
     code, stderr = run(bench + ['peak', f'--out={tmp_path}/report.json'], env)  # Two suites, one file.
     assert_one_line(code, stderr, errors.EXIT_USAGE, 'would hold 2 reports', '{suite}')
+    theirs = tmp_path / 'keep.json'
+    theirs.write_text('{"my": "numbers"}')
+    code, stderr = run(bench + [f'--out={theirs}'], env)
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, f'--out={theirs} holds a file that is not a memjax bench report')
+    assert theirs.read_text() == '{"my": "numbers"}'
     assert '[bench]' not in stderr  # Nothing measured.
 
 

@@ -15,6 +15,7 @@ if __name__ == '__main__':  # The command: importing this module must not re-exe
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import dataclasses
+import json
 import sys
 
 from absl import flags
@@ -23,6 +24,7 @@ from ml_collections import config_flags
 from memjax import cli
 from memjax import errors
 from memjax.bench import harness
+from memjax.runtime import storage
 from memjax.training import workdir as workdir_lib
 from memjax import path_flags
 
@@ -38,10 +40,25 @@ _REPEATS = flags.DEFINE_integer('repeats', None, 'Timed runs; the median is repo
                                 '(default 5; tiny: 2).')
 flags.adopt_module_key_flags(cli)  # --host_memory, --verbose in --help.
 _LIST = flags.DEFINE_boolean('list', False, 'Print the available suites and exit.')
-_PARTS = flags.DEFINE_list('parts', [], 'Only these parts of a suite that has parts (accel: peak, peer, train, '
-                           'eval, methods, attention, fused, choices, probe); default: the suite\'s own.')
+_PARTS = flags.DEFINE_list('parts', [], 'Only these parts of a suite that has parts (accel: profile, peak, peer, '
+                           'train, roofline, eval, methods, attention, fused, choices, probe); default: the suite\'s own.')
 _PEAK_FROM = path_flags.define('peak_from', None, 'accel: the --out report of an earlier run on this '
                                  'machine whose peak rows are this run\'s roofline (not measured again).')
+
+
+def _check_replaceable(path: str) -> None:
+    """Refuses an --out that holds a file other than a bench report, which a new report would replace
+    (a report is replaced by the next run of its suite)."""
+    text = storage.read_text(path)
+    if text is None:
+        return
+    try:
+        report = json.loads(text)
+    except ValueError:
+        report = None
+    if not (isinstance(report, dict) and {'suite', 'machine', 'rows'} <= set(report)):
+        raise errors.WorkdirError(f'--out={path} holds a file that is not a memjax bench report, which the report '
+                                  'would replace: name another file, or move that one away.')
 
 
 def main(argv):
@@ -59,6 +76,7 @@ def main(argv):
         harness.prepare_environment(suite)
         if outs[suite]:
             workdir_lib.check_writable_file(outs[suite])
+            _check_replaceable(outs[suite])
     cli.prepare_host_memory()
     tiny = _SIZE.value == 'tiny'
     command = ['python', '-m', 'memjax.bench'] + sys.argv[1:]
