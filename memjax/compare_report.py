@@ -143,7 +143,8 @@ def plot(report: dict, path: str) -> None:
             curves.plot(steps, values, label=name, color=colour[method],
                         linestyle=('-', '--', ':', '-.')[int(seed[len('seed'):]) % 4])
     curves.set(xlabel='training step', ylabel='validation loss (nats)', title='Learning curves')
-    curves.legend(fontsize=7)
+    if curves.get_legend_handles_labels()[0]:  # A comparison whose runs all failed has no curve.
+        curves.legend(fontsize=7)
     for clamp, memory in zip(clamps, axes[0][1:]):
         rows = [row for row in report['rows'] if row['clamp'] == clamp]
         series: dict[str, dict[int, list]] = {}
