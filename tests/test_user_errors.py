@@ -369,7 +369,8 @@ def test_generation_refuses_non_finite_settings_and_counts_its_samples_in_the_me
         assert_one_line(code, stderr, errors.EXIT_USAGE, 'must be a finite number >= 0')
     code, stderr = run([sys.executable, '-m', 'memjax.generate', f'--workdir={workdir}', '--prompt=a',
                         '--num_samples=1000000000'], env)
-    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'Out of memory', 'samples', 'batch 1000000000')
+    assert_one_line(code, stderr, errors.EXIT_RUNTIME, 'Out of memory', 'samples', 'batch 1000000000',
+                    'lower mem_len or --num_samples')
 
 
 def test_sweep_on_a_workdir_that_does_not_exist_creates_nothing(env, tmp_path):

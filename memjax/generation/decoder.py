@@ -67,7 +67,8 @@ class Decoder:
         self.segment_len = segment_len or cfg.segment_len
         if self.segment_len < 1:
             raise ValueError(f'segment_len={self.segment_len}: decoding needs the length of the segments the '
-                             'model reads (config.model.segment_len, the data\'s tgt_len).')
+                             'model reads: give sample(..., segment_len=N), or set config.model.segment_len (a '
+                             'trained run\'s config has it from its tgt_len).')
         self.params = params
         self.batch_size = batch_size
         self.key = jax.random.key(0) if key is None else key

@@ -113,7 +113,8 @@ def generate(config: Optional[ml_collections.ConfigDict], workdir: str, text: st
     ids = prompt_ids(exp.tokenizer, text)
     # The samples are rows of one batch: their memory, token ids and each step's log-probs.
     experiment.check_fits(exp, False, jax.local_devices(), batch=num_samples, extra={
-        'samples': num_samples * ((len(ids) + max_new_tokens) * 4 + 2 * exp.eval_mcfg.vocab_size * 4)})
+        'samples': num_samples * ((len(ids) + max_new_tokens) * 4 + 2 * exp.eval_mcfg.vocab_size * 4)},
+        batch_setting='--num_samples')
     step, params = restore.newest_params(exp, workdir)
     logging.info('Continuing a prompt of %d tokens by %d with step %d of %s (%s); the first token includes '
                  'compiling the prompt\'s pass and the one-token step.', len(ids), max_new_tokens, step, workdir,

@@ -133,10 +133,11 @@ def state_bytes(exp: Experiment, training: bool, batch: Optional[int] = None) ->
 
 
 def check_fits(exp: Experiment, training: bool, devices: list[jax.Device], batch: Optional[int] = None,
-               extra: Optional[dict[str, int]] = None) -> None:
+               extra: Optional[dict[str, int]] = None, batch_setting: str = 'the batch size') -> None:
     """Raises OutOfMemoryError before anything is built when the state alone exceeds a device's
     memory: a mem_len or batch off by orders of magnitude, found in a second instead of at the
-    first allocation. `batch` and `extra` (name -> bytes): generation's samples and buffers."""
+    first allocation. `batch` and `extra` (name -> bytes): generation's samples and buffers, its
+    batch set by `batch_setting`."""
     need = {**state_bytes(exp, training, batch), **(extra or {})}
     # One of this process's own: another process's device cannot be asked (GPU, TPU).
     have = device_memory_bytes(next(d for d in devices if d.process_index == jax.process_index()))
@@ -148,7 +149,7 @@ def check_fits(exp: Experiment, training: bool, devices: list[jax.Device], batch
         raise errors.OutOfMemoryError(
             f'the {"training" if training else "evaluation"} state needs {gib(sum(need.values()))} per device '
             f'({parts}; mem_len={mcfg.mem_len}, batch {batch}), more than a device\'s {gib(have)}: lower '
-            'mem_len or the batch size, shrink the model, or shard it over more devices (config.mesh).')
+            f'mem_len or {batch_setting}, shrink the model, or shard it over more devices (config.mesh).')
 
 
 def init_state(exp: Experiment, params: Any = None) -> tuple[train_step_lib.TrainState, Any]:
