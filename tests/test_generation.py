@@ -2,6 +2,7 @@
 and the samplers draw from the distribution they promise."""
 
 import io
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -215,6 +216,15 @@ def test_prompts_out_of_the_vocabulary_or_empty_are_one_line_errors():
         sample(model, params, np.zeros((1, 0), np.int32), 2)
     with pytest.raises(ValueError, match='top_p'):
         sample(model, params, np.array([[1]]), 2, Sampling(top_p=0))
+
+
+def test_prompt_tokens_outside_the_vocabulary_are_told(caplog):
+    words = WordTokenizer(['<eos>', '<unk>', 'in', 'the', 'beginning'])
+    with caplog.at_level(logging.WARNING):
+        generation_text.prompt_ids(words, 'in the <unk> beginning')  # Written as the unknown token.
+        assert not caplog.text
+        generation_text.prompt_ids(words, 'in zebra the <unk> okapi')
+    assert "2 of the prompt's 5 tokens are not in the run's vocabulary" in caplog.text
 
 
 def test_word_prompts_stop_mid_line_and_text_streams_whole_characters():

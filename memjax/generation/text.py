@@ -28,6 +28,12 @@ def prompt_ids(tokenizer: Tokenizer, text: str) -> np.ndarray:
         ids = ids[:-1]
     if not len(ids):
         raise errors.UsageError('the prompt is empty: give --prompt="some text" or --prompt_file=F.')
+    unk = getattr(tokenizer, 'unk_id', None)
+    if unk is not None:  # Less the unknown token written as such ('<unk>' in WikiText).
+        unknown = int(np.sum(ids == unk)) - text.count(tokenizer.decode([unk]))
+        if unknown > 0:
+            logging.warning('%d of the prompt\'s %d tokens are not in the run\'s vocabulary: the model reads '
+                            'each as its unknown token.', unknown, len(ids))
     return ids
 
 
