@@ -307,6 +307,7 @@ def test_an_xl_workdir_evaluated_with_trams(xl_workdir):
 @pytest.mark.parametrize('fields,message', [
     (dict(model__memory='trams'), "is training-free: set config.model.memory to the kind that was trained ('xl')"),
     (dict(eval__model__trams_select=4), "fields of memory='trams': add --config.eval.model.memory=trams"),
+    (dict(eval__model__trams_select=4), "cannot differ at evaluation for memory='xl' (evaluated as 'xl_cached')"),
     (dict(eval__model__memory='lamemo'), "memory='lamemo' cannot run on parameters trained as memory='xl'"),
     (dict(eval__model__memory='trams', eval__model__mem_len=4),
      'trams_select=200 exceeds the pool (mem_len=4)'),

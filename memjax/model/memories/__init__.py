@@ -281,7 +281,9 @@ def evaluation_config(trained: ModelConfig, overrides: dict[str, Any],
     refused = sorted(set(overrides) - set(allowed) - {'memory'})
     if refused:
         hint = [n for n in users if set(refused) <= set(run_time_fields(n))]
-        raise ValueError(f'{refused} cannot differ at evaluation for memory={memory!r}: only {list(allowed)} '
+        kind = f'memory={memory!r}' if 'memory' in overrides or memory == trained.memory else (
+            f'memory={trained.memory!r} (evaluated as {memory!r})')
+        raise ValueError(f'{refused} cannot differ at evaluation for {kind}: only {list(allowed)} '
                          'shape no parameter' + (f'; they are fields of memory={hint[0]!r}: add '
                                                  f'--config.eval.model.memory={hint[0]}.' if hint else '.'))
     # Evaluation never skips layers nor permutes heads.
