@@ -398,7 +398,7 @@ def _recl(config: ml_collections.ConfigDict, section: ml_collections.ConfigDict,
 def _failure(error: Exception, where: str) -> str:
     """The table's line for a failed run or evaluation; logged in one line for a user error (the
     message says what to do), with the traceback for anything else (a bug)."""
-    text = f'{type(error).__name__}: {" ".join(str(error).split())}'[:300]
+    text = f'{type(error).__name__}: {errors.brief(error, 280)}'
     if isinstance(error, errors.UserError):
         logging.error('compare: %s failed: %s', where, text)
     else:

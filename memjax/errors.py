@@ -18,6 +18,13 @@ def failed(*checks: tuple[bool, str]) -> list[str]:
     return [message for ok, message in checks if not ok]
 
 
+def brief(error: BaseException, limit: int = 300) -> str:
+    """`error`'s message on one line, at most `limit` characters ('...' where it was cut): a
+    library's error can hold a whole spec (TensorStore's JSON), which one line of ours quotes."""
+    text = ' '.join(str(error).split())
+    return text if len(text) <= limit else text[:limit - 4] + ' ...'
+
+
 EXIT_USAGE = 2  # The command line or the config: fix it and run again.
 EXIT_RUNTIME = 3  # Data, workdir, checkpoints, diverged training: the message says what to do.
 

@@ -61,6 +61,12 @@ def assert_one_line(code, stderr, expected_code, *fragments):
         assert fragment in lines[0], lines[0]
 
 
+def test_a_quoted_library_error_is_one_line_and_says_where_it_was_cut():
+    assert errors.brief(ValueError('spec:\n  {"a": 1}')) == 'spec: {"a": 1}'
+    cut = errors.brief(ValueError('x' * 500), 40)
+    assert cut == 'x' * 36 + ' ...' and len(cut) == 40
+
+
 def test_unknown_field_unloadable_config_and_bad_flag_value(env):
     train = [sys.executable, '-m', 'memjax.train', '--workdir=/nonexistent/never-created']
     code, stderr = run(train + [f'--config={training_fixtures.TINY}',

@@ -94,7 +94,7 @@ def write_result(target: os.PathLike | str, text: str) -> None:
         write_text(target, text)
         return
     except Exception as error:  # pylint: disable=broad-except  (OSError locally, the client's on gs://)
-        cause = getattr(error, 'strerror', None) or ' '.join(str(error).split())[:200] or type(error).__name__
+        cause = getattr(error, 'strerror', None) or errors.brief(error, 200) or type(error).__name__
     kept = None
     for keep in (lambda: _keep_beside(target, text), lambda: _keep_in_temp(target, text)):
         try:

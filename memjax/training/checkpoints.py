@@ -385,7 +385,7 @@ class Checkpointer:
             except Exception as error:  # Orbax raises many types for damaged files.
                 logging.warning('Checkpoint %s is damaged or incomplete (%s: %s); falling back to '
                                 'the previous one.', self.step_dir(step), type(error).__name__,
-                                ' '.join(str(error).split())[:300])
+                                errors.brief(error))
                 damaged.append(step)
         if quarantine and damaged:
             self._quarantine(damaged)

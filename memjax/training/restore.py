@@ -86,7 +86,7 @@ def write_imported(model: model_lib.ModelConfig, params: Any, tokenizer: tokeniz
         _write_imported(config, params, tokenizer, workdir)
     except (errors.UserError, OSError) as error:  # A full disk: a half-written workdir resumes nothing.
         storage.path(workdir).rmtree(missing_ok=True)
-        raise errors.CheckpointError(f'importing into {workdir} failed ({" ".join(str(error).split())[:300]}); the '
+        raise errors.CheckpointError(f'importing into {workdir} failed ({errors.brief(error)}); the '
                                      'half-written workdir was removed: free some space or fix the permissions '
                                      'there, and run the import again.') from error
 
@@ -195,7 +195,7 @@ def _damaged_source(ckpt: checkpointing.Checkpointer, step: int, init_from: str,
                     error: Exception) -> errors.CheckpointError:
     """The one line for an init_from step that is damaged, naming an earlier step to start from."""
     why = (str(error) if isinstance(error, checkpointing.DamagedCheckpointError) else
-           f'{ckpt.step_dir(step)} does not read ({type(error).__name__}: {" ".join(str(error).split())[:200]})')
+           f'{ckpt.step_dir(step)} does not read ({type(error).__name__}: {errors.brief(error, 200)})')
     earlier = [s for s in ckpt.all_steps() if s < step]
     return errors.CheckpointError(
         f'config.train.init_from={init_from}: {why}. Name '
