@@ -83,3 +83,5 @@ def test_text_profiles_average_the_segments_profiles(tmp_path_factory):
         profiles.append(attention.mean_by_distance(sown['probs'], sown['mask'], 8, bin_width=2, within_bin='max'))
     got = attention.text_profiles(run, 4, bin_width=2, within_bin='max')['attention']
     np.testing.assert_allclose(got, np.nanmean(profiles, axis=0), rtol=1e-5)
+    with pytest.raises(ValueError, match=r"terms='abx': \['x'\] are not score terms"):
+        attention.text_profiles(run, 4, terms='abx')

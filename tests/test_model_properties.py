@@ -310,6 +310,23 @@ def test_out_of_range_ids_raise_eagerly_and_poison_under_jit():
     assert np.isfinite(np.asarray(out.hidden)[1]).all()  # The other stream is untouched.
 
 
+@pytest.mark.parametrize('inputs, message', [
+    (dict(targets=(2, 4)), r'targets \[2, 4\] must match tokens \[2, 5\]'),
+    (dict(reset=(3,)), r'reset \[3\] must be \[2\] \(one flag per batch row\)'),
+    (dict(skip=(1,)), r'skip \[1\] must be \[2\] \(one flag per layer\)'),  # It skipped every layer.
+    (dict(skip=(3,)), r'skip \[3\] must be \[2\]'),
+])
+def test_inputs_of_the_wrong_shape_are_named_in_one_line(inputs, message):
+    """Wrong-shaped inputs would broadcast (a one-flag skip skipped every layer) or fail deep in a
+    kernel that names none of them."""
+    cfg, model, params = setup(mem_len=6)
+    tokens = random_tokens(3, (2, 5))
+    given = {name: (random_tokens(4, shape) if name == 'targets' else jnp.ones(shape, bool))
+             for name, shape in inputs.items()}
+    with pytest.raises(ValueError, match=message):
+        model.apply({'params': params}, tokens, init_memory(cfg, 2), **given)
+
+
 @pytest.mark.parametrize('memory_of', [dict(mem_len=4), dict(mem_len=6, batch=3), dict(mem_len=0, memory='none')])
 def test_a_memory_built_for_other_settings_is_refused_in_one_line(memory_of):
     """E.g. a training memory passed to a model run with the evaluation mem_len."""

@@ -102,6 +102,10 @@ def text_profiles(run: LoadedRun, num_segments: int, split: str = 'validation', 
     reads it (the memory carried, reset at documents): {'attention': [n_layer, H, K // bin_width]}
     and, for each letter of `terms` ('abd' for the paper's figure 7), that score term alone as an
     attention distribution. Every segment counts alike."""
+    unknown = sorted(set(terms) - set('abcd'))
+    if unknown:
+        raise ValueError(f"terms={terms!r}: {unknown} are not score terms; give letters of 'abcd' (section 3.3's "
+                         "(a)-(d); 'abd' for the paper's figure 7).")
     scale = run.config.d_head ** -0.5
     totals: dict[str, tuple] = {}  # name -> (sum of the segments' profiles, how many saw each entry)
     for segment, _, sown in sown_over_text(run, 'attention', num_segments, split):

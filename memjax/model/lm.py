@@ -79,6 +79,22 @@ def _check_memory(kind: memories.MemoryKind, memory: memories.MemoryState, batch
                          'init_memory(config, batch_size) for the config you apply.')
 
 
+def _check_inputs(tokens: jax.Array, targets: Optional[jax.Array], reset: Optional[jax.Array],
+                  skip: Optional[jax.Array], n_layer: int) -> None:
+    """One line naming the input for tokens, targets, reset or skip of the wrong shape (checked
+    while tracing): deep in the stack they would broadcast, or fail in a kernel that names none."""
+    shape = tuple(tokens.shape)
+    wrong = [f'tokens {list(shape)} must be [batch, segment] int ids'] * (len(shape) != 2)
+    if targets is not None and tuple(targets.shape) != shape:
+        wrong.append(f'targets {list(targets.shape)} must match tokens {list(shape)}')
+    if reset is not None and len(shape) == 2 and tuple(reset.shape) != shape[:1]:
+        wrong.append(f'reset {list(reset.shape)} must be [{shape[0]}] (one flag per batch row)')
+    if skip is not None and tuple(jnp.shape(skip)) != (n_layer,):
+        wrong.append(f'skip {list(jnp.shape(skip))} must be [{n_layer}] (one flag per layer)')
+    if wrong:
+        raise ValueError('; '.join(wrong) + '.')
+
+
 class MemoryLM(nn.Module):
     """Embeddings -> the layer stack over the memory kind's state -> adaptive softmax."""
 
@@ -124,6 +140,7 @@ class MemoryLM(nn.Module):
         """
         cfg, kind = self.config, self.kind
         _check_layer_layout(self, cfg)
+        _check_inputs(tokens, targets, reset, skip, cfg.n_layer)
         _check_memory(kind, memory, tokens.shape[0])
         if reset is not None:
             memory = kind.reset(memory, reset)
