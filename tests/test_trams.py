@@ -318,6 +318,13 @@ def test_misused_trams_is_one_line_before_anything_runs(xl_workdir, fields, mess
         config_lib.validate_config(training_fixtures.tiny_config(corpus, **fields))
 
 
+def test_a_misspelt_evaluation_field_is_told_as_no_field_with_the_near_one():
+    trained = model_lib.ModelConfig(vocab_size=50, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, mem_len=8,
+                                    segment_len=8)
+    with pytest.raises(ValueError, match=r"\['mem_lenn'\] are no model fields; did you mean 'mem_len' for 'mem_lenn'\?"):
+        memories.evaluation_config(trained, {'mem_lenn': 32})
+
+
 def test_a_sweep_point_that_cannot_run_stops_the_sweep_before_any_is_evaluated(xl_workdir, tmp_path, monkeypatch):
     corpus, workdir = xl_workdir
     monkeypatch.setattr(evaluate, 'evaluate_checkpoint', lambda *a, **k: pytest.fail('evaluated'))

@@ -24,6 +24,7 @@ through adding one.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, ClassVar, Optional
 
 import flax.linen as nn
@@ -278,6 +279,11 @@ def evaluation_config(trained: ModelConfig, overrides: dict[str, Any],
         raise ValueError(f'memory={memory!r} cannot run on parameters trained as memory={trained.memory!r}; '
                          f'evaluation may switch to {users or "no other kind"} for them.')
     allowed = run_time_fields(memory)
+    unknown = sorted(set(overrides) - set(ModelConfig.defaults()) - {'memory'})
+    if unknown:
+        close = {name: difflib.get_close_matches(name, allowed, n=1) for name in unknown}
+        raise ValueError(f'{unknown} are no model fields' + ''.join(
+            f'; did you mean {match[0]!r} for {name!r}?' for name, match in close.items() if match))
     refused = sorted(set(overrides) - set(allowed) - {'memory'})
     if refused:
         hint = [n for n in users if set(refused) <= set(run_time_fields(n))]
