@@ -152,7 +152,7 @@ def _checked_points(panels: list[Panel], config: ml_collections.ConfigDict) -> l
                     experiment.resolved(_with(config, settings), jax.device_count())
                 except errors.ConfigError as error:
                     raise errors.ConfigError(f'the point {panel.axis} = {value} ({evaluator}) cannot be evaluated, '
-                                             f'so nothing was: {" ".join(str(error).split())}') from None
+                                             f'so nothing was: {errors.brief(error, 1000)}') from None
                 points.append((panel, value, evaluator, settings))
     return points
 

@@ -359,6 +359,13 @@ def test_init_from_takes_the_source_tokenizer_and_reads_numbered_workdirs(config
     with open(os.path.join(workdir, 'tokenizer.json')) as a, \
             open(os.path.join(baseline[0], 'tokenizer.json')) as b:
         assert a.read() == b.read()
+    # A resumed run never reads init_from (its source may be gone): its tokenizer stays.
+    resumed = str(tmp_path / 'resumed')
+    shutil.copytree(baseline[0], resumed)
+    before = (tmp_path / 'resumed' / 'tokenizer.json').read_bytes()
+    restore.start_tokenizer(experiment.resolved(training_fixtures.override(
+        new, train__init_from=str(tmp_path / 'gone')), 1), resumed)
+    assert (tmp_path / 'resumed' / 'tokenizer.json').read_bytes() == before
     mistyped = training_fixtures.override(new, train__init_from=baseline[0] + 'x')
     with pytest.raises(errors.CheckpointError, match=r'init_from=\S+x: no checkpoints there'):
         trainer.train_and_evaluate(mistyped, str(tmp_path / 'other'))

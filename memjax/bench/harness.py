@@ -33,7 +33,7 @@ import ml_collections
 from memjax import config_lib
 from memjax.bench import hlo
 from memjax.kernels import cpu as cpu_kernels
-from memjax.errors import BenchError  # re-exported for the suites
+from memjax.errors import BenchError, failed  # BenchError: re-exported for the suites
 
 SIZES = ('tiny', 'full')
 MIB, GIB = 2.0 ** 20, 2.0 ** 30
@@ -110,8 +110,8 @@ class Context:
     def __post_init__(self):
         if self.size not in SIZES:
             raise BenchError(f'--size={self.size!r} must be one of {SIZES}.')
-        problems = [f'--warmup={self.warmup} must be >= 0.'] * (self.warmup < 0) + [
-            f'--repeats={self.repeats} must be >= 1.'] * (self.repeats < 1)
+        problems = failed((self.warmup >= 0, f'--warmup={self.warmup} must be >= 0.'),
+                          (self.repeats >= 1, f'--repeats={self.repeats} must be >= 1.'))
         if problems:
             raise BenchError(' '.join(problems))
 

@@ -50,7 +50,7 @@ class Continuation:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids=(), prompt_text: str = ''):
         self.tokenizer = tokenizer
-        self.context = [int(i) for i in prompt_ids[len(prompt_ids) - CONTEXT_IDS:]] if len(prompt_ids) else []
+        self.context = [int(i) for i in prompt_ids][-CONTEXT_IDS:]
         self.lead = tokenizer.decode(self.context) if self.context else ''
         if prompt_text.endswith(' ') and self.lead and not self.lead.endswith(' '):
             self.lead += ' '

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from memjax.errors import failed
 from memjax.model import memories
 from memjax.model import shared_hashes
 from memjax.model.adaptive import AdaptiveIO
@@ -84,13 +85,14 @@ def _check_inputs(tokens: jax.Array, targets: Optional[jax.Array], reset: Option
     """One line naming the input for tokens, targets, reset or skip of the wrong shape (checked
     while tracing): deep in the stack they would broadcast, or fail in a kernel that names none."""
     shape = tuple(tokens.shape)
-    wrong = [f'tokens {list(shape)} must be [batch, segment] int ids'] * (len(shape) != 2)
-    if targets is not None and tuple(targets.shape) != shape:
-        wrong.append(f'targets {list(targets.shape)} must match tokens {list(shape)}')
-    if reset is not None and len(shape) == 2 and tuple(reset.shape) != shape[:1]:
-        wrong.append(f'reset {list(reset.shape)} must be [{shape[0]}] (one flag per batch row)')
-    if skip is not None and tuple(jnp.shape(skip)) != (n_layer,):
-        wrong.append(f'skip {list(jnp.shape(skip))} must be [{n_layer}] (one flag per layer)')
+    wrong = failed(
+        (len(shape) == 2, f'tokens {list(shape)} must be [batch, segment] int ids'),
+        (targets is None or tuple(targets.shape) == shape, f'targets {list(np.shape(targets))} must match tokens '
+                                                           f'{list(shape)}'),
+        (reset is None or tuple(np.shape(reset)) == shape[:1],
+         f'reset {list(np.shape(reset))} must be {list(shape[:1])} (one flag per batch row)'),
+        (skip is None or tuple(np.shape(skip)) == (n_layer,),
+         f'skip {list(np.shape(skip))} must be [{n_layer}] (one flag per layer)'))
     if wrong:
         raise ValueError('; '.join(wrong) + '.')
 

@@ -213,8 +213,8 @@ class _PhasedTrainStep:
         if phase in self.steps:
             return False
         count = self.exp.run.train.segments_per_step
-        updates, verb, them = progress_lib.first_updates(count), 'includes' if count == 1 else 'include', (
-            'it' if count == 1 else 'them')
+        updates = progress_lib.first_updates(count)
+        verb, them = ('includes', 'it') if count == 1 else ('include', 'them')
         if self.steps:  # Skip-Retain's phase 2.
             logging.info('Step %d starts training phase %d (config.model.skip_until: no layer skipped from here): '
                          'compiling its training step; %s of the phase %s it, and speeds count from after %s.',

@@ -252,11 +252,11 @@ def start_tokenizer(run: config_lib.RunConfig, workdir: str) -> None:
     before anything else is prepared (data_factory.start_tokenizer: config.train.init_from's, else
     config.data's; never one an earlier start left behind). A bad init_from stops it here, before
     anything is written. A resumed run keeps its own."""
+    if checkpointing.has_checkpoints(run_files.checkpoint_dir(workdir)):
+        return  # Before init_from is looked at: a resumed run never reads it.
     source_run = None
     if run.train.init_from and not hf_gpt2.is_checkpoint_dir(run.train.init_from):
         source_run = _init_from_checkpoints(run.train.init_from)[0].rpartition('/')[0]
-    if checkpointing.has_checkpoints(run_files.checkpoint_dir(workdir)):
-        return
     with distributed.primary_first('the tokenizer of a start'):
         if distributed.is_primary():  # The others read what it wrote (experiment.setup).
             data_factory.start_tokenizer(run.data, workdir, source_run)
