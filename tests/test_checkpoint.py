@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, fallback past damage, what a changed config may do to a run."""
 
+import contextlib
 import logging
 import os
 import shutil
@@ -20,6 +21,7 @@ from memjax.training import experiment
 from memjax.training import run_files
 from memjax.training import restore
 from memjax.runtime import logs
+import disks
 import training_fixtures
 
 # Checkpoints at steps 4 and 8; losses logged every 2 updates (one dispatch of S=2).
@@ -251,6 +253,74 @@ def test_mismatched_shapes_are_reported_not_quarantined(tmp_path):
     with pytest.raises(checkpointing.CheckpointMismatchError, match=r'w: float32\[2, 3\] -> float32\[4, 3\]'):
         ckpt.restore_latest(*other, quarantine=True)
     assert ckpt.all_steps() == [1] and not os.path.exists(str(tmp_path) + '_damaged')
+    ckpt.close()
+
+
+def test_a_save_failing_on_a_full_disk_names_the_step_it_would_have_rotated_out(tmp_path):
+    """keep=1: the save of step 2 would delete step 1 once written. Orbax stops listing step 1 as
+    the save starts; the failure must name it, since it is what the run resumes from."""
+    with disks.small_disk(tmp_path / 'disk', 1024) as disk:
+        directory = os.path.join(disk, 'checkpoints')
+        ckpt = checkpointing.Checkpointer(directory, keep=1)
+        big = ({'w': np.ones((64, 1024), np.float32)}, tiny_tree(0)[1])  # 256 KiB: a step does not fit twice.
+        ckpt.save(1, *big, {}, {})
+        ckpt.wait()
+        disks.fill(disk)
+        with pytest.raises(errors.CheckpointError, match=rf'saving step 2 .*resume from {directory}/1\.$'):
+            try:
+                ckpt.save(2, *big, {}, {})
+                ckpt.wait()
+            finally:
+                with contextlib.suppress(Exception):  # Closing raises the writer's failure again.
+                    ckpt.close()
+        os.remove(os.path.join(disk, 'filler'))
+        reader = checkpointing.Checkpointer(directory, keep=1, read_only=True)
+        assert reader.restore_latest(*map(abstract_of, big)).step == 1
+        reader.close()
+
+
+def test_a_step_rotated_out_while_an_evaluation_reads_it_is_not_taken_for_damage(tmp_path, caplog):
+    """An evaluation of a running training (keep=1) reads step 1 while the training saves step 2 and
+    deletes step 1: the reader goes on to step 2, reports no damage and moves nothing aside."""
+    directory = str(tmp_path / 'checkpoints')
+    training = checkpointing.Checkpointer(directory, keep=1)
+    training.save(1, *tiny_tree(1), {}, {})
+    training.wait()
+    reader = checkpointing.Checkpointer(directory, keep=1, read_only=True)
+    abstract = abstract_of(tiny_tree(0)[0])
+
+    def read(step):
+        if step == 1:
+            training.save(2, *tiny_tree(2), {}, {})
+            training.wait()
+        return step, reader.restore_part(step, {'state': abstract})['state']['w']
+
+    with caplog.at_level(logging.INFO):
+        step, w = reader.latest_intact(read, quarantine=True)
+    assert step == 2 and np.all(np.asarray(w) == 2)
+    assert reader.damaged == [] and 'damaged' not in caplog.text and 'rotated out' in caplog.text
+    assert not os.path.exists(directory + '_damaged')
+    reader.close()
+    training.close()
+
+
+@pytest.mark.parametrize('failure', [MemoryError('std::bad_alloc'),
+                                     ValueError('UNAVAILABLE: the bucket did not answer in time')],
+                         ids=['host_memory', 'network'])
+def test_a_read_failing_for_a_passing_reason_moves_no_checkpoint_aside(tmp_path, failure):
+    """Running out of host memory or losing the network fails every step alike: the command stops
+    in one line that says so, and every step stays where it is for the next try."""
+    directory = str(tmp_path / 'checkpoints')
+    ckpt = checkpointing.Checkpointer(directory, keep=3)
+    for step in (4, 8):
+        ckpt.save(step, *tiny_tree(step), {}, {})
+        ckpt.wait()
+    with mock.patch.object(ckpt._manager, 'restore', side_effect=failure):  # pylint: disable=protected-access
+        with pytest.raises(errors.CheckpointError, match=rf'reading {directory}/8 failed \({type(failure).__name__}: '
+                           r'.*nothing against the checkpoint: it is left in place\. Free'):
+            ckpt.restore_latest(*map(abstract_of, tiny_tree(0)), quarantine=True)
+    assert ckpt.all_steps() == [4, 8] and not os.path.exists(directory + '_damaged')
+    assert ckpt.restore_latest(*map(abstract_of, tiny_tree(0)), quarantine=True).step == 8
     ckpt.close()
 
 

@@ -123,6 +123,19 @@ def checksums(tree: Any) -> tuple[str, dict[str, list[int]]]:
     return digest.hexdigest(), by_name
 
 
+# Errors of reading that say nothing about the files: the host's memory, the network, access.
+_PASSING_ERRORS = (MemoryError, ConnectionError, TimeoutError, PermissionError)
+_PASSING_CODES = ('RESOURCE_EXHAUSTED', 'UNAVAILABLE', 'DEADLINE_EXCEEDED', 'PERMISSION_DENIED',
+                  'UNAUTHENTICATED', 'Out of memory')
+
+
+def _is_damage(error: Exception) -> bool:
+    """Whether a failed read may be the files' fault. One that is not (memory, the network, access)
+    would fail on every step alike: moving intact steps aside for it would leave a resumed run none.
+    """
+    return not isinstance(error, _PASSING_ERRORS) and not any(code in str(error) for code in _PASSING_CODES)
+
+
 class _Manager(ocp.CheckpointManager):
     """An orbax CheckpointManager that leaves preemption to `memjax.training.preemption`.
 
@@ -287,16 +300,26 @@ class Checkpointer:
             self._failed = True
             if isinstance(error, jax.errors.JaxRuntimeError) and jax.process_count() > 1:
                 raise  # The save's collectives failed: a lost process, reported as such by the command.
-            kept = [s for s in self.all_steps() if s != step]
+            try:
+                kept = [s for s in self.steps_on_disk() if s != step]
+                resume_from = self.step_dir(kept[-1]) if kept else 'the start (no checkpoint yet)'
+            except Exception:  # pylint: disable=broad-except  (the folder itself is out of reach)
+                resume_from = 'its newest intact checkpoint'
             raise errors.CheckpointError(
                 f'saving {"a checkpoint" if step is None else f"step {step}"} in '
                 f'{self.directory} failed ({type(error).__name__}: {error}). Check the free space '
-                'and permissions there, then run the same command to resume from '
-                f'{self.step_dir(kept[-1]) if kept else "the start (no checkpoint yet)"}.'
+                f'and permissions there, then run the same command to resume from {resume_from}.'
             ) from error
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
+
+    def steps_on_disk(self) -> list[int]:
+        """The complete steps in the folder now. Orbax's own list leaves out the steps a save will
+        rotate out as soon as the save starts, though they stay until it succeeds, and does not
+        see what another process (a running training) saved or deleted since it was opened."""
+        self._manager.reload()
+        return self.all_steps()
 
     def step_dir(self, step: int) -> str:
         return storage.join(self.directory, str(step))
@@ -370,19 +393,34 @@ class Checkpointer:
         """`read(step)` of the newest step it succeeds on, or None when there is none.
 
         A step whose `read` raises CheckpointMismatchError stops the search (a config problem,
-        reported to the user); any other error counts as damage: it is reported and, with
-        `quarantine`, moved to `<directory>_damaged/` so that the resumed run can save that
-        step again.
+        reported to the user), as does an error that says nothing about the files (`_is_damage`:
+        raised as a CheckpointError that says so).
+        A step that vanished while it was read was rotated out by the training run writing there:
+        the search starts again from the newest step then. Any other error counts as damage: it is
+        reported and, with `quarantine`, moved to `<directory>_damaged/` so that the resumed run
+        can save that step again.
         """
-        damaged = []
+        damaged, tried = [], set()
         result = None
-        for step in reversed(self.all_steps()):
+        while untried := [s for s in self.steps_on_disk() if s not in tried]:
+            step = untried[-1]
+            tried.add(step)
             try:
                 result = read(step)
                 break
             except CheckpointMismatchError:
                 raise
             except Exception as error:  # Orbax raises many types for damaged files.
+                if step not in self.steps_on_disk():
+                    logging.info('Checkpoint %s was rotated out while it was read; reading the newest '
+                                 'one now.', self.step_dir(step))
+                    continue
+                if not _is_damage(error):
+                    raise errors.CheckpointError(
+                        f'reading {self.step_dir(step)} failed ({type(error).__name__}: {errors.brief(error)}), '
+                        'which says nothing against the checkpoint: it is left in place. Free the host\'s '
+                        'memory, or restore the connection or the access to the folder, then run the '
+                        'same command again.') from error
                 logging.warning('Checkpoint %s is damaged or incomplete (%s: %s); falling back to '
                                 'the previous one.', self.step_dir(step), type(error).__name__,
                                 errors.brief(error))
