@@ -136,20 +136,19 @@ def known_scores(adaptive: bool, known: np.ndarray = KNOWN):
     return cfg, cluster_logprobs
 
 
-def naive_distribution(settings: Sampling) -> np.ndarray:
-    """The warped distribution written out: temperature, top-k, then the nucleus."""
-    x = KNOWN / settings.temperature
+def naive_distribution(settings: Sampling, known: np.ndarray = KNOWN) -> np.ndarray:
+    """The warped distribution written out: temperature, top-k, then the nucleus, each keeping the
+    tokens tied with the last one it keeps."""
+    x = known / settings.temperature
     keep = np.ones(len(x), bool)
     if settings.top_k:
         keep &= x >= np.sort(x)[::-1][settings.top_k - 1]
     p = np.where(keep, np.exp(x - x.max()), 0)
     p /= p.sum()
     if settings.top_p < 1:
-        order = np.argsort(-p)
-        mass_before = np.cumsum(p[order]) - p[order]
-        nucleus = np.zeros(len(p), bool)
-        nucleus[order[mass_before < settings.top_p]] = True
-        p = np.where(nucleus, p, 0)
+        ordered = np.sort(p)[::-1]
+        mass_before = np.cumsum(ordered) - ordered
+        p = np.where(p >= ordered[mass_before < settings.top_p].min(), p, 0)
         p /= p.sum()
     return p
 
@@ -161,18 +160,45 @@ SETTINGS = [Sampling(), Sampling(temperature=0.5), Sampling(temperature=1.7), Sa
 @pytest.mark.parametrize('adaptive', [False, True], ids=['softmax', 'adaptive_softmax'])
 @pytest.mark.parametrize('settings', SETTINGS, ids=str)
 def test_draws_follow_the_warped_distribution_and_never_leave_its_support(settings, adaptive):
-    cfg, scores = known_scores(adaptive)
-    draws = 20_000
+    draws_follow(settings, adaptive)
+
+
+def draws_follow(settings, adaptive, known=KNOWN, draws=20_000):
+    """Asserts that `draws` tokens chosen from `known` follow the warped distribution."""
+    cfg, scores = known_scores(adaptive, known)
     tokens, logprobs = jax.jit(lambda key: sampling_lib.choose(scores, cfg, jnp.zeros((draws, 1)), key, settings))(
         jax.random.key(0))
     tokens = np.asarray(tokens)
-    np.testing.assert_allclose(logprobs, KNOWN[tokens], atol=1e-5)  # The model's own log-probs.
-    expected = naive_distribution(settings)
-    counts = np.bincount(tokens, minlength=len(KNOWN))
+    np.testing.assert_allclose(logprobs, known[tokens], atol=1e-5)  # The model's own log-probs.
+    expected = naive_distribution(settings, known)
+    counts = np.bincount(tokens, minlength=len(known))
     assert counts[expected == 0].sum() == 0, 'a draw outside the top-k / the nucleus'
     seen = expected > 0
     chi2 = float(np.sum((counts[seen] - draws * expected[seen]) ** 2 / (draws * expected[seen])))
-    assert chi2 < 32.9  # At most 11 degrees of freedom: p = 0.0005.
+    assert chi2 < 32.9, (counts, draws * expected)  # At most 11 degrees of freedom: p = 0.0005.
+
+
+def log_normalised(probs):
+    probs = np.array(probs)
+    return np.log(probs / probs.sum())
+
+
+# Where an adaptive softmax may skip clusters: the cut falls past a cluster less likely than a head
+# token; k is above the head's size; head tokens tied at the cut (in the plain path's terms).
+EDGES = {
+    'a_nucleus_past_an_unlikely_cluster': (log_normalised([.62, .11, .10, .09] + [.02] * 4 + [1e-6] * 4),
+                                           Sampling(top_p=0.65)),
+    'top_k_above_the_heads_size': (log_normalised([.2] * 4 + [.02] * 4 + [.03] * 4), Sampling(top_k=6)),
+    'ties_at_the_k_th_token': (log_normalised([.3, .1, .1, .1] + [.05] * 8), Sampling(top_k=3)),
+    'ties_at_the_nucleus_edge': (log_normalised([.6, .1, .1, .1] + [.02] * 4 + [.005] * 4), Sampling(top_p=0.65)),
+}
+
+
+@pytest.mark.parametrize('adaptive', [False, True], ids=['softmax', 'adaptive_softmax'])
+@pytest.mark.parametrize('edge', sorted(EDGES))
+def test_draws_follow_the_warped_distribution_where_clusters_may_be_left_out(edge, adaptive):
+    known, settings = EDGES[edge]
+    draws_follow(settings, adaptive, known)
 
 
 @pytest.mark.parametrize('adaptive', [False, True], ids=['softmax', 'adaptive_softmax'])

@@ -1,15 +1,17 @@
 """Choosing the next token: greedy, temperature, top-k and top-p (nucleus) sampling.
 
-The warpers apply in the usual order (temperature, then top-k, then top-p, as in HF `generate`).
-With an adaptive softmax the head is scored first and a tail cluster only when it can matter:
+The warpers apply in the usual order (temperature, then top-k, then top-p, as in HF `generate`);
+tokens tied with the last one kept by top-k or top-p are kept too. With an adaptive softmax the
+head is scored first and a tail cluster only when it can matter:
 
 - plain sampling (temperature 1, no top-k or top-p): draw from the head (its tokens and one entry
   per tail cluster), then, for the rows that drew a cluster, inside that cluster only;
-- greedy and top-k: a tail cluster is scored only when its total probability exceeds the k-th best
-  head token's (every token in it is at most that likely), and gives its own k best;
-- temperature other than 1 or top-p without top-k reshape the whole distribution, so every cluster
-  that can reach the nucleus is scored (for top-p, those at least as likely as the nucleus's
-  least likely head token).
+- greedy and top-k: a tail cluster is scored only when its total probability reaches the k-th best
+  head token's (every token in it is at most that likely; with k above the head's size, always);
+- top-p alone: a cluster is scored only when it is at least as likely as the least likely head
+  token of the head's own nucleus; the nucleus is then cut by the model's own probabilities,
+  which the clusters left out keep their share of;
+- temperature other than 1 reshapes the whole distribution, so every cluster is scored.
 Each function returns the chosen tokens and their log-probabilities under the model itself (not
 the warped distribution).
 """
@@ -34,7 +36,7 @@ class Sampling:
 
     temperature: float = 1.0
     top_k: int = 0  # Keep the k most probable tokens; 0: all.
-    top_p: float = 1.0  # Keep the fewest most probable tokens whose probability reaches top_p; 1: all.
+    top_p: float = 1.0  # Keep the fewest most probable tokens whose probability reaches top_p (and ties); 1: all.
 
     def problems(self) -> list[str]:
         found = []
@@ -58,14 +60,20 @@ class Sampling:
 
 def warp(logprobs: jax.Array, settings: Sampling) -> jax.Array:
     """Log-weights [B, N] of the sampling distribution over candidates with model log-probs
-    `logprobs` [B, N] (-inf: never chosen), after temperature, top-k and top-p."""
+    `logprobs` [B, N] (-inf: never chosen), after temperature, top-k and top-p.
+
+    Until temperature or top-k reshape it, the nucleus is cut by the model's own probabilities:
+    candidates left out at -inf (an adaptive softmax's clusters not scored) keep their mass.
+    """
     x = logprobs / settings.temperature
+    reshaped = settings.temperature != 1
     if settings.top_k and settings.top_k < x.shape[-1]:
         kth = jax.lax.top_k(x, settings.top_k)[0][:, -1:]
         x = jnp.where(x >= kth, x, _NEG_INF)
+        reshaped = True
     if settings.top_p < 1:
         ordered = jnp.sort(x, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
+        probs = jax.nn.softmax(ordered, axis=-1) if reshaped else jnp.exp(ordered)
         before = jnp.cumsum(probs, axis=-1) - probs  # Mass of the more probable candidates.
         # The least likely candidate still needed to reach top_p (the most likely is always kept).
         threshold = jnp.min(jnp.where(before < settings.top_p, ordered, jnp.inf), axis=-1, keepdims=True)
@@ -117,38 +125,24 @@ def choose(cluster_logprobs: Callable[[jax.Array, int], jax.Array], config: Mode
 
     if settings.greedy or settings.top_k:
         k = 1 if settings.greedy else settings.top_k
-        values, ids = jax.lax.top_k(head[:, :shortlist], min(k, shortlist))
-        kth = values[:, -1]
-        candidates, candidate_ids = [values], [ids]
-        for i in tails:
-            width = min(k, bounds[i + 1] - bounds[i])
-
-            def best(tail, i=i, width=width):
-                v, local = jax.lax.top_k(cluster_mass[i][:, None] + tail, width)
-                return v, local + bounds[i]
-
-            v, index = scored_if(cluster_mass[i] > kth, i, best,
-                                 (jnp.full((head.shape[0], width), _NEG_INF), jnp.zeros((head.shape[0], width), ids.dtype)))
-            candidates.append(v)
-            candidate_ids.append(index)
-        values, ids = jnp.concatenate(candidates, axis=-1), jnp.concatenate(candidate_ids, axis=-1)
-    else:  # Temperature or top-p over every token that can matter.
+        kth = (jax.lax.top_k(head[:, :shortlist], k)[0][:, -1] if k <= shortlist
+               else jnp.full(head.shape[:1], _NEG_INF))
+        needed = {i: cluster_mass[i] >= kth for i in tails}
+    elif settings.temperature == 1:  # top-p alone: the nucleus's head tokens bound the clusters.
+        # The nucleus of the head's tokens alone ends at `least`; more tokens only raise where
+        # the true nucleus ends, so a cluster less likely than `least` holds none of it.
+        ordered = jnp.sort(head[:, :shortlist], axis=-1)[:, ::-1]
+        before = jnp.cumsum(jnp.exp(ordered), axis=-1) - jnp.exp(ordered)
+        least = jnp.min(jnp.where(before < settings.top_p, ordered, jnp.inf), axis=-1)
+        # With less than top_p in the head, the nucleus may reach any cluster.
+        short = jax.nn.logsumexp(head[:, :shortlist], axis=-1) < jnp.log(settings.top_p)
+        needed = {i: short | (cluster_mass[i] >= least) for i in tails}
+    else:
         needed = {i: jnp.ones_like(cluster_mass[i], bool) for i in tails}
-        if settings.temperature == 1:  # top-p alone: the nucleus's head tokens bound the clusters.
-            # The nucleus of the head's tokens alone ends at `least`; more tokens only raise where
-            # the true nucleus ends, so a cluster less likely than `least` holds none of it.
-            ordered = jnp.sort(head[:, :shortlist], axis=-1)[:, ::-1]
-            before = jnp.cumsum(jnp.exp(ordered), axis=-1) - jnp.exp(ordered)
-            least = jnp.min(jnp.where(before < settings.top_p, ordered, jnp.inf), axis=-1)
-            # With less than top_p in the head, the nucleus may reach any cluster.
-            short = jax.nn.logsumexp(head[:, :shortlist], axis=-1) < jnp.log(settings.top_p)
-            needed = {i: short | (cluster_mass[i] >= least) for i in tails}
-        values = [head[:, :shortlist]]
-        for i in tails:
-            full = jnp.full((head.shape[0], bounds[i + 1] - bounds[i]), _NEG_INF)
-            values.append(scored_if(needed[i], i, lambda tail, i=i: cluster_mass[i][:, None] + tail, full))
-        values = jnp.concatenate(values, axis=-1)
-        ids = jnp.broadcast_to(jnp.arange(values.shape[-1]), values.shape)
-    chosen = _pick(values, draw_key, settings)[:, None]
-    return (jnp.take_along_axis(ids, chosen, axis=-1)[:, 0].astype(jnp.int32),
-            jnp.take_along_axis(values, chosen, axis=-1)[:, 0])
+    values = [head[:, :shortlist]]
+    for i in tails:
+        full = jnp.full((head.shape[0], bounds[i + 1] - bounds[i]), _NEG_INF)
+        values.append(scored_if(needed[i], i, lambda tail, i=i: cluster_mass[i][:, None] + tail, full))
+    values = jnp.concatenate(values, axis=-1)  # Every token's model log-prob, -inf where not scored.
+    token = _pick(values, draw_key, settings)
+    return token.astype(jnp.int32), jnp.take_along_axis(values, token[:, None], axis=-1)[:, 0]
