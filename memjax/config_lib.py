@@ -372,14 +372,20 @@ def _resolve_models(config: ml_collections.ConfigDict, train: TrainConfig, evalu
                       f'the kind that was trained ({" or ".join(map(repr, runs_on))}) and evaluate with '
                       f'--config.eval.model.memory={memory}.')
         return None, None
+    segment_len = config.model.get('segment_len', -1)
+    if segment_len not in (-1, train.tgt_len):
+        errors.append(f'config.model.segment_len={segment_len} differs from config.train.tgt_len={train.tgt_len}, '
+                      'the length of the training segments: set config.model.segment_len=-1 (it then follows '
+                      'tgt_len) or the same value in both.')
+        return None, None
     try:
         model = ModelConfig.from_config_dict(config.model, segment_len=train.tgt_len)
     except ValueError as error:
         errors.append(f'config.model: {error}')
         return None, None
     try:
-        eval_model = memories.evaluation_config(model, eval_model_overrides(config),
-                                                evaluation.tgt_len if config.model.segment_len == -1 else None)
+        # Evaluation's segments are config.eval.tgt_len long whatever training's were.
+        eval_model = memories.evaluation_config(model, eval_model_overrides(config), evaluation.tgt_len)
     except ValueError as error:
         errors.append(f'config.eval.model: {error}')
         return model, None

@@ -78,6 +78,21 @@ def test_notebook_runs_keep_their_method_at_the_quickstart_size_on_a_text_file(a
     assert run.eval_model.mem_len == 64 and run.eval.tgt_len == 64  # Evaluated as trained.
 
 
+def test_an_explicit_segment_len_is_training_s_and_evaluation_runs_at_eval_tgt_len():
+    """An imported workdir's config names its segment length; evaluation's segments are still
+    config.eval.tgt_len long, and a state sized by the segment (the infinity-former's) must be too.
+    A segment_len that training's segments do not have is refused, naming both fields."""
+    base = parse([f'--config={TINY}'])
+    tgt_len = base.train.tgt_len
+    run = config_lib.resolve(parse([f'--config={TINY}', '--config.model.memory=infinity', '--config.model.mem_len=0',
+                                    f'--config.model.segment_len={tgt_len}', f'--config.eval.tgt_len={tgt_len // 2}']))
+    assert (run.model.segment_len, run.eval_model.segment_len) == (tgt_len, tgt_len // 2)
+    config = parse([f'--config={TINY}', f'--config.model.segment_len={tgt_len * 2}'])
+    with pytest.raises(config_lib.ConfigError, match=rf'config.model.segment_len={tgt_len * 2} differs from '
+                                                     rf'config.train.tgt_len={tgt_len}.*segment_len=-1'):
+        config_lib.validate_config(config)
+
+
 def dataclasses_without(mcfg, dropped):
     fields = dict(vars(mcfg))
     # segment_len: that of eval.tgt_len; the training switches are off in evaluation.
