@@ -41,3 +41,31 @@ def test_streams_score_only_the_answer_which_ends_the_last_segment():
         symbols = inputs[row][inputs[row] < 20][:100]
         np.testing.assert_array_equal(targets[row, -20:], sorting.sorted_by_count(symbols))
         assert inputs[row, -20] == sorting.SEP and inputs[row, 0] == sorting.PAD  # SEP asks for answer[0].
+
+
+def answers_scored(streams):
+    """Every (sequence's answer) the streams score, found by matching the masked targets of each
+    stream's segments against the sequences' own."""
+    answers = []
+    for index in range(streams.num_batches):
+        batch = streams.batch(index)
+        for row in range(batch['targets'].shape[1]):
+            mask = batch['mask'][:, row].reshape(-1) > 0
+            if mask.any():
+                answers.append(tuple(batch['targets'][:, row].reshape(-1)[mask]))
+    return answers
+
+
+def test_evaluation_scores_every_sequence_once_when_the_batch_does_not_divide_them():
+    """10 validation sequences in 4 streams (split over 2 processes): all 10 answers are scored, each
+    once, and the token counts say so; training drops the 2 that would not fill every stream."""
+    cfg = DataConfig(sort_length=30, sort_validation_sequences=10, sort_train_sequences=10)
+    kwargs = dict(batch_size=4, tgt_len=16, segments_per_batch=2)
+    whole = sorting.SortingStreams(cfg, 'validation', **kwargs)
+    expected = [tuple(whole.document(i)['targets'][-20:]) for i in range(10)]
+    assert len(set(expected)) == 10
+    parts = [sorting.SortingStreams(cfg, 'validation', process_index=p, process_count=2, **kwargs) for p in range(2)]
+    assert sorted(answers_scored(whole)) == sorted(answers_scored(parts[0]) + answers_scored(parts[1])) == sorted(expected)
+    assert whole.num_target_tokens == 10 * 20 == sum(part.num_local_target_tokens for part in parts)
+    training = sorting.SortingStreams(cfg, 'train', repeat=True, **kwargs)
+    assert len(answers_scored(training)) == 8 and training.num_target_tokens == 8 * 20

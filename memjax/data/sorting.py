@@ -103,13 +103,18 @@ class SortingStreams(BatchedStreams):
         if sequences < batch_size:
             raise errors.DataError(f'sorting {split}: {sequences} sequences for {batch_size} streams; '
                                    f'raise data.sort_{split}_sequences or lower the batch size.')
-        self.groups = sequences // batch_size  # Sequences per stream in a pass.
+        # Training drops a pass's last sequences that would not fill every stream, as a pass of
+        # whole batches does; evaluation scores every sequence once, streams past the last reading
+        # empty segments.
+        self.sequences = sequences - sequences % batch_size if repeat else sequences
+        self.groups = -(-self.sequences // batch_size)  # Sequences per stream in a pass.
         self.segments = -(-(self.length + SYMBOLS + 1) // tgt_len)  # K: inputs are length + 20 tokens.
         self.num_batches = -(-self.groups * self.segments // segments_per_batch)
         self._local = range(process_index * batch_size // process_count,
                             (process_index + 1) * batch_size // process_count)
-        self.num_target_tokens = self.groups * batch_size * SYMBOLS
-        self.num_local_target_tokens = self.groups * len(self._local) * SYMBOLS
+        self.num_target_tokens = self.sequences * SYMBOLS
+        self.num_local_target_tokens = SYMBOLS * sum(
+            group * batch_size + stream < self.sequences for group in range(self.groups) for stream in self._local)
 
     def document(self, index: int) -> Dict[str, np.ndarray]:
         """Sequence `index` laid out over K segments: inputs, targets, mask [K * T]."""
@@ -130,8 +135,8 @@ class SortingStreams(BatchedStreams):
             group, k = divmod(g, self.segments)
             rows = {name: [] for name in out}
             for stream in self._local:
-                if group < self.groups:
-                    number = group * self.batch_size + stream
+                number = group * self.batch_size + stream
+                if number < self.sequences:
                     if number not in documents:
                         documents[number] = self.document(number)
                     doc = documents[number]
