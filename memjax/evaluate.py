@@ -59,6 +59,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict | config_lib.RunConfig
     split = exp.run.eval.split
     with distributed.primary_first('token streams'):  # Prepared data and token caches.
         streams = evaluation.eval_streams(exp.run, exp.tokenizer, split)
+    evaluation.same_on_every_process(streams, split)
     logging.info('Evaluating step %d of %s on the %s split: %s target tokens in batches of %d x %d; %s.', step,
                  workdir, split, f'{int(streams.num_target_tokens):,}', exp.run.eval.batch_size, exp.run.eval.tgt_len,
                  memories.describe(exp.eval_mcfg))

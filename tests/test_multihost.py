@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import time
 
@@ -76,6 +77,30 @@ def test_joins_that_cannot_complete_fail_clearly_within_the_bound(corpus, tmp_pa
             in logs['no_peer'])
     # Nothing was trained or written before the failure.
     assert not os.path.exists(tmp_path / 'no_peer' / 'checkpoints')
+
+
+def test_processes_reading_different_copies_of_the_data_stop_before_training(corpus, tmp_path):
+    """Each host lays out the split from its own copy of the files; process 1's copy lacks the last
+    line of the validation text. A global batch would mix two layouts (tokens scored twice or never):
+    both processes stop in one line naming the split, before any step or checkpoint."""
+    partial = str(tmp_path / 'partial_copy')
+    shutil.copytree(corpus, partial)
+    with open(os.path.join(partial, 'valid.txt')) as f:
+        lines = f.read().splitlines(keepends=True)
+    with open(os.path.join(partial, 'valid.txt'), 'w') as f:
+        f.writelines(lines[:-1])
+    address = f'127.0.0.1:{portpicker.pick_unused_port()}'
+    env = cli_fixtures.cpu_env(1, str(tmp_path / 'jax_cache'))
+    runs = [cli_fixtures.Run(
+        cli_fixtures.tiny_command(str(tmp_path / 'run'), copy, str(tmp_path / f'data{i}'), '--config.train.batch_size=2',
+                                  '--config.eval.batch_size=2', f'--coordinator_address={address}', '--num_processes=2',
+                                  f'--process_id={i}', f'--initialization_timeout={JOIN_BOUND_S}'),
+        env, str(tmp_path / f'process{i}.log')) for i, copy in enumerate((corpus, partial))]
+    for log in [cli_fixtures.checked(run, expected_code=2) for run in runs]:
+        assert re.search(r'the validation split \(its token ids\) differs between processes \(process \d has \w+\.\.\.\): '
+                         r'give every process the same data files', log), log[-2000:]
+        assert 'Traceback' not in log and 'step 1/' not in log
+    assert not os.path.exists(tmp_path / 'run' / 'checkpoints')
 
 
 PROGRESS = re.compile(r'step (\d+)/\d+ \| loss (\S+) \| bpc \S+ \| .* \| lr (\S+) \| gnorm (\S+)')

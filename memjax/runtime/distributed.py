@@ -307,8 +307,9 @@ def primary_first(name: str) -> Iterator[None]:
             barrier(f'{name}: process 0 done')
 
 
-def assert_same_on_all_processes(fingerprint: str, what: str) -> None:
-    """Fails on every process when the hex `fingerprint` of `what` differs between them."""
+def assert_same_on_all_processes(fingerprint: str, what: str, same_files: str) -> None:
+    """Fails on every process when the hex `fingerprint` of `what` differs between them;
+    `same_files` names the files to give every process alike."""
     if jax.process_count() == 1:
         return
     words = np.frombuffer(bytes.fromhex(fingerprint[:32]), np.uint32)
@@ -317,8 +318,7 @@ def assert_same_on_all_processes(fingerprint: str, what: str) -> None:
     except AssertionError:
         raise DistributedSetupError(
             f'{what} differs between processes (process {jax.process_index()} has '
-            f'{fingerprint[:16]}...): give every process the same files, e.g. a shared '
-            'workdir or data.vocab_path.') from None
+            f'{fingerprint[:16]}...): give every process the same {same_files}.') from None
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from memjax import config_lib
 from memjax import model as model_lib
 from memjax.data import factory as data_factory
 from memjax.data import pipeline
+from memjax.runtime import distributed
 from memjax.training import metrics as metrics_lib
 
 # A whole-split evaluation can take many minutes: a progress line this often.
@@ -47,6 +48,17 @@ def eval_streams(run: config_lib.RunConfig, tokenizer: Any, split: str) -> pipel
         run.data, split, tokenizer, seed=run.seed, batch_size=run.eval.batch_size, tgt_len=run.eval.tgt_len,
         segments_per_batch=run.train.segments_per_step, repeat=False,
         process_index=jax.process_index(), process_count=jax.process_count())
+
+
+def same_on_every_process(streams: Any, split: str) -> None:
+    """Stops every process when they read different token ids: each lays out the split from its own
+    copy of the files, and a global batch takes rows from all of them, so a host whose copy differs
+    (a file missing, a partial copy) would score tokens twice or never. Call it on every process,
+    outside `primary_first`."""
+    if streams.fingerprint:  # None for the generated sorting task, the same everywhere by its seed.
+        distributed.assert_same_on_all_processes(
+            streams.fingerprint['tokens'], f'the {split} split (its token ids)',
+            'data files (config.data: data_dir, text_path or manual_dir), or one shared copy')
 
 
 def eval_key(run: config_lib.RunConfig) -> jax.Array:

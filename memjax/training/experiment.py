@@ -84,7 +84,8 @@ def setup(config: ml_collections.ConfigDict | config_lib.RunConfig, workdir: str
     saved_run.check_saved_config(run, workdir, training)
     with distributed.primary_first('tokenizer'):
         tokenizer = data_factory.build_tokenizer(run.data, workdir, save=training)
-    distributed.assert_same_on_all_processes(tokenizer.fingerprint, 'the tokenizer')
+    distributed.assert_same_on_all_processes(tokenizer.fingerprint, 'the tokenizer',
+                                              'files, e.g. a shared workdir or data.vocab_path')
     run = run.with_vocab_size(tokenizer.vocab_size)
     tx = optim.make_optimizer(run.train)
     # Built once; deriving the shardings here rejects splits that do not divide before compiling.

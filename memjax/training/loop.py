@@ -162,6 +162,8 @@ def _streams(exp: experiment.Experiment) -> tuple[pipeline.LMStreams, pipeline.L
             tgt_len=tcfg.tgt_len, segments_per_batch=tcfg.segments_per_step, repeat=True,
             process_index=jax.process_index(), process_count=jax.process_count())
         valid_streams = evaluation.eval_streams(exp.run, exp.tokenizer, 'validation')
+    evaluation.same_on_every_process(train_streams, 'train')
+    evaluation.same_on_every_process(valid_streams, 'validation')
     return train_streams, valid_streams
 
 
