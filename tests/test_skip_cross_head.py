@@ -175,6 +175,19 @@ def test_eq6_expected_context_is_reproduced_by_simulation():
     assert abs(simulated.mean() - exact) <= 4 * simulated.std() / math.sqrt(steps)
 
 
+def test_cross_head_is_refused_where_a_head_reads_keys_it_does_not_permute():
+    """LaMemo's look-ahead scores the permuted keys with its own, unpermuted positional keys, and the
+    infinity-former's long-term memory has keys and values of its own: refused in one line, as is a
+    single head, which has no other to read."""
+    for memory in ('lamemo', 'infinity'):
+        with pytest.raises(ValueError, match=rf"Cross-Head attention is built for memory 'xl' and 'none' .*not "
+                                             rf"memory='{memory}'"):
+            XL.replace(memory=memory, sch_beta=0.1)
+    with pytest.raises(ValueError, match='sch_beta=0.1 with n_head=1: one head has no other to read; set sch_beta=0'):
+        XL.replace(sch_beta=0.1, n_head=1)
+    XL.replace(memory='none', mem_len=0, sch_beta=0.1)
+
+
 def test_skip_retain_is_refused_where_it_is_not_built():
     with pytest.raises(ValueError, match="Skip-Retain is built for memory 'xl' and 'none'"):
         XL.replace(memory='lamemo', skip_rule='linear')

@@ -123,6 +123,10 @@ class MemoryKind:
     # True for a kind whose skipped layer may keep its state for a step (Skip-Retain): its memory
     # then ages (`LayerMemory.skipped`).
     skip_retain: ClassVar[bool] = False
+    # True for a kind whose every key and value a head reads comes through the attention, which
+    # permutes them under Stochastic Cross-Head attention (LaMemo's look-ahead reads positional keys
+    # of its own, the infinity-former's long-term memory keys and values of its own).
+    cross_head: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig):
         self.config = config
@@ -232,6 +236,11 @@ def _valid_for_kind(config: ModelConfig) -> list[str]:
     if config.skip_rule != 'none' and not kind.skip_retain:
         problems.append(f"skip_rule={config.skip_rule!r}: Skip-Retain is built for memory 'xl' and 'none' (a "
                         f"skipped layer keeps its memory and ages it), not memory={config.memory!r}.")
+    if config.sch_beta > 0 and not kind.cross_head:
+        problems.append(f"sch_beta={config.sch_beta}: Stochastic Cross-Head attention is built for memory 'xl' and "
+                        f"'none' (every key a head reads is permuted with it), not memory={config.memory!r}.")
+    if config.sch_beta > 0 and config.n_head == 1:
+        problems.append(f'sch_beta={config.sch_beta} with n_head=1: one head has no other to read; set sch_beta=0.')
     return problems
 
 
@@ -346,4 +355,5 @@ class NoMemory(MemoryKind):
     """'none': the Transformer with relative positions and nothing carried. Skip-Retain only skips
     its layers (there is no memory to age)."""
     skip_retain = True
+    cross_head = True
 from memjax.model.memories import cached, infinity, lamemo, trams, xl  # noqa: E402,F401  pylint: disable=unused-import (register themselves)

@@ -322,8 +322,8 @@ class InfinityLayerMemory(LayerMemory):
 
 @register
 class InfinityMemory(XLMemory):
-    fields = InfinityFields
     """The XL memory extended by segment_len waiting rows and the continuous LTM (module docstring)."""
+    fields = InfinityFields
 
     name = 'infinity'
     layer = InfinityLayerMemory
@@ -332,6 +332,7 @@ class InfinityMemory(XLMemory):
     # Sticky samples: every accumulation chunk draws its own (its rows are other sequences).
     streams = {'sticky': False}
     skip_retain = False  # Its long-term memory would have to age too: not built.
+    cross_head = False  # Its long-term memory's keys and values are its own, not permuted.
 
     def holds(self) -> str:
         cfg = self.config
@@ -345,6 +346,12 @@ class InfinityMemory(XLMemory):
 
         need(config.segment_len >= 1, f'memory=\'infinity\' sizes its state by the segment: segment_len='
              f'{config.segment_len} must be >= 1 (-1 takes config.train.tgt_len).')
+        # Rows enter the long-term memory a segment at a time, when the oldest waiting row is valid:
+        # a memory of whole segments keeps each segment's rows valid or not together.
+        need(config.segment_len < 1 or config.mem_len % config.segment_len == 0,
+             f'memory=\'infinity\' passes its short-term memory to the long-term one a segment at a time: '
+             f'mem_len={config.mem_len} must be a multiple of the segment length {config.segment_len} '
+             '(config.train.tgt_len, in evaluation config.eval.tgt_len), or 0.')
         need(config.ltm_basis >= 1 and config.ltm_widths and config.ltm_basis % len(config.ltm_widths) == 0,
              f'ltm_basis={config.ltm_basis} must be a positive multiple of len(ltm_widths)='
              f'{len(config.ltm_widths)} (centres x widths).')

@@ -207,9 +207,9 @@ class LaMemoLayerMemory(LayerMemory):
 
 @register
 class LaMemoMemory(MemoryKind):
-    fields = LaMemoFields
     """layers.context [n_layer, B, M, H, Dh], layers.log_norm [n_layer, B, H, M] float32;
     shared.embedded [B, M, d_model] (the first layer's input), shared.valid [B, M]."""
+    fields = LaMemoFields
 
     name = 'lamemo'
     layer = LaMemoLayerMemory

@@ -62,6 +62,7 @@ class XLMemory(MemoryKind):
     layer = XLLayerMemory
     run_time_fields = ('mem_len', 'memory_start')
     skip_retain = True
+    cross_head = True
     # Evaluation keeps the keys and values it projected instead of the inputs (memories/cached.py).
     evaluated_by = 'xl_cached'
 
