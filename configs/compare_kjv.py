@@ -72,7 +72,7 @@ def get_config(arg: str = ''):
                             ltm_samples=150)
         config.train.update(batch_size=60, tgt_len=150, segments_per_step=1, num_steps=200000, learning_rate=2.5e-4,
                             warmup_steps=0, eval_every=4000, checkpoint_every=4000)
-        config.compare.eval_mem_lens = (150, 300, 600)  # Whole segments: the infinity-former passes rows on by segment.
+        config.compare.eval_mem_lens = (150, 300, 640)
     if 'extrapolate' in options:
         # The same number of training bytes per run as the default; distances 0-255 are trained, so
         # memory 64 x m at segments of 64 first goes beyond them at m = 4, as 150 / 64 does.

@@ -93,22 +93,6 @@ def test_an_explicit_segment_len_is_training_s_and_evaluation_runs_at_eval_tgt_l
         config_lib.validate_config(config)
 
 
-def test_an_infinity_memory_of_part_of_a_segment_is_refused_in_training_and_in_evaluation():
-    """Rows pass to the long-term memory a segment at a time, when the oldest waiting row is valid:
-    a memory that is not whole segments would drop the valid rows of a partly valid block."""
-    tgt_len = parse([f'--config={TINY}']).train.tgt_len
-    infinity = [f'--config={TINY}', '--config.model.memory=infinity']
-    with pytest.raises(config_lib.ConfigError, match=rf'config.model: .*mem_len={tgt_len + 2} must be a multiple '
-                                                     rf'of the segment length {tgt_len}'):
-        config_lib.validate_config(parse([*infinity, f'--config.model.mem_len={tgt_len + 2}']))
-    with pytest.raises(config_lib.ConfigError, match=rf'config.eval.model: .*mem_len={tgt_len} must be a multiple '
-                                                     rf'of the segment length {tgt_len // 2 + 1}'):
-        config_lib.validate_config(parse([*infinity, f'--config.model.mem_len={tgt_len}',
-                                          f'--config.eval.tgt_len={tgt_len // 2 + 1}']))
-    config_lib.validate_config(parse([*infinity, f'--config.model.mem_len={2 * tgt_len}',
-                                      f'--config.eval.tgt_len={tgt_len // 2}']))
-
-
 def dataclasses_without(mcfg, dropped):
     fields = dict(vars(mcfg))
     # segment_len: that of eval.tgt_len; the training switches are off in evaluation.

@@ -248,6 +248,34 @@ def test_carried_coefficients_follow_the_released_update_three_times(sticky):
         state = {**state, 'coefficients': got}
 
 
+def test_a_memory_of_part_of_a_segment_passes_every_token_of_a_document_to_the_ltm():
+    """mem_len = 8 with segments of 6: once per document the waiting block's oldest 2 rows precede
+    the document. That block starts the LTM from its 4 rows alone (the code's G_L for 4 rows, the gate
+    zero-padded at the document's start), where an aligned row fits all 6; the LTM counts 4 tokens."""
+    seg, mem, n_basis, widths = 6, 8, 12, (0.05, 0.1)
+    cfg = tiny(n_layer=1, segment_len=seg, mem_len=mem, ltm_basis=n_basis, ltm_widths=widths, ltm_ridge=0.5)
+    kind, layer = inf.InfinityMemory(cfg), inf.InfinityLayerMemory(cfg)
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((2, seg + mem, cfg.d_model), np.float32)
+    valid = np.ones((2, seg + mem), bool)
+    valid[0, :2] = False  # Row 0: the document started 4 rows into the waiting block; row 1: long before.
+    shared = {'valid': valid, 'ltm_tokens': np.zeros((2,), np.int32)}
+    state = {'hidden': hidden, 'coefficients': np.zeros((2, n_basis, cfg.d_model), np.float32),
+             'mu': np.zeros((2, cfg.n_head, seg), np.float32), 'sigma2': np.full((2, cfg.n_head, seg), 0.01, np.float32)}
+    refit = lambda m, st, sh: m._refit(st, sh)
+    params = nn.unbox(jax.jit(lambda key: layer.init(key, state, shared, method=refit))(jax.random.key(2))['params'])
+    got = np.asarray(jax.jit(lambda p: layer.apply({'params': p}, state, shared, method=refit))(params))
+    gate = jax.tree.map(np.asarray, params['gate'])
+    for row, first in ((0, 2), (1, 0)):
+        rows = hidden[row:row + 1, first:seg]
+        expected = np.einsum('bsd,sn->bnd', naive_gate(gate, rows),
+                             code_g_fresh(seg - first, n_basis, np.asarray(widths), 0.5))[0]
+        np.testing.assert_allclose(got[row], expected, rtol=2e-4, atol=2e-5 * np.abs(expected).max())
+    assert np.asarray(kind.waiting_used(shared)).tolist() == [True, True]
+    advanced = kind.advance(shared, np.zeros((2, seg, cfg.d_model), np.float32))
+    assert np.asarray(advanced['ltm_tokens']).tolist() == [4, 6]
+
+
 @pytest.fixture(scope='module')
 def forward():
     """A jitted evaluation forward of the tiny model (compiled once per config)."""

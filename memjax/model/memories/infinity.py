@@ -37,6 +37,11 @@ State per layer: `hidden` [B, segment_len + mem_len, d_model] (oldest segment_le
 for the LTM; the rest: the STM), `coefficients` [B, N, d_model] float32, and the previous step's
 `mu`, `sigma2` [B, H, segment_len]. Shared: `valid` [B, segment_len + mem_len] and `ltm_tokens`
 [B], the tokens the LTM holds since it last started afresh.
+
+A memory that is not whole segments (mem_len = q S + r, 0 < r < S) hands the LTM, once per
+document, a waiting block whose oldest r rows precede the document: the LTM then starts from the
+block's S - r rows alone (their own fresh fit), so every token of the document reaches it, as with
+whole segments. (The authors' code has fit matrices for whole segments only.)
 """
 
 from __future__ import annotations
@@ -260,6 +265,8 @@ class InfinityLayerMemory(LayerMemory):
         cfg = self.config
         kind = InfinityMemory(cfg)
         waiting = state['hidden'][:, :cfg.segment_len]
+        if kind.partial_rows():  # Rows before the document are none of its signal, nor its gate's.
+            waiting = jnp.where(shared['valid'][:, :cfg.segment_len, None], waiting, 0)
         # The ridge fit (G solved in float64 once per shape) is applied in float32 at full precision
         # under any compute dtype: the coefficients are refit from themselves every update, so a
         # bf16 or TF32 rounding would compound over a document.
@@ -267,7 +274,11 @@ class InfinityLayerMemory(LayerMemory):
         new = (waiting * nn.sigmoid(self.gate(waiting))).astype(jnp.float32)
         past_rows, new_rows = kind.update_matrices()
         fresh = kind.starts_afresh(shared)[:, None, None]
-        g_new = jnp.where(fresh, kind.fresh_matrix(), new_rows)  # [B, S, N]
+        g_fresh = kind.fresh_matrix()
+        if kind.partial_rows():  # Only then can a used block start before the document.
+            partial = ~shared['valid'][:, 0, None, None]
+            g_fresh = jnp.where(partial, kind.fresh_matrix(kind.partial_rows()), g_fresh)
+        g_new = jnp.where(fresh, g_fresh, new_rows)  # [B, S, N]
         coefficients = einsum('bsn,bsd->bnd', g_new, new)
         old = state['coefficients']
         if cfg.ltm_sticky:
@@ -284,7 +295,7 @@ class InfinityLayerMemory(LayerMemory):
 
     def attend(self, state, shared, view):
         cfg = self.config
-        used = shared['valid'][:, 0]  # The waiting rows exist: the LTM holds something this step.
+        used = InfinityMemory(cfg).waiting_used(shared)  # The LTM holds something this step.
         coefficients = self._refit(state, shared)
         ltm = {'keys': self.key(coefficients), 'values': self.value(coefficients), 'used': used}  # [B, N, H, Dh]
         extra, mu, sigma2 = self._read(ltm, view.query)
@@ -346,12 +357,6 @@ class InfinityMemory(XLMemory):
 
         need(config.segment_len >= 1, f'memory=\'infinity\' sizes its state by the segment: segment_len='
              f'{config.segment_len} must be >= 1 (-1 takes config.train.tgt_len).')
-        # Rows enter the long-term memory a segment at a time, when the oldest waiting row is valid:
-        # a memory of whole segments keeps each segment's rows valid or not together.
-        need(config.segment_len < 1 or config.mem_len % config.segment_len == 0,
-             f'memory=\'infinity\' passes its short-term memory to the long-term one a segment at a time: '
-             f'mem_len={config.mem_len} must be a multiple of the segment length {config.segment_len} '
-             '(config.train.tgt_len, in evaluation config.eval.tgt_len), or 0.')
         need(config.ltm_basis >= 1 and config.ltm_widths and config.ltm_basis % len(config.ltm_widths) == 0,
              f'ltm_basis={config.ltm_basis} must be a positive multiple of len(ltm_widths)='
              f'{len(config.ltm_widths)} (centres x widths).')
@@ -390,10 +395,22 @@ class InfinityMemory(XLMemory):
         return ridge_matrix(tuple(float(p) for p in positions), tuple(float(p) for p in padding),
                             cfg.ltm_basis, cfg.ltm_widths, cfg.ltm_ridge)
 
-    def fresh_matrix(self) -> np.ndarray:
-        """G_L [S, N] of a memory starting afresh: the S rows at (k + 1/2) / S, evenly padded."""
+    def fresh_matrix(self, rows: int | None = None) -> np.ndarray:
+        """G_L [S, N] of a memory starting afresh from the newest `rows` of the S waiting rows
+        (default: all), at (k + 1/2) / rows, evenly padded; the older rows get no weight."""
         s = self.config.segment_len
-        return self._ridge((np.arange(s) + 0.5) / s, even_padding(s))
+        rows = s if rows is None else rows
+        return np.pad(self._ridge((np.arange(rows) + 0.5) / rows, even_padding(rows)), ((s - rows, 0), (0, 0)))
+
+    def partial_rows(self) -> int:
+        """The rows of the one waiting block per document that is partly before the document's start
+        (mem_len not whole segments; module docstring), else 0."""
+        part = self.config.mem_len % self.config.segment_len
+        return self.config.segment_len - part if part else 0
+
+    def waiting_used(self, shared) -> jax.Array:
+        """[B] rows whose waiting block holds a token this step (its newest row does, if any)."""
+        return shared['valid'][:, self.config.segment_len - 1]
 
     def update_matrices(self) -> tuple[np.ndarray, np.ndarray]:
         """G_inf's rows [M, N] for the old signal's samples at k tau / M and [S, N] for the new rows
@@ -440,7 +457,8 @@ class InfinityMemory(XLMemory):
             shared={'valid': P('activation_batch', 'activation_length'), 'ltm_tokens': P('activation_batch')})
 
     def advance(self, shared, embedded):
-        used = shared['valid'][:, 0]
-        tokens = jnp.where(self.starts_afresh(shared), 0, shared['ltm_tokens']) + self.config.segment_len
+        used = self.waiting_used(shared)
+        entered = jnp.sum(shared['valid'][:, :self.config.segment_len], axis=1, dtype=jnp.int32)
+        tokens = jnp.where(self.starts_afresh(shared), 0, shared['ltm_tokens']) + entered
         return {**super().advance({'valid': shared['valid']}, embedded),
                 'ltm_tokens': jnp.where(used, tokens, shared['ltm_tokens'])}
