@@ -11,5 +11,5 @@ from memjax import config_lib
 
 def get_config():
     config = config_lib.sibling_config(__file__, 'lamemo_enwik8.py')
-    config.data.update(name='text8', tokenizer='char')
+    config.data.update(name='text8', tokenizer='char', drop_bytes=())
     return config

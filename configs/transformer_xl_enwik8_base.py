@@ -11,7 +11,7 @@ from memjax import config_lib
 
 def get_config():
     config = config_lib.base_config()
-    config.data.update(name='enwik8', tokenizer='byte')
+    config.data.update(name='enwik8', tokenizer='byte', drop_bytes=(10,))
     config.model.update(
         d_model=512, n_layer=12, n_head=8, d_head=64, d_inner=2048, dropout=0.1, dropatt=0.0,
         mem_len=512)

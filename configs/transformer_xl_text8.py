@@ -10,5 +10,5 @@ from memjax import config_lib
 
 def get_config():
     config = config_lib.sibling_config(__file__, 'transformer_xl_enwik8_large.py')
-    config.data.update(name='text8', tokenizer='char')
+    config.data.update(name='text8', tokenizer='char', drop_bytes=())
     return config

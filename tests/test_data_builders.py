@@ -9,8 +9,11 @@ import zipfile
 import pytest
 import tensorflow_datasets as tfds
 
-from memjax.data import builders, pipeline, prepared, tokenizers
+from memjax import config_lib
+from memjax.data import builders, factory, pipeline, prepared, tokenizers
 from memjax.data.config import DataConfig
+
+REPO = os.path.join(os.path.dirname(__file__), '..')
 
 
 def _records(name, data_dir, split):
@@ -101,6 +104,32 @@ def test_enwik8_byte_split_and_bounded_records(tmp_path, monkeypatch):
     assert len(records) > 1 and all(len(r['text']) <= 64 for r in records)
     assert [r['doc_start'] for r in records] == [True] + [False] * (
         len(records) - 1)
+
+
+def test_enwik8_as_its_configs_read_it_drops_the_line_breaks_as_the_original_preprocessing(tmp_path):
+    """prep_enwik8.py (Transformer-XL's getdata.sh) writes each line-break byte as a line end, which the
+    original vocabulary strips: every split is its bytes without them, and evaluation scores the rest."""
+    raw = ('<page>\n  <title>A</title>\n' + 'ab\u2603cd\r\n' * 40).encode()
+    (tmp_path / 'raw').mkdir()
+    with zipfile.ZipFile(tmp_path / 'raw' / 'enwik8.zip', 'w') as z:
+        z.writestr('enwik8', raw)
+    config = config_lib.load_config_module(os.path.join(REPO, 'configs', 'transformer_xl_enwik8_base.py')).get_config()
+    held = 100
+    cfg = DataConfig(**{**config.data.to_dict(), 'data_dir': str(tmp_path / 'tfds'),
+                        'manual_dir': str(tmp_path / 'raw'), 'heldout_size': held})
+    assert cfg.drop_bytes == (10,) and not cfg.problems()
+    tokenizer = factory.train_tokenizer(cfg, ())
+    n = len(raw)
+    for split, part in (('train', raw[:n - 2 * held]), ('validation', raw[n - 2 * held:n - held]),
+                        ('test', raw[n - held:])):
+        tokens, _ = pipeline.load_token_ids(cfg, split, tokenizer, cache_dir=tmp_path / 'cache')
+        assert tokens.tolist() == [b for b in part if b != 10]
+    again = factory.load_tokenizer(tokenizer.save(tmp_path / 'saved'))
+    assert again.encode('a\nb').tolist() == [97, 98] and again.fingerprint == tokenizer.fingerprint
+    assert tokenizers.ByteTokenizer().fingerprint != tokenizer.fingerprint  # Token caches kept apart.
+    assert DataConfig(drop_bytes=(10,), tokenizer='char').problems() == [
+        "config.data.drop_bytes=(10,) must be byte values in [0, 256), for tokenizer='byte' only "
+        "(config.data.tokenizer='char': set config.data.drop_bytes=())."]
 
 
 def test_enwik8_wrong_size_is_rejected(tmp_path):

@@ -76,7 +76,7 @@ def train_tokenizer(data_cfg: DataConfig, train_documents: Iterable[str]) -> Tok
     """Builds a new tokenizer of data.tokenizer from the train split's documents."""
     kind = data_cfg.tokenizer
     if kind == 'byte':
-        return ByteTokenizer()
+        return ByteTokenizer(dropped=data_cfg.drop_bytes)
     if kind == 'sorting':
         return sorting.SortingTokenizer()
     if kind == 'char':

@@ -94,8 +94,8 @@ class ByteTokenizer(Tokenizer):
     the text as surrogate escapes, so the original bytes round-trip exactly.
 
     `order` (imported vocabularies, memjax.convert.transfo_xl_original): the byte of each id, in id
-    order, for a model whose ids are not the byte values; `dropped`: bytes its preprocessing
-    removed (enwik8's line breaks in the original code), which encoding drops too. Any other byte
+    order, for a model whose ids are not the byte values; `dropped`: bytes the preprocessing
+    removes (enwik8's line breaks in the original code), which encoding drops. Any other byte
     missing from `order` is an error.
     """
 
@@ -118,9 +118,10 @@ class ByteTokenizer(Tokenizer):
 
     def encode(self, text: str) -> np.ndarray:
         data = np.frombuffer(text.encode('utf-8', 'surrogateescape'), dtype=np.uint8)
+        if self.dropped:
+            data = data[~np.isin(data, self.dropped)]
         if self.order is None:
             return data.astype(np.int32)
-        data = data[~np.isin(data, self.dropped)]
         ids = self._ids[data]
         if (ids < 0).any():
             raise errors.DataError(f'bytes {sorted(set(data[ids < 0].tolist()))[:5]} are not in this imported byte '
@@ -134,7 +135,7 @@ class ByteTokenizer(Tokenizer):
 
     def to_json(self) -> dict:
         if self.order is None:
-            return {'kind': self.kind}
+            return {'kind': self.kind, **({'dropped': self.dropped} if self.dropped else {})}
         return {'kind': self.kind, 'order': self.order, 'dropped': self.dropped}
 
 

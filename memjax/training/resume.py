@@ -66,7 +66,7 @@ NOT_PARAMS = ('model.dropout', 'model.dropatt', 'model.compute_dtype', 'model.re
 # that memory kind without the field ran with this value.
 ADDED_WITH_NEW_DEFAULT = {'model.ltm_padding': ('infinity', 'even')}
 TOKENIZER = ('data.tokenizer', 'data.vocab_path', 'data.sp_vocab_size', 'data.word_min_freq',
-             'data.word_max_size')
+             'data.word_max_size', 'data.drop_bytes')
 
 
 def to_plain(config: Any) -> dict:
