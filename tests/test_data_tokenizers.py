@@ -1,5 +1,6 @@
 """Tokenizer round trips, vocabulary rules and persistence."""
 
+import collections
 import dataclasses
 import json
 import random
@@ -40,23 +41,36 @@ def test_char_vocab_from_train_only_and_unknown_chars():
     assert tok.unit == 'char'
 
 
-def test_word_vocab_is_train_only_frequency_ordered_with_ties_by_string():
-    train = ['b a c\na b\n', 'b d']
+def reference_word_vocab(lines, min_freq=1):
+    """The original code's WikiText-103 vocabulary (kimiyoung/transformer-xl utils/vocabulary.py),
+    written out: '<eos>' first, then Counter.most_common() of the stripped, split lines, a literal
+    '<unk>' among them, down to min_freq."""
+    counter = collections.Counter()
+    for line in lines:
+        counter.update(line.strip().split())
+    return ['<eos>'] + [sym for sym, cnt in counter.most_common() if cnt >= min_freq]
+
+
+def test_word_vocab_is_the_original_codes_frequency_order_with_ties_in_order_of_appearance():
+    train = ['b a c\nz <unk> y\n', 'b d <unk> a\nd']
     tok = tokenizers.WordTokenizer.from_documents(train)
-    # Counts: b=3, a=2, c=1, d=1 (tie broken alphabetically).
-    assert tok.tokens == ['<eos>', '<unk>', 'b', 'a', 'c', 'd']
+    # Counts: b 2, a 2, <unk> 2, d 2, then c, z, y once each: ties as first seen.
+    assert tok.tokens == reference_word_vocab(''.join(train).splitlines()) == [
+        '<eos>', 'b', 'a', '<unk>', 'd', 'c', 'z', 'y']
     ids = tok.encode('a  zz b\n\nc')
-    assert ids.tolist() == [3, 1, 2, 0, 0, 4, 0]
+    assert ids.tolist() == [2, 3, 1, 0, 0, 5, 0]
     assert tok.decode(ids) == 'a <unk> b\n\nc\n'
+    # A text without a literal <unk> gets one as id 1, for the words it never saw.
+    assert tokenizers.WordTokenizer.from_documents(['y x x\n']).tokens == ['<eos>', '<unk>', 'x', 'y']
 
 
 def test_word_min_freq_max_size_and_literal_unk():
     train = ['x x x y y z <unk> <unk>\n']
     tok = tokenizers.WordTokenizer.from_documents(train, min_freq=2)
-    assert tok.tokens == ['<eos>', '<unk>', 'x', 'y']
-    assert tok.encode('<unk> z').tolist() == [1, 1, 0]
+    assert tok.tokens == reference_word_vocab(train, min_freq=2) == ['<eos>', 'x', 'y', '<unk>']
+    assert tok.encode('<unk> z').tolist() == [3, 3, 0]
     capped = tokenizers.WordTokenizer.from_documents(train, max_size=3)
-    assert capped.tokens == ['<eos>', '<unk>', 'x']
+    assert capped.tokens == ['<eos>', 'x', '<unk>']  # The cap keeps <unk>, which the words it drops become.
 
 
 def test_word_round_trip_on_normalised_text():

@@ -196,9 +196,11 @@ class CharTokenizer(Tokenizer):
 class WordTokenizer(Tokenizer):
     """Whitespace-split words with `<eos>` after every line (WikiText style).
 
-    Ids: `<eos>` = 0, `<unk>` = 1, then words by decreasing train frequency
-    (ties by string) so adaptive-softmax cutoffs see frequent words first. An imported vocabulary
-    (memjax.convert.transfo_xl_original) keeps its own order: `<eos>` and `<unk>` may be anywhere.
+    Ids: `<eos>` = 0, then words by decreasing train frequency, ties in the order the words first
+    appear, as the original code builds WikiText-103's (`Counter.most_common`): adaptive-softmax
+    cutoffs see frequent words first and split the same words into clusters. A literal `<unk>` in
+    the text (WikiText's) takes its own place; a text without one gets it as id 1. An imported
+    vocabulary (memjax.convert.transfo_xl_original) keeps its own order.
     """
 
     kind = 'word'
@@ -230,14 +232,17 @@ class WordTokenizer(Tokenizer):
         for doc in documents:
             for line in split_lines(doc):
                 counts.update(line.split())
-        for special in (EOS, UNK):
-            counts.pop(special, None)
-        words = sorted((w for w, c in counts.items() if c >= min_freq),
-                       key=lambda w: (-counts[w], w))
-        tokens = [EOS, UNK] + words
+        counts.pop(EOS, None)
+        # most_common sorts stably: ties keep the order in which the words were first counted.
+        words = [w for w, c in counts.most_common() if c >= min_freq or w == UNK]
+        if UNK not in counts:
+            words.insert(0, UNK)
+        tokens = [EOS] + words
         if max_size is not None:
             if max_size < 2:
                 raise errors.DataError(f'word max_size must be >= 2, got {max_size}.')
+            if UNK not in tokens[:max_size]:  # Words the cap leaves out become <unk>: it stays.
+                tokens = tokens[:max_size - 1] + [UNK]
             tokens = tokens[:max_size]
         return cls(tokens)
 
