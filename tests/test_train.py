@@ -85,6 +85,45 @@ def test_memory_parameters_take_the_memory_learning_rate_on_the_same_schedule():
         np.testing.assert_allclose(moved[name], step, rtol=1e-5, err_msg=name)
 
 
+def test_weight_decay_reaches_the_matrices_alone_in_either_layer_layout():
+    """With zero gradients an update is the decay alone: it moves every matrix (embedding, kernels)
+    and no bias, LayerNorm scale or u / v bias, with the layers stored apart or scanned."""
+    decayed = {}
+    for scan in (False, True):
+        config = training_fixtures.tiny_config('unused', model__scan_layers=scan, model__memory='lamemo',
+                                               train__weight_decay=0.1, train__clip_norm=0.0)
+        run = config_lib.resolve(config, 1, 1).with_vocab_size(256)
+        params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), model_lib.abstract_params(run.model))
+        tx = optim.make_optimizer(run.train)
+        updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+        moved, expected = {}, {}
+        for path, u in jax.tree_util.tree_leaves_with_path(updates):
+            name = jax.tree_util.keystr(path)
+            if 'layer_1' in name:
+                continue
+            name = name.replace("['layers']", "['layer_0']")
+            moved[name] = bool(np.abs(u).max() > 0)
+            # A matrix: two axes of its own (a scanned stack's leading one is the layers'), not a bias.
+            own_axes = u.ndim - (scan and "['layer_0']" in name)
+            expected[name] = own_axes > 1 and not re.search(r"(bias|scale)[^\]]*\]$", name)
+        assert moved == expected, sorted(p for p in moved if moved[p] != expected[p])
+        decayed[scan] = moved
+    assert decayed[False] == decayed[True] and any(decayed[True].values()) and not all(decayed[True].values())
+
+
+def test_a_non_finite_or_diverged_validation_loss_stops_the_run_before_its_step_is_saved():
+    """A NaN validation loss (the evaluation model failing where training did not) would otherwise be
+    saved as the best, and rank above every later one (nothing is below NaN)."""
+    exp = types.SimpleNamespace(run=types.SimpleNamespace(train=config_lib.TrainConfig(diverged_loss=10.0)))
+    for loss in (float('nan'), float('inf')):
+        with pytest.raises(errors.NonFiniteLossError, match=rf'non-finite validation loss \({loss}\) at step 12, .*'
+                                                            r'last checkpoint is /w/checkpoints/8: evaluate it or resume'):
+            trainer._keep_best(exp, None, 12, loss, None, '/w/checkpoints/8')
+    with pytest.raises(errors.DivergedError, match='validation loss 11 at step 12 exceeds'):
+        trainer._keep_best(exp, None, 12, 11.0, 3.0, '/w/checkpoints/8')
+    trainer._check_validation(exp, 12, 9.0, None)  # Finite, below the limit.
+
+
 @pytest.fixture(scope='module')
 def tiny_experiment(corpus, tmp_path_factory):
     config = training_fixtures.tiny_config(corpus, model__dropout=0.0)

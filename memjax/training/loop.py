@@ -5,6 +5,7 @@ comes from), `progress` (what the run reports), `run_lock` (one run per workdir)
 `preemption` and `run_files` (config.json and the summary)."""
 
 import json
+import math
 import time
 from typing import Optional
 
@@ -138,6 +139,7 @@ def _train(run: config_lib.RunConfig, workdir: str) -> dict:
             with preemption.stop_once_written(ckpt.wait):
                 final = progress_lib.validate(exp, eval_step, state.params, valid_streams, tcfg.final_eval_batches,
                                               step, writer)
+            _check_validation(exp, step, final['loss'], last_checkpoint)
     finally:
         watch.close()
         writer.close()
@@ -167,13 +169,26 @@ def _streams(exp: experiment.Experiment) -> tuple[pipeline.LMStreams, pipeline.L
     return train_streams, valid_streams
 
 
+def _check_validation(exp: experiment.Experiment, step: int, valid_loss: float, last_checkpoint: Optional[str]) -> None:
+    """Raises on a validation loss that is not finite (which would also rank above every later one as
+    the best) or above config.train.diverged_loss, before the step is saved."""
+    if not math.isfinite(valid_loss):
+        raise errors.NonFiniteLossError(
+            f'non-finite validation loss ({valid_loss}) at step {step}, where the training loss was finite: '
+            'the evaluation model (config.eval.model: its memory, compute dtype or kind) does not compute on '
+            'these parameters. Nothing after it was saved; the last checkpoint is '
+            f'{last_checkpoint or "none (no checkpoint yet)"}: evaluate it or resume with other config.eval settings.')
+    if valid_loss > exp.run.train.diverged_loss:
+        raise progress_lib.diverged(f'validation loss {valid_loss:.4g}', step, exp.run.train.diverged_loss,
+                                    last_checkpoint)
+
+
 def _keep_best(exp: experiment.Experiment, ckpt: checkpointing.Checkpointer, step: int, valid_loss: float,
                best_loss: Optional[float], last_checkpoint: Optional[str]) -> bool:
     """Whether this step is saved as the best validated state (also between checkpoint steps, unless
     the run asked for its final checkpoint only); raises on a diverged validation loss."""
     tcfg = exp.run.train
-    if valid_loss > tcfg.diverged_loss:
-        raise progress_lib.diverged(f'validation loss {valid_loss:.4g}', step, tcfg.diverged_loss, last_checkpoint)
+    _check_validation(exp, step, valid_loss, last_checkpoint)
     if tcfg.checkpoint_every <= 0 or not (best_loss is None or valid_loss < best_loss):
         return False
     logging.info('Checkpoint %s is the best so far (validation loss %.4f); it is kept beside the newest %d.',

@@ -31,8 +31,15 @@ def learning_rate_schedule(train_cfg: config_lib.TrainConfig, peak: float | None
 
 
 def _decay_mask(params):
-    # Biases, LayerNorm scales and the attention biases u, v are vectors: no decay for them.
-    return jax.tree_util.tree_map(lambda p: p.ndim > 1, params)
+    """Decoupled weight decay for the matrices only: not for biases and LayerNorm scales, nor the
+    attention's u and v (`*_bias`, [n_head, d_head]), told by name; a layer stack scanned into
+    params['layers'] adds a leading [n_layer] axis, which does not make a vector a matrix."""
+    def decayed(path, p):
+        names = [getattr(k, 'key', None) for k in path]
+        if names[-1] in ('bias', 'scale') or str(names[-1]).endswith('_bias'):
+            return False
+        return p.ndim - ('layers' in names) > 1
+    return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 def _memory_label(params):
