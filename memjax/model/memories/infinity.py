@@ -409,8 +409,9 @@ class InfinityMemory(XLMemory):
         return self.config.segment_len - part if part else 0
 
     def waiting_used(self, shared) -> jax.Array:
-        """[B] rows whose waiting block holds a token this step (its newest row does, if any)."""
-        return shared['valid'][:, self.config.segment_len - 1]
+        """[B] rows whose waiting block holds a token this step: its newest row does, if any (with
+        whole segments a block is valid or not as a whole, and its oldest row says so)."""
+        return shared['valid'][:, self.config.segment_len - 1 if self.partial_rows() else 0]
 
     def update_matrices(self) -> tuple[np.ndarray, np.ndarray]:
         """G_inf's rows [M, N] for the old signal's samples at k tau / M and [S, N] for the new rows
@@ -458,7 +459,8 @@ class InfinityMemory(XLMemory):
 
     def advance(self, shared, embedded):
         used = self.waiting_used(shared)
-        entered = jnp.sum(shared['valid'][:, :self.config.segment_len], axis=1, dtype=jnp.int32)
+        entered = (jnp.sum(shared['valid'][:, :self.config.segment_len], axis=1, dtype=jnp.int32)
+                   if self.partial_rows() else self.config.segment_len)  # A used block of whole segments is whole.
         tokens = jnp.where(self.starts_afresh(shared), 0, shared['ltm_tokens']) + entered
         return {**super().advance({'valid': shared['valid']}, embedded),
                 'ltm_tokens': jnp.where(used, tokens, shared['ltm_tokens'])}
