@@ -238,23 +238,41 @@ in_dir_snippet() {
   printf 'cd %s && { %s; }' "$(shell_quote "$1")" "$2"
 }
 
+# Prints a remote shell condition: PIDFILE names a live process of this host whose command line
+# holds each of WORDS. A pid file outlives its process, the pid may be reused, and in a
+# folder every host shares, another host's file names a process of that host: none of these is
+# taken for a trainer (neither refused as running nor signalled).
+owned_pid_snippet() {  # PIDFILE WORD...
+  local pidfile=$1 word
+  shift
+  printf '%s' "{ [ -f $pidfile ] && memjax_args=\" \$(ps -o args= -p \"\$(cat $pidfile)\" 2>/dev/null) \""
+  for word in "$@"; do
+    printf '%s' " && case \"\$memjax_args\" in *\" $word \"*) true;; *) false;; esac"
+  done
+  printf '%s' "; }"
+}
+
 # Prints a remote shell snippet that starts the command (already shell-quoted)
 # detached from the ssh session, output in LOG and pid in PIDFILE (shell words
 # that may reference remote variables). It refuses to start a second copy
-# because two trainers on one host would fight over the accelerators.
-detached_start_snippet() {
+# because two trainers on one host would fight over the accelerators; WORDS
+# tell the running copy (owned_pid_snippet).
+detached_start_snippet() {  # LOG PIDFILE COMMAND WORD...
   local log=$1 pidfile=$2 command=$3
-  printf '%s' "if [ -f $pidfile ] && kill -0 \"\$(cat $pidfile)\" 2>/dev/null; then" \
+  shift 3
+  printf '%s' "if $(owned_pid_snippet "$pidfile" "$@"); then" \
     " echo \"\$(hostname): already running (pid \$(cat $pidfile)); stop it first\" >&2; exit 1; fi;" \
     " nohup $command > $log 2>&1 < /dev/null & echo \$! > $pidfile;" \
     " echo \"\$(hostname): started pid \$!, log $log\""
 }
 
-# Prints a remote shell snippet that sends SIGNAL to the process in PIDFILE.
+# Prints a remote shell snippet that sends SIGNAL to the process in PIDFILE if it
+# is the trainer WORDS tell (owned_pid_snippet); a stale pid file is removed.
 # SIGTERM makes memjax.train save a checkpoint at the next step and exit.
-detached_stop_snippet() {
+detached_stop_snippet() {  # PIDFILE SIGNAL WORD...
   local pidfile=$1 signal=$2
-  printf '%s' "if [ -f $pidfile ] && kill -s $signal \"\$(cat $pidfile)\" 2>/dev/null; then" \
+  shift 2
+  printf '%s' "if $(owned_pid_snippet "$pidfile" "$@") && kill -s $signal \"\$(cat $pidfile)\" 2>/dev/null; then" \
     " echo \"\$(hostname): sent SIG$signal to pid \$(cat $pidfile)\";" \
-    " else echo \"\$(hostname): no running process recorded in $pidfile\"; fi"
+    " else echo \"\$(hostname): no running process recorded in $pidfile\"; rm -f $pidfile; fi"
 }

@@ -84,12 +84,18 @@ cmd_start() {
   local h j id num coordinator snippets command
   num=$((${#HOSTS[@]} * MEMJAX_PROCS_PER_HOST))
   # The coordinator address is dialled by every host, so drop any "user@".
-  coordinator="${HOSTS[0]##*@}:$MEMJAX_PORT"
-  if [[ $MEMJAX_COORDINATOR_ADDRESS == *:* ]]; then
-    coordinator=$MEMJAX_COORDINATOR_ADDRESS
-  elif [[ -n $MEMJAX_COORDINATOR_ADDRESS ]]; then
-    coordinator="$MEMJAX_COORDINATOR_ADDRESS:$MEMJAX_PORT"
-  fi
+  coordinator=$(coordinator_address "${MEMJAX_COORDINATOR_ADDRESS:-${HOSTS[0]##*@}}")
+  # Every host is checked before any starts: processes started on some hosts would wait for
+  # the others until the coordinator's timeout, and block a corrected start until then.
+  for h in "${!HOSTS[@]}"; do
+    snippets="mkdir -p $(shell_quote "$MEMJAX_LOG_DIR")"
+    for ((j = 0; j < MEMJAX_PROCS_PER_HOST; j++)); do
+      id=$((h * MEMJAX_PROCS_PER_HOST + j))
+      snippets+="; if $(owned_pid_snippet "$(process_file "$id" pid)" memjax.train "--process_id=$id"); then"
+      snippets+=" echo \"\$(hostname): process $id is already running; stop it first\" >&2; exit 1; fi"
+    done
+    ssh_host "${HOSTS[$h]}" "$snippets"
+  done
   for h in "${!HOSTS[@]}"; do
     snippets="mkdir -p $(shell_quote "$MEMJAX_LOG_DIR")"
     for ((j = 0; j < MEMJAX_PROCS_PER_HOST; j++)); do
@@ -99,18 +105,35 @@ cmd_start() {
         TRAIN_CMD=(env "CUDA_VISIBLE_DEVICES=$j" "${TRAIN_CMD[@]}")
       fi
       command=$(shell_quote "${TRAIN_CMD[@]}")
-      snippets+="; $(detached_start_snippet "$(process_file "$id" log)" "$(process_file "$id" pid)" "$command")"
+      snippets+="; $(detached_start_snippet "$(process_file "$id" log)" "$(process_file "$id" pid)" "$command" \
+        memjax.train "--process_id=$id")"
     done
     ssh_host "${HOSTS[$h]}" "$snippets"
   done
 }
 
+# Prints HOST:PORT for the coordinator given as HOST, HOST:PORT, an IPv6 address or [IPv6]:PORT
+# (--port is added where the value has none; a bare IPv6 address is bracketed).
+coordinator_address() {  # ADDRESS
+  local address=$1
+  case $address in
+    \[*\]:*) ;;
+    \[*\]) address="$address:$MEMJAX_PORT" ;;
+    *:*:*) address="[$address]:$MEMJAX_PORT" ;;
+    *:*) ;;
+    *) address="$address:$MEMJAX_PORT" ;;
+  esac
+  printf '%s' "$address"
+}
+
 cmd_stop() {
-  local h j snippets
+  local h j id snippets
   for h in "${!HOSTS[@]}"; do
     snippets=''
     for ((j = 0; j < MEMJAX_PROCS_PER_HOST; j++)); do
-      snippets+="${snippets:+; }$(detached_stop_snippet "$(process_file $((h * MEMJAX_PROCS_PER_HOST + j)) pid)" "$MEMJAX_SIGNAL")"
+      id=$((h * MEMJAX_PROCS_PER_HOST + j))
+      snippets+="${snippets:+; }$(detached_stop_snippet "$(process_file "$id" pid)" "$MEMJAX_SIGNAL" \
+        memjax.train "--process_id=$id")"
     done
     ssh_host "${HOSTS[$h]}" "$snippets"
   done

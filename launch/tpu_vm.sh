@@ -250,14 +250,14 @@ cmd_run() {
   log="$(shell_quote "$MEMJAX_LOG_DIR")/worker-\$id.log"
   pidfile="$(shell_quote "$MEMJAX_LOG_DIR")/worker-\$id.pid"
   command=$(shell_quote "${TRAIN_CMD[@]}")
-  command=${command//$VENV_PYTHON/$(remote_python)}
+  command=${command//"$VENV_PYTHON"/"$(remote_python)"}
   # Every worker is checked before any starts: a pod where some workers started would wait
   # for the others until the coordinator's timeout.
-  check="$WORKER_ID_SNIPPET; if [ -f $pidfile ] && kill -0 \"\$(cat $pidfile)\" 2>/dev/null; then"
+  check="$WORKER_ID_SNIPPET; if $(owned_pid_snippet "$pidfile" memjax.train); then"
   check+=" echo \"\$(hostname): already running (pid \$(cat $pidfile)); stop it first\" >&2; exit 1; fi;"
   check+=" $(tpu_free_snippet "$MEMJAX_CLEAR_TPU")"
   ssh_worker_in_dir all "$check"
-  ssh_worker_in_dir all "mkdir -p $(shell_quote "$MEMJAX_LOG_DIR"); $WORKER_ID_SNIPPET; $(detached_start_snippet "$log" "$pidfile" "$command")"
+  ssh_worker_in_dir all "mkdir -p $(shell_quote "$MEMJAX_LOG_DIR"); $WORKER_ID_SNIPPET; $(detached_start_snippet "$log" "$pidfile" "$command" memjax.train)"
 }
 
 # Prints the worker snippet that stops unless the TPU is free: another process holding its
@@ -281,7 +281,7 @@ cmd_logs() {  # TAIL_FLAGS...
 }
 
 cmd_stop() {
-  ssh_worker_in_dir all "$WORKER_ID_SNIPPET; $(detached_stop_snippet "$(shell_quote "$MEMJAX_LOG_DIR")/worker-\$id.pid" "$MEMJAX_SIGNAL")"
+  ssh_worker_in_dir all "$WORKER_ID_SNIPPET; $(detached_stop_snippet "$(shell_quote "$MEMJAX_LOG_DIR")/worker-\$id.pid" "$MEMJAX_SIGNAL" memjax.train)"
 }
 
 cmd_delete() {

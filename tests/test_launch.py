@@ -133,6 +133,11 @@ def commands(stdout: str) -> list[list[str]]:
     return [shlex.split(line) for line in stdout.splitlines() if line.strip()]
 
 
+def starts(stdout: str) -> list[list[str]]:
+    """The commands of a dry run that start a process (after the checks that precede them)."""
+    return [argv for argv in commands(stdout) if 'nohup' in argv[-1]]
+
+
 def flag_value(argv: list[str], name: str) -> str:
     values = [a.split('=', 1)[1] for a in argv if a.startswith(f'--{name}=')]
     assert len(values) == 1, (name, argv)
@@ -389,6 +394,14 @@ def test_tpu_setup_builds_a_python_311_virtualenv_with_uv_and_run_uses_it(fake):
         kill_leftovers(fake, [p for p in pid_files if p.exists()])
 
 
+def test_tpu_run_takes_the_venv_path_as_given(fake):
+    """A --venv path with '&' (which bash >= 5.2 reads in a substitution's replacement as the match)."""
+    out = fake.run('tpu_vm.sh', '--dry-run', *TPU_FLAGS, "--venv=/opt/a&b c", '--config=c.py', '--workdir=gs://b/r',
+                   'run').stdout
+    started = [argv[-1] for argv in commands(out) if 'nohup' in argv[-1]]
+    assert started and all(shlex.split(r.split('nohup ', 1)[1])[0] == '/opt/a&b c/bin/python' for r in started)
+
+
 def test_tpu_setup_stops_with_one_line_when_python_311_cannot_be_had(fake):
     _write_executable(fake.root / 'bin' / 'uv', FAKE_UV)
     env, _ = simulated_pod(fake, workers=1, FAKE_OLD_PYTHON='1')
@@ -562,17 +575,18 @@ def test_ssh_assigns_consecutive_process_ids_per_host_with_the_coordinator_on_th
 
 def test_ssh_coordinator_address_can_differ_from_the_first_host_name(fake):
     args = ['--dry-run', '--hosts=login-a,login-b', '--port=9999', '--config=c.py', '--workdir=/w', 'start']
-    for given, expected in [('10.0.0.5', '10.0.0.5:9999'), ('ib-a:7000', 'ib-a:7000')]:
+    for given, expected in [('10.0.0.5', '10.0.0.5:9999'), ('ib-a:7000', 'ib-a:7000'), ('fd00::5', '[fd00::5]:9999'),
+                            ('[fd00::5]', '[fd00::5]:9999'), ('[fd00::5]:7000', '[fd00::5]:7000')]:
         out = fake.run('ssh_multinode.sh', f'--coordinator-address={given}', *args).stdout
-        assert all(f'--coordinator_address={expected}' in argv[-1] for argv in commands(out))
+        assert [flag_value(shlex.split(argv[-1]), 'coordinator_address') for argv in starts(out)] == [expected] * 2
     out = fake.run('ssh_multinode.sh', *args).stdout
-    assert all('--coordinator_address=login-a:9999' in argv[-1] for argv in commands(out))
+    assert len(starts(out)) == 2 and all('--coordinator_address=login-a:9999' in argv[-1] for argv in starts(out))
     assert all(['-o', 'StrictHostKeyChecking=accept-new'] == argv[3:5] for argv in commands(out))
 
 
 def test_ssh_one_process_per_host_sees_all_gpus(fake):
     out = fake.run('ssh_multinode.sh', '--dry-run', '--hosts=a,b', '--config=c.py', '--workdir=/w', 'start').stdout
-    remote = [argv[-1] for argv in commands(out)]
+    remote = [argv[-1] for argv in starts(out)]
     assert ['--process_id=0' in remote[0], '--process_id=1' in remote[1]] == [True, True]
     assert all('CUDA_VISIBLE_DEVICES' not in r and '--num_processes=2' in r for r in remote)
 
@@ -601,6 +615,44 @@ def test_ssh_start_and_stop_processes_for_real(fake, tmp_path):
         assert wait_for(lambda: not any(alive(pid) for pid in pids))
         assert all('got SIGTERM' in (remote_dir / 'logs' / f'process-{i}.log').read_text() for i in range(4))
     finally:
+        kill_leftovers(fake, [p for p in pid_files if p.exists()])
+
+
+def test_ssh_pid_files_name_only_our_trainers_and_a_busy_host_starts_nothing(fake, tmp_path):
+    """A pid file outlives its process and its pid may be reused (or, in a folder the hosts share,
+    be another host's): stop never signals that process, nor does start take it for a trainer. A
+    trainer still running on the second host refuses the start before the first host starts any."""
+    remote_dir = tmp_path / 'checkout'
+    (remote_dir / 'logs').mkdir(parents=True)
+    env = {'FAKE_SSH_EXEC': '1'}
+    settings = ['--hosts=h0,h1', '--procs-per-host=2', f'--remote-dir={remote_dir}', f'--python={fake.python}',
+                '--config=configs/tiny.py', '--workdir=/shared/run']
+    pid_files = [remote_dir / 'logs' / f'process-{i}.pid' for i in range(4)]
+    bystander = subprocess.Popen(['sleep', '120'])
+    busy = subprocess.Popen([fake.python, '-m', 'memjax.train', '--process_id=2'], stdout=subprocess.DEVNULL)
+    try:
+        assert wait_for(lambda: b'memjax.train' in Path(f'/proc/{busy.pid}/cmdline').read_bytes())
+        pid_files[1].write_text(str(bystander.pid))
+        stopped = fake.run('ssh_multinode.sh', *settings, 'stop', env=env).stdout
+        assert 'no running process recorded in logs/process-1.pid' in stopped and not pid_files[1].exists()
+        pid_files[1].write_text(str(bystander.pid))
+        pid_files[2].write_text(str(busy.pid))
+        refused = fake.run('ssh_multinode.sh', *settings, 'start', env=env, check=False)
+        assert refused.returncode != 0 and 'process 2 is already running' in refused.stderr
+        assert not pid_files[0].exists() and not (remote_dir / 'logs' / 'process-0.log').exists()
+        busy.kill()
+        busy.wait()
+        fake.run('ssh_multinode.sh', *settings, 'start', env=env)  # Process 1's stale file is no trainer.
+        logs = [remote_dir / 'logs' / f'process-{i}.log' for i in range(4)]
+        assert all(wait_for(lambda log=log: 'GPU' in log.read_text()) for log in logs)
+        pids = [int(p.read_text()) for p in pid_files]
+        assert bystander.pid not in pids
+        fake.run('ssh_multinode.sh', *settings, 'stop', env=env)
+        assert wait_for(lambda: not any(alive(pid) for pid in pids))
+        assert bystander.poll() is None, 'the bystander was signalled'
+    finally:
+        busy.kill()
+        bystander.kill()
         kill_leftovers(fake, [p for p in pid_files if p.exists()])
 
 
