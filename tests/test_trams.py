@@ -3,6 +3,7 @@ evaluation for 'xl' parameters. TRAMS (memory='trams'), which selects from that 
 the paper's and the released code's formulas, per-head attention over each head's own rows at naive
 distances, causality, and an XL workdir evaluated with --config.eval.model.memory=trams."""
 
+import itertools
 import os
 import re
 
@@ -267,6 +268,38 @@ def restored_params(exp, workdir):
         return ckpt.restore_part(step, {'state': {'params': experiment.abstract_state(exp)[0].params}})['state']['params']
     finally:
         ckpt.close()
+
+
+def naive_longest_distance(mem_len, seg, select, remain, same_length, true_positions):
+    """The longest query-key distance over every choice of ranked rows, from the keys' slots: the
+    selection (pool rows p in time order, the newest `remain` always among them), then the segment.
+    A key's distance is mem_len - p + i at its true position, select - slot + i contiguously; causal;
+    with same_length query i sees only the `select` slots ending at its own."""
+    longest = 0
+    for ranked in itertools.combinations(range(mem_len - remain), select - remain):
+        rows = list(ranked) + list(range(mem_len - remain, mem_len))
+        for i in range(seg):
+            for slot in range(select + i + 1):
+                if same_length and slot <= i:
+                    continue
+                if slot < select:
+                    longest = max(longest, (mem_len - rows[slot] if true_positions else select - slot) + i)
+                else:
+                    longest = max(longest, i - (slot - select))
+    return longest
+
+
+@pytest.mark.parametrize('select, remain', [(5, 2), (4, 4), (5, 0), (1, 0)])
+@pytest.mark.parametrize('same_length', [False, True])
+@pytest.mark.parametrize('positions', ['true', 'contiguous'])
+def test_the_longest_distance_is_the_longest_any_selection_scores(select, remain, same_length, positions):
+    """What the unseen-distance warning and clamp_len=-2 read: the longest distance the attention can
+    score, over every selection (same_length included, which keeps the oldest rows in reach)."""
+    mem_len, seg = 10, 3
+    cfg = TRAMS.replace(mem_len=mem_len, trams_select=select, trams_remain=remain, same_length=same_length,
+                        trams_positions=positions)
+    assert trams.TramsMemory(cfg).longest_distance(seg) == naive_longest_distance(
+        mem_len, seg, select, remain, same_length, positions == 'true')
 
 
 def test_an_xl_workdir_evaluated_with_trams(xl_workdir):

@@ -184,7 +184,17 @@ class TramsMemory(CachedXLMemory):
         return self.config.trams_select
 
     def longest_distance(self, seg_len):
-        # True distances: same_length bounds how many keys a query sees, not how far back they lie.
-        if self.config.trams_positions == 'true':
-            return self.position_rows(seg_len) - 1
-        return super().longest_distance(seg_len)
+        # A ranked key at its true distance may be any row of the pool: the oldest is mem_len + i
+        # back from query i. With same_length, query i sees only the selection's slots after its
+        # i-th, and slot j holds a pool row no older than row j: a second ranked slot (j = 1) still
+        # reaches mem_len - 1 back, a single one is never in sight. Otherwise (nothing ranked, or
+        # contiguous positions) the keys lie within the selection's window, as XL's memory of
+        # trams_select rows.
+        cfg = self.config
+        ranked = cfg.trams_select - cfg.trams_remain
+        if cfg.trams_positions == 'true' and ranked and not cfg.same_length:
+            return cfg.mem_len + seg_len - 1
+        if cfg.trams_positions == 'true' and ranked > 1:
+            return cfg.mem_len - 1
+        longest = cfg.trams_select + seg_len - 1
+        return min(longest, cfg.trams_select - 1) if cfg.same_length else longest
