@@ -130,7 +130,7 @@ def main(command: Callable[[list[str]], Any], config_from_workdir: bool = False)
         except errors.UserError as error:
             fail(error, error.label, error.exit_code)
         except Exception as error:  # pylint: disable=broad-except
-            if isinstance(error, jax.errors.JaxRuntimeError) and _is_out_of_memory(str(error)):
+            if isinstance(error, jax.errors.JaxRuntimeError) and errors.is_out_of_memory(str(error)):
                 out_of_memory = _out_of_memory(error)
                 fail(out_of_memory, out_of_memory.label, out_of_memory.exit_code)
             traceback.print_exc()  # A bug: keep its traceback, but do not hang on the way out.
@@ -148,11 +148,6 @@ def _config_field_hint(message: str) -> str:
     where = [f'--config.{section}.{unknown.group(1)}=...' for section, fields in config.items()
              if isinstance(fields, ml_collections.ConfigDict) and unknown.group(1) in fields]
     return f'; a config field is set as {" or ".join(where)}' if where else ''
-
-
-def _is_out_of_memory(message: str) -> bool:
-    # Accelerators say RESOURCE_EXHAUSTED; XLA:CPU an INTERNAL error that names the allocation.
-    return 'RESOURCE_EXHAUSTED' in message or bool(re.search(r'Out of memory (allocating|while trying)', message))
 
 
 def _out_of_memory(error: Exception) -> errors.OutOfMemoryError:

@@ -6,6 +6,7 @@ usage error will fail again on a retry, a runtime error may not.
 """
 
 import os
+import re
 import sys
 from typing import Callable, NoReturn
 
@@ -27,6 +28,12 @@ def brief(error: BaseException, limit: int = 300) -> str:
 
 EXIT_USAGE = 2  # The command line or the config: fix it and run again.
 EXIT_RUNTIME = 3  # Data, workdir, checkpoints, diverged training: the message says what to do.
+
+
+def is_out_of_memory(message: str) -> bool:
+    """Whether an error's message is a device or host allocation that failed."""
+    # Accelerators say RESOURCE_EXHAUSTED; XLA:CPU an INTERNAL error that names the allocation.
+    return 'RESOURCE_EXHAUSTED' in message or bool(re.search(r'Out of memory (allocating|while trying)', message))
 
 
 def exit_now(exit_code: int) -> NoReturn:

@@ -125,15 +125,16 @@ def checksums(tree: Any) -> tuple[str, dict[str, list[int]]]:
 
 # Errors of reading that say nothing about the files: the host's memory, the network, access.
 _PASSING_ERRORS = (MemoryError, ConnectionError, TimeoutError, PermissionError)
-_PASSING_CODES = ('RESOURCE_EXHAUSTED', 'UNAVAILABLE', 'DEADLINE_EXCEEDED', 'PERMISSION_DENIED',
-                  'UNAUTHENTICATED', 'Out of memory')
+_PASSING_CODES = ('UNAVAILABLE', 'DEADLINE_EXCEEDED', 'PERMISSION_DENIED', 'UNAUTHENTICATED')
 
 
 def _is_damage(error: Exception) -> bool:
     """Whether a failed read may be the files' fault. One that is not (memory, the network, access)
     would fail on every step alike: moving intact steps aside for it would leave a resumed run none.
     """
-    return not isinstance(error, _PASSING_ERRORS) and not any(code in str(error) for code in _PASSING_CODES)
+    message = str(error)
+    return not (isinstance(error, _PASSING_ERRORS) or errors.is_out_of_memory(message)
+                or any(code in message for code in _PASSING_CODES))
 
 
 class _Manager(ocp.CheckpointManager):
