@@ -168,16 +168,19 @@ def run_config(config: ml_collections.ConfigDict, method: str, seed: int) -> ml_
 
 
 def parameter_count(config: ml_collections.ConfigDict) -> int:
-    """Parameters of the config's model; before the tokenizer has fixed the vocabulary size, of a
-    256-token one (the embedding is the same for every method, so matching is unaffected)."""
+    """Parameters of the config's model; before the tokenizer has fixed the vocabulary size, of the
+    smallest one its adaptive softmax's cutoffs allow, or of 256 tokens (the embedding is the same
+    for every method, so matching is unaffected)."""
     model = config_lib.resolve(config).model
-    model = model.replace(vocab_size=256) if model.vocab_size < 1 else model
+    if model.vocab_size < 1:
+        model = model.replace(vocab_size=max(256, *(c + 1 for c in model.cutoffs)))
     shapes = jax.eval_shape(lambda: model_lib.init_params(model, jax.random.key(0)))
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes)))
 
 
 def matched_d_inner(config: ml_collections.ConfigDict, target: int) -> int:
-    """The d_inner (a multiple of 8) whose parameter count is the closest to `target`."""
+    """The d_inner whose parameter count is the closest to `target`: the config's own, or a multiple
+    of 8 near the count's linear estimate (a method with XL's count keeps XL's d_inner)."""
     def count(d_inner):
         trial = config.copy_and_resolve_references()
         trial.model.d_inner = d_inner
@@ -185,7 +188,7 @@ def matched_d_inner(config: ml_collections.ConfigDict, target: int) -> int:
 
     per_unit = (count(config.model.d_inner + 8) - count(config.model.d_inner)) / 8
     guess = config.model.d_inner + (target - count(config.model.d_inner)) / per_unit
-    candidates = {max(8, int(round(guess / 8)) * 8 + step) for step in (-8, 0, 8)}
+    candidates = {config.model.d_inner} | {max(8, int(round(guess / 8)) * 8 + step) for step in (-8, 0, 8)}
     return min(candidates, key=lambda d: abs(count(d) - target))
 
 

@@ -265,6 +265,35 @@ def test_matched_models_have_transformer_xls_parameter_count(method):
     assert abs(compare.parameter_count(run) - target) / target < 0.01
 
 
+def test_methods_with_transformer_xls_parameter_count_keep_its_d_inner():
+    """A d_inner that is not a multiple of 8 (Transformer-XL base's 2100) stays for the methods whose
+    model has XL's parameters, however d_inner is searched for the others."""
+    config = config_lib.base_config()
+    config.model.update(vocab_size=256, d_model=32, n_layer=2, n_head=2, d_head=16, d_inner=100, mem_len=8)
+    config.compare = {'methods': ('xl', 'none', 'skip_retain', 'cross_head'), 'seeds': 1, 'eval_mem_lens': (-1,),
+                      'match_params': True}
+    target = compare.parameter_count(compare.run_config(config, 'xl', 0))
+    for method in ('none', 'skip_retain', 'cross_head'):
+        run = compare.run_config(config, method, 0)
+        assert compare.parameter_count(run) == target, method
+        assert compare.matched_d_inner(run, target) == 100, method
+
+
+def test_a_preset_with_an_adaptive_softmax_matches_before_its_vocabulary_is_known():
+    """:wt103's cutoffs reach past any stand-in vocabulary of 256 tokens: matching sizes its models
+    with a vocabulary the cutoffs allow (the tokenizer has not counted the words yet)."""
+    from configs import compare_kjv  # pylint: disable=import-outside-toplevel
+    config = compare_kjv.get_config('wt103')
+    config.model.n_layer = 2  # The depth does not change what is checked; it is quicker to trace.
+    config.compare.methods = ('xl', 'lamemo')
+    config.compare.seeds = 1
+    assert config.model.vocab_size < 1 and config.model.cutoffs[-1] > 256
+    runs = {method: run for method, _, run in compare._trained_runs(config, config.compare)}  # pylint: disable=protected-access
+    assert not any(isinstance(run, Exception) for run in runs.values()), runs
+    target = compare.parameter_count(runs['xl'])
+    assert abs(compare.parameter_count(runs['lamemo']) - target) / target < 0.01
+
+
 def test_a_damaged_or_partial_run_record_is_one_named_failure(compared, tmp_path, corpus):
     """A run's compare_train.json cut short, or a preempted run's summary as an older compare kept it,
     is not read as finished: one line names the file and the fix; the other methods go on."""
