@@ -57,10 +57,11 @@ def main(argv):
     if len(argv) > 1:
         raise errors.UsageError(f'unexpected arguments: {argv[1:]}')
     contexts, rs = _numbers(_CONTEXTS.value, int, 'contexts'), _numbers(_R.value, float, 'r')
-    if len(contexts) < 2:
-        raise errors.UsageError('--contexts needs at least two lengths: RECL steps from one to the next.')
-    if not all(0 < r <= 1 for r in rs):
-        raise errors.UsageError(f'--r={_R.value}: each share must be in (0, 1].')
+    if len(contexts) < 2 or contexts != sorted(set(contexts)) or contexts[0] < 1:
+        raise errors.UsageError(f'--contexts={",".join(_CONTEXTS.value)}: give at least two increasing lengths >= 1 '
+                                '(RECL steps from one to the next).')
+    if not rs or not all(0 < r <= 1 for r in rs):
+        raise errors.UsageError(f'--r={",".join(_R.value)}: give shares in (0, 1], comma-separated.')
     result = cli.run(lambda: recl_lib.group_recl(_WORKDIRS.value, contexts, rs, _OUT.value, _SPLIT.value,
                                                  _MAX_BATCHES.value, _CLAMP_LEN.value))
     text = recl_lib.table(result)

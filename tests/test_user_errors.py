@@ -297,6 +297,22 @@ def test_an_unknown_sweep_is_one_line(env, tmp_path):
         assert_one_line(code, stderr, errors.EXIT_USAGE, f'{flag} must be comma-separated positive integers')
 
 
+@pytest.mark.parametrize('flags, message', [
+    (['--contexts=16,16'], '--contexts=16,16: give at least two increasing lengths >= 1'),
+    (['--contexts=32,16'], '--contexts=32,16: give at least two increasing lengths >= 1'),
+    (['--contexts=0,16'], '--contexts=0,16: give at least two increasing lengths >= 1'),
+    (['--contexts=16,32', '--r='], '--r=: give shares in (0, 1], comma-separated'),
+    (['--contexts=16,32', '--r=0.1,2'], '--r=0.1,2: give shares in (0, 1], comma-separated'),
+])
+def test_recl_refuses_contexts_and_shares_it_cannot_step_before_reading_a_run(env, tmp_path, flags, message):
+    """Before any workdir is read (these do not exist): a repeated context would leave one length and
+    no step, an empty --r no share to score."""
+    code, stderr = run([sys.executable, '-m', 'memjax.recl', f'--workdirs={tmp_path / "a"},{tmp_path / "b"}',
+                        f'--out={tmp_path / "out"}', *flags], env)
+    assert_one_line(code, stderr, errors.EXIT_USAGE, message)
+    assert not (tmp_path / 'out').exists()
+
+
 def test_help_lists_the_flags_users_set(env):
     for module in ('memjax.train', 'memjax.evaluate', 'memjax.sweep'):
         result = command_server.run([sys.executable, '-m', module, '--help'], env=env,
