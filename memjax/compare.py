@@ -173,7 +173,7 @@ def parameter_count(config: ml_collections.ConfigDict) -> int:
     for every method, so matching is unaffected)."""
     model = config_lib.resolve(config).model
     if model.vocab_size < 1:
-        model = model.replace(vocab_size=max(256, *(c + 1 for c in model.cutoffs)))
+        model = model.replace(vocab_size=max([256, *(c + 1 for c in model.cutoffs)]))
     shapes = jax.eval_shape(lambda: model_lib.init_params(model, jax.random.key(0)))
     return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(shapes)))
 
