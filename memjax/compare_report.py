@@ -78,7 +78,8 @@ def table(report: dict, seeds: int) -> str:
     if recl:
         lines.append(f'\nRECL (memjax.recl): the relative effective context length in tokens, each seed\'s (`>=`: still '
                      f'gaining at the longest context), every method of a seed in one group on '
-                     f'{recl["num_tokens"] or 0:,} tokens of the {recl["split"]} split, contexts '
+                     f'{recl["num_tokens"] or 0:,} tokens of the {recl["split"]} split (those with the longest '
+                     'context\'s tokens of their stream before them), contexts '
                      f'{", ".join(map(str, recl["contexts"]))}, clamp_len {recl["clamp_len"]} (the rows of that clamp); '
                      'the groups\' tables and figures are in recl/seed<k>/.')
     lines.append('\nThroughputs exclude compilation (a run resumed after its last logged interval has none); '

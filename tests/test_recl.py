@@ -185,6 +185,11 @@ def test_a_memoryless_run_scores_each_token_from_its_window_alone(trained, memor
     segments = 2 * run.exp.run.train.segments_per_step  # Two evaluation batches.
     apply = jax.jit(lambda p, x, y: run.model.apply({'params': p}, x, model_lib.init_memory(run.config, 1),
                                                     targets=y)[0].target_logprobs)
+    # Each target's history: its stream's inputs from the stream's first up to its own.
+    history = [layout.start[b, k] + t - layout.start[b, 0] + 1 for k in range(segments)
+               for b in range(layout.start.shape[0]) for t in range(layout.num_valid[b, k])]
+    np.testing.assert_array_equal(recl_lib.stream_history(
+        evaluation.eval_streams(run.exp.run, run.tokenizer, 'validation'), max_batches=2), history)
     for context in (1, 5, 12):
         losses = recl_lib.window_token_losses(run, context, max_batches=2)
         naive = []
@@ -197,10 +202,11 @@ def test_a_memoryless_run_scores_each_token_from_its_window_alone(trained, memor
         np.testing.assert_allclose(losses, naive, rtol=2e-5, atol=2e-5)
 
 
-def test_windows_stop_at_each_documents_start_and_skip_padding(trained, memoryless, monkeypatch):
+def test_windows_and_histories_stop_at_each_documents_start_and_skip_padding(trained, memoryless, monkeypatch):
     """Streams of whole documents (config.data.reset_at_doc_boundary): a document starts a fresh
     segment with a reset, in the middle of a stream, after the padded end of the one before; a
-    window never reaches back over it. Against one hand pass per token over its document's inputs."""
+    window never reaches back over it, nor a token's history (what RECL counts it by). Against one
+    hand pass per token over its document's inputs."""
     _, corpus = trained
     run = analysis_run.load(memoryless)
     tokens = np.frombuffer(open(os.path.join(corpus, 'valid.txt'), 'rb').read(), np.uint8).astype(np.int32)
@@ -226,6 +232,9 @@ def test_windows_stop_at_each_documents_start_and_skip_padding(trained, memoryle
     monkeypatch.setattr(recl_lib.evaluation, 'eval_streams', lambda *args: Streams())
     apply = jax.jit(lambda p, x, y: run.model.apply({'params': p}, x, model_lib.init_memory(run.config, 1),
                                                     targets=y)[0].target_logprobs)
+    history = [start[b, k] + t - offsets[offsets <= start[b, k] + t].max() + 1 for k in range(start.shape[1])
+               for b in range(batch_size) for t in range(valid_count[b, k])]
+    np.testing.assert_array_equal(recl_lib.stream_history(Streams()), history)
     for context in (3, 9):
         naive = []
         for k in range(start.shape[1]):
@@ -266,7 +275,13 @@ def test_the_command_scores_a_group_reports_its_recl_and_resumes_from_what_it_ke
         for c, context in enumerate((4, 8)):
             kept[c, i], read_back = recl_lib._scored(loaded, kind, context, 'validation', 1, str(out))
             assert read_back
-    assert kept[0, 0].size == record['num_tokens'] > 0
+    # Counted: the tokens with 8 of their stream's tokens before them; the rest are reported apart.
+    first = analysis_run.load(workdir)
+    history = recl_lib.stream_history(evaluation.eval_streams(first.exp.run, first.tokenizer, 'validation'), 1)
+    counted = history >= 8
+    assert kept[0, 0].size == history.size and record['num_tokens'] == counted.sum() > 0
+    assert record['short_history'] == (~counted).sum() > 0
+    assert f'Not counted: {(~counted).sum():,} tokens scored with fewer than 8 tokens' in done.stdout
     np.testing.assert_allclose(kept[1, 1], recl_lib.token_losses(analysis_run.load(other, mem_len=8, same_length=True),
                                                                  max_batches=1), rtol=1e-6)
     # TRAMS at context 8: 8 attended memory rows, the newest 6 kept and 2 chosen from a pool of 16.
@@ -277,7 +292,7 @@ def test_the_command_scores_a_group_reports_its_recl_and_resumes_from_what_it_ke
     assert not read_back
     np.testing.assert_allclose(clamped, recl_lib.token_losses(
         analysis_run.load(other, mem_len=8, same_length=True, clamp_len=2), max_batches=1), rtol=1e-6)
-    losses = np.array([[kept[c, i] for i in range(3)] for c in range(2)])
+    losses = np.array([[kept[c, i][counted] for i in range(3)] for c in range(2)])
     for r in (0.5, 1.0):
         expected = [dataclasses.asdict(x) for x in recl_lib.recl(losses, [4, 8], r)]
         assert [runs[str(r)] for runs in record['recl']] == expected
@@ -306,6 +321,9 @@ def test_a_group_that_reads_the_split_otherwise_or_a_kind_without_a_context_is_r
     with pytest.raises(errors.UsageError, match="@none: .*memory='none' cannot run on parameters trained as "
                                                 "memory='xl'"):
         recl_lib.group_recl([f'{workdir}@none'], [4, 8], [1.0], str(tmp_path / 'recl'))
+    with pytest.raises(errors.UsageError, match=r'none of the [\d,]+ tokens scored has 100000 tokens of its '
+                                                r'evaluation stream before it \(at most \d+\): score more'):
+        recl_lib.group_recl([workdir], [4, 100_000], [1.0], str(tmp_path / 'recl'))
     with pytest.raises(errors.UsageError, match='max_batches=0: give -1'):
         recl_lib.group_recl([workdir], [4, 8], [1.0], str(tmp_path / 'recl'), max_batches=0)
     # A workdir without a checkpoint: train it first (this command takes no --config to offer).

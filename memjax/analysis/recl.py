@@ -12,6 +12,12 @@ and its relative gain g_i(c, c') = (exp f_i(c, c) - exp f_i(c, c')) / exp f_i(c,
 shortest context, c steps to the next while the gain is at least the threshold (1 %); RECL is the
 c where it stops.
 
+The paper's l_i(c, t) conditions token t on the c tokens before it, so only the tokens that have
+them at the longest context scored are counted: a token near the start of its evaluation stream
+(or of a document, with resets) has the same few tokens before it at every longer context, cannot
+gain, and would dilute every model's gains alike. Evaluation reads a split as `eval.batch_size`
+streams, so a group scored on a few batches has such tokens at every stream's start.
+
 The losses arrive as one array [contexts, models, tokens] of per-token negative log-likelihoods
 (nats), token t the same text position for every model and context: `token_losses` scores a run
 with a memory so, with the evaluation settings it was loaded with (`context_settings` gives those of
@@ -123,6 +129,24 @@ def token_losses(run: LoadedRun, split: str = 'validation', max_batches: int = -
     streams = evaluation.eval_streams(exp.run, exp.tokenizer, split)
     return evaluation.evaluate_streams(step, run.params, exp.eval_mcfg, streams, evaluation.local_eval_batch(exp.run),
                                        max_batches, key=evaluation.eval_key(exp.run)).token_nll
+
+
+def stream_history(streams, max_batches: int = -1) -> np.ndarray:
+    """Each scored target's count of its stream's inputs up to its own (the tokens before it since the
+    stream's start or last reset: the longest context it can have), in the reading order of
+    `token_losses` (the first `max_batches` batches; -1: all)."""
+    total = streams.num_batches if max_batches < 0 else min(max_batches, streams.num_batches)
+    read = np.zeros(streams.batch_size, np.int64)  # Each stream's inputs before the segment.
+    found = []
+    for index, batch in enumerate(streams.iterator()):
+        if index >= total:
+            break
+        mask, reset = np.asarray(batch['mask']) > 0, np.asarray(batch['reset'])
+        for s in range(mask.shape[0]):
+            read = np.where(reset[s], 0, read)
+            found.append((read[:, None] + 1 + np.arange(mask.shape[2]))[mask[s]])
+            read = read + mask[s].sum(axis=-1)
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
 
 
 # Positions `window_token_losses` scores in one pass, at most: a batch of windows is split into passes
@@ -242,9 +266,10 @@ class GroupResult:
     contexts: list[int]
     rs: list[float]
     recl: list[dict[float, Recl]]
-    num_tokens: int
+    num_tokens: int  # Counted: those with the longest context's tokens before them.
     split: str
     gains: np.ndarray  # [runs, contexts, contexts]: gain_table at rs[0].
+    short_history: int  # Scored but not counted: fewer tokens before them than the longest context.
 
 
 def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[float], out: str,
@@ -286,7 +311,15 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
                 f'{workdir} reads the split otherwise than {parsed[0][0]} (tokenizer, config.eval.batch_size, '
                 'config.eval.tgt_len): a RECL group scores the same tokens; give the runs one evaluation batch and '
                 'segment length (--config.eval.* in their configs) and one tokenizer.')
+        if layout is None:
+            history = stream_history(evaluation.eval_streams(exp.run, exp.tokenizer, split), max_batches)
         layout = read_as
+    counted = history >= contexts[-1]
+    if not counted.any():
+        raise errors.UsageError(
+            f'none of the {history.size:,} tokens scored has {contexts[-1]} tokens of its evaluation stream before it '
+            f'(at most {history.max(initial=0)}): score more of the {split} split (max_batches) or give shorter '
+            'contexts.')
     try:
         storage.path(out).mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -305,13 +338,14 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
                          ', read back' if read_back else '',
                          metrics_lib.format_duration(elapsed / done * (total - done)))
     sizes = {row.size for context_rows in rows for row in context_rows}
-    if len(sizes) != 1:
-        raise errors.UsageError(f'the runs scored different numbers of tokens ({sorted(sizes)}): they must read '
-                                'the same split alike.')
-    losses = np.array([np.stack(context_rows) for context_rows in rows])
+    if sizes != {history.size}:
+        raise errors.UsageError(f'the runs scored different numbers of tokens ({sorted(sizes | {history.size})}): '
+                                'they must read the same split alike.')
+    losses = np.array([np.stack(context_rows) for context_rows in rows])[:, :, counted]
     return GroupResult(runs=list(members), kinds=kinds, contexts=contexts, rs=list(rs),
                        recl=[dict(zip(rs, found)) for found in zip(*(recl(losses, contexts, r) for r in rs))],
-                       num_tokens=int(losses.shape[2]), split=split, gains=gain_table(losses, rs[0]))
+                       num_tokens=int(losses.shape[2]), split=split, gains=gain_table(losses, rs[0]),
+                       short_history=int(history.size - losses.shape[2]))
 
 
 def _settings(kind: str, context: int, clamp_len: Optional[int]) -> dict:
@@ -352,7 +386,9 @@ def _scored(run: LoadedRun, kind: str, context: int, split: str, max_batches: in
 def table(result: GroupResult) -> str:
     """RECL per run and r (`>=`: still gaining at the longest context scored), in tokens."""
     lines = [f'RECL in tokens on {result.num_tokens:,} tokens of the {result.split} split, contexts '
-             f'{", ".join(map(str, result.contexts))}; the baseline is the group\'s best run at each context.', '',
+             f'{", ".join(map(str, result.contexts))}; the baseline is the group\'s best run at each context. '
+             f'Not counted: {result.short_history:,} tokens scored with fewer than {result.contexts[-1]} tokens of their '
+             'stream before them.', '',
              '| run | memory | ' + ' | '.join(f'r = {r:g}' for r in result.rs) + ' |',
              '| --- | --- | ' + ' | '.join('---' for _ in result.rs) + ' |']
     for run, kind, found in zip(result.runs, result.kinds, result.recl):
