@@ -28,6 +28,8 @@ from memjax.bench.suites import peer  # noqa: E402
 from memjax import import_transfo_xl  # noqa: E402
 from memjax.convert import hf_io  # noqa: E402
 from memjax.convert import transfo_xl_original as original  # noqa: E402
+from memjax.data import factory  # noqa: E402
+from memjax.data import tokenizers  # noqa: E402
 from memjax.generation import Sampling, sample  # noqa: E402
 from memjax.model import lm  # noqa: E402
 from memjax.training import saved_run  # noqa: E402
@@ -103,14 +105,16 @@ def original_model(hf_model) -> torch.nn.Module:
 def original_corpus(dataset: str, symbols: list) -> object:
     corpus, vocab = Corpus(), Vocab()
     vocab.__dict__.update(idx2sym=symbols, sym2idx={s: i for i, s in enumerate(symbols)}, special=['<eos>'],
-                          lower_case=dataset not in original.WORD_DATASETS, delimiter=None, min_freq=0,
+                          lower_case=dataset == 'ptb', delimiter=None, min_freq=0,
                           max_size=None, vocab_file=None)
     corpus.__dict__.update(dataset=dataset, vocab=vocab, train=torch.zeros(5, dtype=torch.long))
     return corpus
 
 
 def hf_peer():
-    """A random HF Transformer-XL with the original code's shared position biases (untie_r=False)."""
+    """A random HF Transformer-XL with the original code's shared position biases (untie_r=False),
+    perturbed beyond its init, which zeroes every bias (the clusters' too): a bias mapped to the wrong
+    place or cluster changes the log-probabilities."""
     torch.manual_seed(0)
     with warnings.catch_warnings():  # TransfoXL is deprecated in transformers 4.37; it still works.
         warnings.simplefilter('ignore')
@@ -119,7 +123,13 @@ def hf_peer():
             d_embed=SHAPE.d_model, n_head=SHAPE.n_head, d_head=SHAPE.d_head, d_inner=SHAPE.d_inner,
             n_layer=SHAPE.n_layer, mem_len=SHAPE.mem_len, clamp_len=-1, same_length=False, dropout=0.0,
             dropatt=0.0, untie_r=False)
-        return transformers.TransfoXLLMHeadModel(config).eval()
+        model = transformers.TransfoXLLMHeadModel(config).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():  # Shared (tied) tensors come once, so ties survive.
+            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+    assert model.crit.cluster_bias.abs().min() > 0
+    return model
 
 
 @pytest.fixture(scope='module')
@@ -144,6 +154,17 @@ def test_the_imported_model_computes_hf_log_probs_with_the_clusters_in_order(fil
     assert diff < 1e-5
 
 
+def test_a_model_that_keeps_extra_context_rows_is_refused(files, tmp_path):
+    """The original's ext_len > 0 keeps ext_len rows of the segment out of the memory it passes on;
+    memjax's memory has no such rows: refused rather than imported to compute otherwise."""
+    hf_model, _, _ = files
+    model = original_model(hf_model)
+    model.ext_len = 4
+    torch.save(model, tmp_path / 'model.pt')
+    with pytest.raises(errors.CheckpointError, match='ext_len=4'):
+        original.read_model(str(tmp_path / 'model.pt'))
+
+
 @pytest.mark.parametrize('dataset,symbols,text,ids', [
     ('enwik8', ['101', '32', '116', '104'], 'the\nte', [2, 3, 0, 2, 0]),  # Line breaks were never symbols.
     ('text8', ['_', 'e', 't', 'h'], 'the the', [2, 3, 1, 0, 2, 3, 1]),  # '_' was the space.
@@ -164,8 +185,16 @@ def test_word_vocabulary_of_the_original_order_and_a_mismatch_is_refused(files, 
     assert (tok.eos_id, tok.unk_id) == (0, 3) and data_name == 'wikitext103'
     words = ['<eos>', 'the', 'and', '<unk>'] + [f'w{i}' for i in range(VOCAB.vocab_size - 4)]
     torch.save(original_corpus('ptb', words), tmp_path / 'ptb.pt')  # One memjax does not prepare: text files.
-    assert original.read_corpus(str(tmp_path / 'ptb.pt'), VOCAB.vocab_size)[1] == 'text'
+    ptb, data_name = original.read_corpus(str(tmp_path / 'ptb.pt'), VOCAB.vocab_size)
+    assert data_name == 'text'
     assert tok.encode('the zebra and').tolist() == [1, 3, 2, 0]
+    # WikiText's vocabulary keeps case; PTB's lower-cases every line first (the original's get_lm_corpus),
+    # also as the workdir's tokenizer file reads it back.
+    assert tok.encode('The AND').tolist() == [3, 3, 0]
+    assert ptb.encode('The AND').tolist() == [1, 2, 0]
+    ptb.save(tmp_path / 'saved')
+    assert factory.load_tokenizer(tmp_path / 'saved' / tokenizers.TOKENIZER_FILE).encode('The AND').tolist() == [1, 2, 0]
+    assert tokenizers.WordTokenizer(words).fingerprint != ptb.fingerprint
     with pytest.raises(errors.CheckpointError, match='different runs'):
         original.read_corpus(corpus_path, VOCAB.vocab_size + 1)
 

@@ -200,6 +200,14 @@ def test_unsupported_config_names_the_option(small_checkpoint, change, message):
         convert.model_config_from_hf(hf_config)
 
 
+@pytest.mark.parametrize('hf_clamp_len, clamp_len', [(6, 6), (0, -1), (-1, -1), (-2, -1), (-7, -1)])
+def test_a_clamp_len_hf_does_not_apply_imports_as_none(small_checkpoint, hf_clamp_len, clamp_len):
+    """HF (`if self.clamp_len > 0`) and the original code clamp only at a positive clamp_len; memjax's
+    -2 would clamp at the longest distance trained, and below it is refused."""
+    hf_config = dict(small_checkpoint[0], clamp_len=hf_clamp_len)
+    assert convert.model_config_from_hf(hf_config).clamp_len == clamp_len
+
+
 def test_saving_params_that_do_not_fit_the_model_fails(tmp_path, small_checkpoint):
     hf_config, state = small_checkpoint
     config = convert.model_config_from_hf(hf_config)

@@ -86,7 +86,8 @@ def model_config_from_hf(hf_config: HFConfig) -> ModelConfig:
             n_layer=int(fields['n_layer']), n_head=int(fields['n_head']), d_head=int(fields['d_head']),
             d_inner=int(fields['d_inner']), d_embed=int(fields['d_embed']),
             dropout=float(fields['dropout']), dropatt=float(fields['dropatt']),
-            mem_len=int(fields['mem_len']), clamp_len=int(fields['clamp_len']),
+            # HF and the original clamp only a positive clamp_len; memjax gives -2 a meaning of its own.
+            mem_len=int(fields['mem_len']), clamp_len=int(fields['clamp_len']) if int(fields['clamp_len']) > 0 else -1,
             same_length=bool(fields['same_length']), pre_lnorm=bool(fields['pre_lnorm']),
             untie_r=bool(fields['untie_r']),
             # PretrainedConfig's default; config.json omits it unless it is False.

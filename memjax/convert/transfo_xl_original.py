@@ -132,6 +132,9 @@ def model_config(model: Any) -> ModelConfig:
     if attrs.get('attn_type', 0) != 0 or attrs.get('sample_softmax', -1) > 0:
         raise CheckpointError(f'attn_type={attrs.get("attn_type")}, sample_softmax={attrs.get("sample_softmax")}: '
                               'only the default relative attention with a (adaptive) softmax is imported.')
+    if attrs.get('ext_len', 0) > 0:
+        raise CheckpointError(f'ext_len={attrs["ext_len"]}: the model keeps extra context rows out of its memory, '
+                              'which memjax does not; only models trained with ext_len=0 (the default) are imported.')
     layer0 = _child(model, 'layers', '0')
     attn, ff = _child(layer0, 'dec_attn'), _child(layer0, 'pos_ff')
     emb, crit = _child(model, 'word_emb'), _child(model, 'crit')
@@ -198,11 +201,10 @@ def _tokenizer(path: str, corpus: dict, vocab_size: int) -> Tokenizer:
         raise CheckpointError(f'{path} has {len(symbols)} symbols but the model {vocab_size}: the two come from '
                               'different runs.')
     if dataset in WORD_DATASETS:
-        if vocab.get('lower_case') or vocab.get('delimiter') is not None:
-            raise CheckpointError(f'{path}: a vocabulary that lower-cases or splits on '
-                                  f'{vocab.get("delimiter")!r} ({dataset}) is not supported; memjax splits words on '
-                                  'whitespace and keeps their case.')
-        return WordTokenizer(symbols)
+        if vocab.get('delimiter') is not None:
+            raise CheckpointError(f'{path}: a vocabulary that splits on {vocab.get("delimiter")!r} ({dataset}) is not '
+                                  'supported; memjax splits words on whitespace.')
+        return WordTokenizer(symbols, lower_case=bool(vocab.get('lower_case')))
     if dataset == 'enwik8':
         return ByteTokenizer([int(s) for s in symbols], dropped=(ord('\n'),))
     if dataset == 'text8':

@@ -46,7 +46,7 @@ def load_tokenizer(path: os.PathLike) -> Tokenizer:
         if kind == 'char':
             return CharTokenizer(spec['chars'])
         if kind == 'word':
-            return WordTokenizer(spec['tokens'])
+            return WordTokenizer(spec['tokens'], lower_case=spec.get('lower_case', False))
         if kind == 'gpt2_bpe':
             return GPT2BPETokenizer(spec['vocab'], spec['merges'])
         if kind == 'sorting':

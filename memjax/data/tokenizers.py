@@ -200,14 +200,16 @@ class WordTokenizer(Tokenizer):
     appear, as the original code builds WikiText-103's (`Counter.most_common`): adaptive-softmax
     cutoffs see frequent words first and split the same words into clusters. A literal `<unk>` in
     the text (WikiText's) takes its own place; a text without one gets it as id 1. An imported
-    vocabulary (memjax.convert.transfo_xl_original) keeps its own order.
+    vocabulary (memjax.convert.transfo_xl_original) keeps its own order, and with `lower_case`
+    (the original code's for Penn Treebank) lower-cases each line before splitting it, as it does.
     """
 
     kind = 'word'
     unit = 'word'
 
-    def __init__(self, tokens: Sequence[str]):
+    def __init__(self, tokens: Sequence[str], lower_case: bool = False):
         self.tokens = list(tokens)
+        self.lower_case = bool(lower_case)
         self._index = {tok: i for i, tok in enumerate(self.tokens)}
         if len(self._index) != len(self.tokens):
             raise errors.DataError('Word vocabulary has duplicate tokens.')
@@ -254,7 +256,7 @@ class WordTokenizer(Tokenizer):
         get, unk = self._index.get, self.unk_id
         ids = []
         for line in split_lines(text):
-            ids.extend(get(w, unk) for w in line.split())
+            ids.extend(get(w, unk) for w in (line.lower() if self.lower_case else line).split())
             ids.append(self.eos_id)
         return np.asarray(ids, dtype=np.int32)
 
@@ -270,7 +272,8 @@ class WordTokenizer(Tokenizer):
         return ''.join(pieces)
 
     def to_json(self) -> dict:
-        return {'kind': self.kind, 'tokens': self.tokens}
+        # The field only when set: a vocabulary that keeps case has the fingerprint it always had.
+        return {'kind': self.kind, 'tokens': self.tokens, **({'lower_case': True} if self.lower_case else {})}
 
 
 class SentencePieceTokenizer(Tokenizer):
