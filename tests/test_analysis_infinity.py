@@ -93,12 +93,11 @@ def test_regression_error_is_the_direct_ridge_solve():
     assert got[-1] < got[0] / 4
 
 
-@pytest.fixture(scope='module')
-def traced():
+def _traced(mem_len: int):
     """A tiny sticky model over 10 segments of 2 streams, stream 1 starting a document at step 5;
     the LTM restarts after 4 segments."""
     cfg = ModelConfig(vocab_size=23, memory='infinity', d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32,
-                      mem_len=SEG, segment_len=SEG, ltm_basis=16, ltm_widths=(0.05, 0.1), ltm_tau=0.5, dropout=0.0,
+                      mem_len=mem_len, segment_len=SEG, ltm_basis=16, ltm_widths=(0.05, 0.1), ltm_tau=0.5, dropout=0.0,
                       ltm_sticky=True, ltm_sticky_bins=8, ltm_reset_tokens=4 * SEG)
     model, params = model_lib.build_model(cfg), jax.jit(lambda k: model_lib.init_params(cfg, k))(jax.random.key(0))
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (10, 2, SEG), dtype=np.int32)
@@ -109,8 +108,13 @@ def traced():
     return model, params, segments, key, infinity.trace(model, params, segments, key, layers=(1, 0), keep_rows=True)
 
 
-def test_the_trace_records_what_the_model_does_step_by_step(traced):
-    model, params, segments, key, tr = traced
+@pytest.fixture(scope='module')
+def traced():
+    return _traced(SEG)
+
+
+def _check_step_by_step(model, params, segments, key, tr):
+    """The trace's densities, draws and used steps against the model's own memory, step by step."""
     apply = jax.jit(lambda x, m, r, k: model.apply({'params': params}, x, m, reset=r, rngs={'sticky': k},
                                                    mutable='intermediates'))
     memory = model_lib.init_memory(model.config, 2)
@@ -126,10 +130,33 @@ def test_the_trace_records_what_the_model_does_step_by_step(traced):
         previous_mu[:, segment.reset] = 0.0
         np.testing.assert_array_equal(tr.used[s], np.any(mu != previous_mu, axis=(0, 2, 3)))
         previous_mu = mu
+
+
+def test_the_trace_records_what_the_model_does_step_by_step(traced):
+    _check_step_by_step(*traced)
+    tr = traced[-1]
     # The LTM takes its first rows at step 2 (after segment + STM), stream 1 again at 7.
     assert tr.used[:, 0].tolist() == [False] * 2 + [True] * 8
     assert tr.used[:, 1].tolist() == [False] * 2 + [True] * 3 + [False] * 2 + [True] * 3
     assert tr.ltm_tokens[:, 0].tolist() == [0, 0, 8, 16, 24, 32, 8, 16, 24, 32]
+
+
+def test_with_a_memory_of_part_segments_the_steps_that_read_the_ltm_are_marked_used():
+    """mem_len = 1.5 segments: the first block that waits for the LTM after a stream's (or a
+    document's) start is part-filled, its oldest rows empty; the model reads the LTM it starts (its
+    newest row says so), and so must the trace."""
+    model, params, segments, key, tr = _traced(12)
+    _check_step_by_step(model, params, segments, key, tr)
+    assert tr.used[:, 0].tolist() == [False] * 2 + [True] * 8
+    assert tr.used[:, 1].tolist() == [False] * 2 + [True] * 3 + [False] * 2 + [True] * 3
+    assert tr.ltm_tokens[:, 1].tolist() == [0, 0, 4, 12, 20, 0, 0, 4, 12, 20]  # 4 of the first block's 8 rows.
+    # A lifetime starts with a whole block (the part-filled one reaches before the stream): after the
+    # restart at step 7, the text of the rows its updates fitted.
+    life = infinity.lifetime(tr, stream=0, updates=2, layer=1)
+    assert life.first_step == 7
+    fitted = tr.rows[6:9, tr.index(0), 0].reshape(-1, model.config.d_model)
+    embed = jax.jit(lambda x: model.apply({'params': params}, x, method=lambda m, x: m.io.embed(x)))
+    np.testing.assert_allclose(fitted, embed(np.asarray(life.tokens, np.int32)), rtol=1e-6)
 
 
 def test_a_lifetime_holds_the_text_whose_rows_the_ltm_fitted(traced):

@@ -91,13 +91,14 @@ def trace(model: model_lib.MemoryLM, params, segments: Iterable[Segment], key: O
             record['rows'] = memory.layers['hidden'][picked, :, :cfg.segment_len]
         return memory, record, _sown_only(sown, 'sticky_positions')
 
-    records, memory = [], None
+    records, memory, waiting = [], None, InfinityMemory(cfg)
     for index, segment in enumerate(segments):
         if memory is None:
             memory = model_lib.init_memory(cfg, segment.inputs.shape[0])
-        # Read before the step: the LTM is used where its oldest rows are real (after any reset).
+        # Read before the step, as the model reads it: where the block waiting for the LTM holds a
+        # token (after any reset).
         reset = np.asarray(segment.reset, bool)
-        used = ~reset & np.asarray(memory.shared['valid'][:, 0])
+        used = ~reset & np.asarray(waiting.waiting_used(memory.shared))
         memory, record, sown = step(params, segment.inputs, memory, reset, jax.random.fold_in(key, index))
         record = jax.device_get(record)
         record.update(used=used, inputs=segment.inputs)
