@@ -16,10 +16,11 @@ from memjax.training import restore
 from memjax.training import saved_run
 
 
-def _imported(tmp_path_factory, memory):
+def _imported(tmp_path_factory, memory, mem_len=8):
     """A workdir holding random parameters (large, so attention is far from uniform) as step 0,
     and the config that reads it in segments of 8 bytes, 2 segments per batch."""
-    cfg = ModelConfig(vocab_size=256, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, mem_len=8, segment_len=8,
+    cfg = ModelConfig(vocab_size=256, d_model=16, n_layer=2, n_head=2, d_head=8, d_inner=32, mem_len=mem_len,
+                      segment_len=8,
                       memory=memory, init_std=0.3)
     workdir = str(tmp_path_factory.mktemp(memory) / 'run')
     restore.write_imported(cfg, model_lib.init_params(cfg, jax.random.key(0)), ByteTokenizer(), workdir, 'embedded')
@@ -66,6 +67,62 @@ def test_mean_memorizing_coefficients_average_the_carried_segments(lamemo_run):
         alpha, _ = coefficients(run.params, segment.inputs, memory)
         alphas += [np.asarray(alpha)[:, b].mean(axis=1) for b in range(2) if not segment.reset[b]]
     np.testing.assert_allclose(lamemo.mean_memorizing_coefficients(run, 5), np.mean(alphas, axis=0), rtol=1e-5)
+
+
+def test_memorizing_coefficients_count_only_the_rows_that_hold_past(tmp_path_factory):
+    """A memory of two segments: after a fresh start the first segment fills its newest 8 rows, the
+    next the oldest 8; rows still empty (no past) are not averaged."""
+    config, workdir = _imported(tmp_path_factory, 'lamemo', mem_len=16)
+    run = analysis.load(workdir, config)
+    coefficients = jax.jit(functools.partial(lamemo.memorizing_coefficients, run.model))
+    per_row, read = [[] for _ in range(16)], np.zeros(2, int)
+    for segment, memory in _segments(run, 5):
+        read[segment.reset] = 0
+        alpha = np.asarray(coefficients(run.params, segment.inputs, memory)[0]).mean(axis=2)  # [L, B, M]
+        for b in range(2):
+            for row in range(16 - min(16, read[b]), 16):
+                per_row[row].append(alpha[:, b, row])
+        read += 8
+    assert [len(found) for found in per_row] == [6] * 8 + [8] * 8  # Streams 2 x segments 2-4 or 1-4.
+    expected = np.stack([np.mean(found, axis=0) for found in per_row], axis=1)
+    got = lamemo.mean_memorizing_coefficients(run, 5)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    assert not np.allclose(got[:, :8], expected[:, 8:])  # The old rows' own average, not the newest ones'.
+
+
+def test_attention_profiles_leave_out_the_queries_of_padding(tmp_path_factory, monkeypatch):
+    """A document ending inside a segment (its last 3 positions padded, the next segment a reset) and
+    a segment of padding alone after it: their padded queries attend keys but are no text."""
+    config, workdir = _imported(tmp_path_factory, 'xl')
+    run = analysis.load(workdir, config)
+    segments = list(analysis.text_batches(run, 'validation', 4))
+    segments[1].mask[1, 5:] = 0
+    segments[2].reset[1] = True
+    segments.append(analysis.Segment(segments[3].inputs, segments[3].targets, np.zeros_like(segments[3].mask),
+                                     np.zeros_like(segments[3].reset)))
+    monkeypatch.setattr(analysis.run, 'text_batches', lambda *args: iter(segments))
+
+    @jax.jit
+    def attention_sown(params, inputs, memory):
+        _, _, sown = analysis.apply_sown(run.model, params, inputs, memory)
+        return analysis.per_layer(sown, 'attention')
+
+    reset, advance = jax.jit(run.model.kind.reset), jax.jit(lambda p, x, m: run.model.apply({'params': p}, x, m)[1])
+    memory, profiles, unmasked, far, reaching = model_lib.init_memory(run.config, 2), [], [], 0.0, 0
+    for segment in segments:
+        memory = reset(memory, segment.reset)
+        sown = jax.tree.map(np.asarray, attention_sown(run.params, segment.inputs, memory))
+        scored = sown['mask'] & (segment.mask > 0)[None, :, None, :, None]
+        unmasked.append(attention.mean_by_distance(sown['probs'], sown['mask'], 8))
+        if scored.any():
+            profiles.append(attention.mean_by_distance(sown['probs'], scored, 8))
+            mass, queries = attention.mass_beyond(sown['probs'], scored, 8, 4)
+            far, reaching = far + mass, reaching + queries
+        memory = advance(run.params, segment.inputs, memory)
+    got = attention.text_profiles(run, -1)['attention']
+    np.testing.assert_allclose(got, np.nanmean(profiles, axis=0), rtol=1e-5)
+    assert not np.allclose(got, np.nanmean(unmasked, axis=0), rtol=1e-3)
+    np.testing.assert_allclose(attention.share_beyond(run, 4, -1), far / reaching, rtol=1e-5)
 
 
 def test_text_profiles_average_the_segments_profiles(tmp_path_factory):

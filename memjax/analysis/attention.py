@@ -55,6 +55,12 @@ def mass_beyond(values: np.ndarray, mask: np.ndarray, seg_len: int, distance: in
     return np.where(reaches, far, 0.0).sum(axis=(1, 3)), reaches.sum(axis=(1, 3))
 
 
+def scored_queries(mask: np.ndarray, segment) -> np.ndarray:
+    """The attention `mask` [n_layer, B, H|1, T, K] of the queries whose target is scored: a
+    document's padded end and the empty segments after a stream's last document are no text."""
+    return mask & (np.asarray(segment.mask) > 0)[None, :, None, :, None]
+
+
 def share_beyond(run: LoadedRun, distance: int, num_segments: int, split: str = 'validation') -> np.ndarray:
     """[n_layer, H]: the attention weight a query puts on keys more than `distance` back, averaged
     over the queries that see such a key (NaN where none does). With `distance` the longest one
@@ -62,7 +68,8 @@ def share_beyond(run: LoadedRun, distance: int, num_segments: int, split: str = 
     leans on relative positions it never learned to weigh."""
     total, count = 0.0, 0
     for segment, _, sown in sown_over_text(run, 'attention', num_segments, split):
-        mass, queries = mass_beyond(sown['probs'], sown['mask'], segment.inputs.shape[1], distance)
+        mass, queries = mass_beyond(sown['probs'], scored_queries(sown['mask'], segment), segment.inputs.shape[1],
+                                    distance)
         total, count = total + mass, count + queries
     with np.errstate(invalid='ignore'):
         return np.where(count > 0, total / np.maximum(count, 1), np.nan)
@@ -101,7 +108,7 @@ def text_profiles(run: LoadedRun, num_segments: int, split: str = 'validation', 
     """Attention by distance over `num_segments` segments of the run's text, read as evaluation
     reads it (the memory carried, reset at documents): {'attention': [n_layer, H, K // bin_width]}
     and, for each letter of `terms` ('abd' for the paper's figure 7), that score term alone as an
-    attention distribution. Every segment counts alike."""
+    attention distribution. Every segment counts alike, each over its queries of scored targets."""
     unknown = sorted(set(terms) - set('abcd'))
     if unknown:
         raise ValueError(f"terms={terms!r}: {unknown} are not score terms; give letters of 'abcd' (section 3.3's "
@@ -114,7 +121,7 @@ def text_profiles(run: LoadedRun, num_segments: int, split: str = 'validation', 
         parts = score_terms(sown, scale) if terms else {}
         found.update({name: term_attention(parts[name], sown['mask']) for name in terms})
         for name, values in found.items():
-            profile = mean_by_distance(values, sown['mask'], seg_len, bin_width, within_bin)
+            profile = mean_by_distance(values, scored_queries(sown['mask'], segment), seg_len, bin_width, within_bin)
             # A segment after a reset sees no key far back: it counts only where it sees one.
             total, seen = totals.get(name, (0.0, 0))
             totals[name] = (total + np.nan_to_num(profile), seen + ~np.isnan(profile))
