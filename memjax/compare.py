@@ -123,7 +123,9 @@ def _check(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
              'from one to the next), or () for no RECL column.'),
             (bool(rs) and all(0 < r <= 1 for r in rs), f'compare.recl_rs={tuple(rs)}: each share must be in (0, 1].'),
             (section.get('recl_batches', -1) == -1 or section.get('recl_batches', -1) >= 1,
-             f'compare.recl_batches={section.get("recl_batches")}: give -1 (the whole split) or a count >= 1.'))
+             f'compare.recl_batches={section.get("recl_batches")}: give -1 (the whole split) or a count >= 1.'),
+            (jax.process_count() == 1,
+             f'compare.recl_contexts: {recl_lib.ONE_PROCESS} Give () here on {jax.process_count()} processes.'))
     evaluating = [m for m in known if METHODS[m].runs_on]
     missing = sorted({METHODS[m].runs_on for m in evaluating} - set(section.methods))
     problems += [f'compare.methods needs {missing}, whose runs {evaluating} evaluate.'] if missing else []

@@ -245,6 +245,19 @@ def test_a_bad_comparison_is_refused_before_anything_trains(corpus, tmp_path, co
     assert not os.listdir(tmp_path)
 
 
+def test_recl_on_several_processes_is_refused_before_anything_trains(corpus, tmp_path, monkeypatch):
+    """Each process reads its own streams: its RECL would count its share of the tokens, and every
+    process would write the same loss files. The command and the comparison refuse it up front."""
+    monkeypatch.setattr(compare.jax, 'process_count', lambda: 2)
+    config = tiny_comparison(corpus, methods=('xl',))
+    config.compare.recl_contexts = (4, 8)
+    with pytest.raises(errors.ConfigError, match=r'RECL is scored in one process.* Give \(\) here on 2 processes'):
+        compare.run_comparison(config, str(tmp_path))
+    with pytest.raises(errors.UsageError, match='RECL is scored in one process'):
+        recl_lib.group_recl([str(tmp_path / 'a'), str(tmp_path / 'b')], [4, 8], [1.0], str(tmp_path / 'recl'))
+    assert not os.listdir(tmp_path)
+
+
 def test_a_methods_own_bad_field_is_refused_before_anything_trains(corpus, tmp_path, monkeypatch):
     broken = compare.Method(model=lambda c: {'memory': 'lamemo', 'lamemo_eps': -1.0})
     monkeypatch.setitem(compare.METHODS, 'broken', broken)

@@ -55,6 +55,9 @@ from memjax.training import step as train_step_lib
 from memjax.training import workdir as workdir_lib
 
 THRESHOLD = 0.01  # The paper's: a context step that gains less than 1 % ends the search.
+# Each process would score only its own streams' tokens and write the same loss files.
+ONE_PROCESS = ('RECL is scored in one process, which reads every stream of the split: run python -m memjax.recl on '
+               'one host after training.')
 # memjax.recl's setting that clamps at the trained distances, named where a context reaches further.
 CLAMP_SETTING = f'--clamp_len={memories.CLAMP_TRAINED}'
 
@@ -284,6 +287,8 @@ def group_recl(members: Sequence[str], contexts: Sequence[int], rs: Sequence[flo
     loss's minimum counts the lucky ones as gains. `clamp_setting`: how the caller clamps at the trained
     distances, named by the warning for a context longer than training scored."""
     contexts = sorted(set(int(c) for c in contexts))
+    if jax.process_count() > 1:
+        raise errors.UsageError(ONE_PROCESS)
     if max_batches == 0 or max_batches < -1:
         raise errors.UsageError(f'max_batches={max_batches}: give -1 (the whole split) or a count >= 1.')
     parsed, kinds, layout = [member(spec) for spec in members], [], None
