@@ -87,10 +87,22 @@ def test_gpt2_pickles_are_refused_never_unpickled(hf_directory, tmp_path, monkey
         hf_gpt2.load_hf_checkpoint(str(tmp_path / 'pytorch_model.bin'))
 
 
-def test_unsupported_gpt2_options_are_named():
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, activation_function='relu')
-    with pytest.raises(hf_io.CheckpointError, match="activation_function='relu'"):
+@pytest.mark.parametrize('option, message', [
+    ({'activation_function': 'relu'}, "activation_function='relu'"),
+    ({'scale_attn_weights': False}, 'scale_attn_weights=False'),
+    ({'scale_attn_by_inverse_layer_idx': True}, 'scale_attn_by_inverse_layer_idx=True'),
+    ({'add_cross_attention': True}, 'add_cross_attention=True'),
+    ({'tie_word_embeddings': False}, 'tie_word_embeddings=False'),
+])
+def test_unsupported_gpt2_options_are_named(option, message):
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, **option)
+    with pytest.raises(hf_io.CheckpointError, match=message):
         hf_gpt2.model_config_from_hf(config)
+
+
+def test_the_layer_norm_epsilon_comes_from_the_config():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, layer_norm_epsilon=1e-3)
+    assert hf_gpt2.model_config_from_hf(config).layer_norm_epsilon == 1e-3
 
 
 def test_training_starts_from_the_gpt2_weights_with_a_fresh_memory(hf_directory, tmp_path):
