@@ -51,6 +51,22 @@ def test_forward_flops_of_one_layer_by_hand():
     assert flops.train_step_flops(mcfg, b, t) == 3 * expected - no_input_gradient
 
 
+def test_forward_flops_of_a_gpt2_layer_by_hand():
+    """Learned absolute positions are added to the embeddings: no positional keys or scores."""
+    mcfg = workload.model_config(None, d_model=8, n_layer=1, n_head=2, d_head=4, d_inner=16, mem_len=0,
+                                 vocab_size=10, memory='none', block='gpt2', positions='learned_absolute',
+                                 pre_lnorm=True)
+    b, t = 2, 5
+    expected = (2 * b * t * 8 * 8  # query
+                + 2 * 2 * b * t * 8 * 8  # key, value over the segment
+                + 2 * 2 * b * 2 * t * t * 4  # content scores, weighted values
+                + 2 * b * t * 8 * 8  # output projection
+                + 2 * 2 * b * t * 8 * 16  # feed-forward
+                + 2 * b * t * 8 * 10)  # logits
+    assert sum(flops.forward_flops(mcfg, b, t).values()) == expected
+    assert flops.train_step_flops(mcfg, b, t) == 3 * expected
+
+
 class _FakeTime:
     """A clock that only moves when the timed function runs, by a scripted duration."""
 

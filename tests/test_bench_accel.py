@@ -18,6 +18,8 @@ from memjax.bench import step_profile
 from memjax.bench import workload
 from memjax.bench.suites import accel
 from memjax.bench.suites import peak
+from memjax.bench.suites import peer as peer_lib
+from memjax.model import memories
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ('torch', 'transformers'))
@@ -184,6 +186,15 @@ def test_peer_rows_check_the_same_model_then_time_it(report):
         ours = next(o for o in peer if o['case'].split()[-2:] == [r['case'].split()[-2], 'memjax'])
         assert r['ratio'] == pytest.approx(r['step_ms'] / ours['step_ms'])
         assert r['dtype'] == 'bfloat16'
+    # Model FLOPs of what memjax runs: evaluation the model memjax.evaluate runs (no memory row
+    # projected again); the same for HF's rows, so the ratio of rates is that of times.
+    setup = accel.SETUPS['tiny']
+    _, mcfg, _ = peer_lib.build_pair(setup['peer'], setup['peer_vocab'])
+    b, t = setup['peer'].batch_size, setup['peer'].tgt_len
+    expected = {'train': flops.train_step_flops(mcfg, b, t),
+                'eval': sum(flops.forward_flops(memories.evaluation_config(mcfg, {}), b, t).values())}
+    for r in peer:
+        assert r['model_flops_per_step'] == pytest.approx(expected[r['case'].split()[-2]])
 
 
 def test_a_step_that_does_not_fit_halves_its_batch(monkeypatch):
@@ -206,6 +217,8 @@ def test_datasheet_names_the_chip_a_device_kind_is():
     assert chips.datasheet('NVIDIA H100 PCIe').tflops('float32') == 378.0
     assert chips.datasheet('NVIDIA H200').tflops('float32') == 494.0
     assert chips.datasheet('TPU v5 lite').tflops('float32') == 197.0
+    assert chips.datasheet('TPU v5').name == 'TPU v5p'  # JAX's device_kind of a v5p.
+    assert chips.datasheet('TPU v5e').name == 'TPU v5e'
     assert chips.datasheet('NVIDIA H100 NVL').tflops('bfloat16') == 835.0
     assert chips.datasheet('NVIDIA GH200 480GB').name == 'NVIDIA GH200'
     assert chips.datasheet('cpu') is None

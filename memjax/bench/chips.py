@@ -37,6 +37,7 @@ _CHIPS = (
     ('TPU v5p', Chip('TPU v5p', 459.0, 459.0, 2.76)),
     ('TPU v5 lite', Chip('TPU v5e', 197.0, 197.0, 0.82)),
     ('TPU v5e', Chip('TPU v5e', 197.0, 197.0, 0.82)),
+    ('TPU v5', Chip('TPU v5p', 459.0, 459.0, 2.76)),  # JAX's device_kind of a v5p.
     ('TPU v4', Chip('TPU v4', 275.0, 275.0, 1.2)),
 )
 

@@ -32,6 +32,7 @@ import jax
 
 from memjax.kernels import cpu as cpu_kernels
 from memjax.model import ModelConfig
+from memjax.model import positions
 from memjax.model.primitives import BLOCKS
 
 BACKWARD_FACTOR = 3  # forward (1) + backward (2: input and weight gradients).
@@ -74,6 +75,11 @@ def _embedding_flops(cfg: ModelConfig, tokens: int) -> float:
     return 2.0 * tokens * cfg.d_embed * cfg.d_model if cfg.d_embed != cfg.d_model else 0.0
 
 
+def relative(cfg: ModelConfig) -> bool:
+    """Whether the attention scores relative positions (a projected table of distances)."""
+    return positions.POSITIONS[cfg.positions] is not None
+
+
 def forward_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float]:
     """Forward matmul FLOPs of one segment of `batch` x `tgt_len` tokens, by component."""
     tokens = batch * tgt_len
@@ -91,6 +97,8 @@ def forward_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> dict[str, float
         'out_proj': 2.0 * tokens * inner * cfg.d_model,
         'feed_forward': 2 * 2.0 * tokens * cfg.d_model * cfg.d_inner,
     }
+    if not relative(cfg):  # Absolute positions are added to the embeddings: no positional keys.
+        del per_layer['pos_proj'], per_layer['position_scores']
     if cfg.memory == 'xl_cached' and cfg.memory_start == 'zeros' and (cfg.pre_lnorm or BLOCKS[cfg.block].bias):
         # The key and value of a zero input (maps without biases and LayerNorm take it to zeros).
         per_layer['zero_row_kv'] = 2 * 2.0 * cfg.d_model * inner
@@ -153,7 +161,7 @@ def skipped_input_gradient_flops(cfg: ModelConfig, batch: int, tgt_len: int) -> 
     """Backward matmuls that do not run because their input needs no gradient."""
     inner = cfg.n_head * cfg.d_head
     memory_rows = 2 * 2.0 * batch * cfg.mem_len * cfg.d_model * inner  # keys and values
-    sinusoids = 2.0 * (cfg.mem_len + tgt_len) * cfg.d_model * inner
+    sinusoids = 2.0 * (cfg.mem_len + tgt_len) * cfg.d_model * inner if relative(cfg) else 0.0
     if cfg.memory == 'infinity':
         # The gate reads the carried rows (no input gradient), the ridge matrices are constants,
         # and the old coefficients are carried state: their resampling has no backward at all.

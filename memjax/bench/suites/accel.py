@@ -490,8 +490,11 @@ class Suite:
             timings, compile_s, failed = peer.time_against_hf(self.ctx, f'accel: peer {mode}', {'memjax': ours[mode]},
                                                               {impl: theirs[impl][mode] for impl in impls})
             self.notes += [f'torch.compile failed in {mode}: {error}' for error in failed.values()]
+            # memjax's evaluation runs the model `memjax.evaluate` runs (xl_cached: no memory row
+            # projected again), as peer.memjax_cases compiles it; HF re-projects, and is slower for it.
             model_flops = (flops.train_step_flops(mcfg, shape.batch_size, shape.tgt_len) if mode == 'train'
-                           else sum(flops.forward_flops(mcfg, shape.batch_size, shape.tgt_len).values()))
+                           else sum(flops.forward_flops(memories.evaluation_config(mcfg, {}), shape.batch_size,
+                                                        shape.tgt_len).values()))
             for impl, timing in timings.items():
                 row = self.throughput('peer', f'{vocab.name} {mode} {impl}', bf16, shape.batch_size, shape.tgt_len,
                                       timing.median_s, model_flops, None, timing=timing.as_dict(), **check)
