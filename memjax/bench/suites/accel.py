@@ -220,7 +220,7 @@ class Suite:
         batch = fitted.work.batch_size
         row = self.throughput(part, case, mcfg, batch, step.tgt_len, timing.median_s,
                               flops.train_step_flops(mcfg, batch, step.tgt_len), fitted.compiled,
-                              donated=donate, xla_flops_per_step=fitted.compiled.flops, timing=timing.as_dict())
+                              donated=donate, timing=timing.as_dict())
         if vs is not None and 'step_ms' in vs:
             row.update(vs=vs['case'], ratio=row['step_ms'] / vs['step_ms'] * vs['batch'] / row['batch'])
         device = jax.devices()[0].memory_stats() or {}
@@ -255,7 +255,7 @@ class Suite:
             batch = case.work.batch_size
             row = self.throughput('profile', step.name, mcfg, batch, step.tgt_len, timing.median_s,
                                   flops.train_step_flops(mcfg, batch, step.tgt_len), case.compiled,
-                                  donated=True, xla_flops_per_step=case.compiled.flops,
+                                  donated=True,
                                   timing=timing.as_dict(), profiled_step_ms=found['step_s'] * 1e3,
                                   profiled_vs_timed=found['step_s'] / timing.median_s, trace=found['trace'],
                                   **{f'{name} ms': seconds * 1e3 for name, seconds in found['seconds'].items()})
