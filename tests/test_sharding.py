@@ -221,3 +221,32 @@ def test_default_mesh_uses_every_device_for_data():
     config = config_lib.base_config()
     config_lib.validate_config(config, device_count=8)
     assert config_lib.resolve(config).mesh.shape(8) == {'data': 8, 'fsdp': 1, 'tensor': 1}
+
+
+class _Device:
+    """What `process_ordered` reads of a device: its process."""
+
+    def __init__(self, name, process_index):
+        self.name, self.process_index = name, process_index
+
+    def __repr__(self):
+        return self.name
+
+
+@pytest.mark.parametrize('shape, processes', [((16, 1, 1), 4), ((4, 1, 2), 2), ((2, 2, 2), 2)],
+                         ids=['data16_4_hosts', 'data4_tensor2_2_hosts', 'data2_fsdp2_tensor2_2_hosts'])
+def test_each_process_holds_the_batch_rows_of_its_own_streams(shape, processes):
+    """A physical layout that interleaves the hosts along the batch (a TPU v4-32's z axis varies
+    fastest): reordered so that batch row block r (the flat position over data and fsdp, tensor
+    innermost) belongs to the process reading streams r P / B, each host's devices in their own order."""
+    count = int(np.prod(shape))
+    physical = np.array([_Device(f'd{i}', i % processes) for i in range(count)]).reshape(shape)
+    ordered = sharding.process_ordered(physical)
+    rows = shape[0] * shape[1]
+    owner = np.array([d.process_index for d in ordered.reshape(-1)]).reshape(rows, shape[2])
+    assert (owner == (np.arange(rows) * processes // rows)[:, None]).all()
+    for p in range(processes):
+        mine = [d.name for d in physical.reshape(-1) if d.process_index == p]
+        assert [d.name for d in ordered.reshape(-1) if d.process_index == p] == mine
+    already = np.array([_Device(f'd{i}', i * processes // count) for i in range(count)]).reshape(shape)
+    assert sharding.process_ordered(already) is already

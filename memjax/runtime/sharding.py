@@ -74,8 +74,25 @@ def make_mesh(mesh_cfg: MeshConfig, devices: Optional[Sequence[jax.Device]] = No
         raise ConfigError(
             f'config.mesh {sizes} needs {math.prod(shape)} devices but {len(devices)} are present.')
     # Auto axes: the SPMD partitioner propagates shardings between the annotated arrays.
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    mesh = jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    ordered = process_ordered(mesh.devices)
+    return mesh if ordered is mesh.devices else Mesh(ordered, MESH_AXES, axis_types=axis_types)
+
+
+def process_ordered(devices: np.ndarray) -> np.ndarray:
+    """`devices` (a mesh's array, the batch axes leading) with each process's devices in one block,
+    the processes in order, each block in the given (physical) order; `devices` itself where they
+    are so already.
+
+    Process p reads streams [p B / P, (p + 1) B / P) of the batch, and
+    `make_array_from_process_local_data` puts them in the global rows its devices hold: those rows
+    must be that block, or a checkpoint's memory, saved by global row, would meet other streams
+    on a resume with another mesh or process count. `jax.make_mesh` orders TPU devices by their
+    physical layout, which can interleave the hosts along the batch (a v4-32's z axis)."""
+    flat = devices.reshape(-1)
+    order = sorted(range(flat.size), key=lambda i: (flat[i].process_index, i))
+    return devices if order == list(range(flat.size)) else flat[order].reshape(devices.shape)
 
 
 def _spec_leaf(x: Any) -> bool:
