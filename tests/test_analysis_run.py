@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from memjax import analysis, evaluate
+from memjax import analysis, errors, evaluate
 from memjax import model as model_lib
 from memjax.analysis import attention, lamemo
 from memjax.data.tokenizers import ByteTokenizer
@@ -67,6 +67,14 @@ def test_mean_memorizing_coefficients_average_the_carried_segments(lamemo_run):
         alpha, _ = coefficients(run.params, segment.inputs, memory)
         alphas += [np.asarray(alpha)[:, b].mean(axis=1) for b in range(2) if not segment.reset[b]]
     np.testing.assert_allclose(lamemo.mean_memorizing_coefficients(run, 5), np.mean(alphas, axis=0), rtol=1e-5)
+
+
+def test_a_run_is_read_in_one_process(lamemo_run, monkeypatch):
+    """Each process would read only its streams of the text (and size the memory for all of them)."""
+    _, workdir, _ = lamemo_run
+    monkeypatch.setattr(analysis.run.jax, 'process_count', lambda: 2)
+    with pytest.raises(errors.UsageError, match='reads a run in one process, not 2'):
+        analysis.load(workdir)
 
 
 def test_memorizing_coefficients_count_only_the_rows_that_hold_past(tmp_path_factory):

@@ -11,6 +11,7 @@ import ml_collections
 import numpy as np
 from flax import traverse_util
 
+from memjax import errors
 from memjax import model as model_lib
 from memjax.data.tokenizers import Tokenizer
 from memjax.model import memories
@@ -45,7 +46,11 @@ class LoadedRun:
 
 def load(workdir: str, config: Optional[ml_collections.ConfigDict] = None, **eval_model: Any) -> LoadedRun:
     """The run in `workdir` (its saved config, or `config`), with `eval_model` fields set on
-    `config.eval.model` (mem_len=..., memory='trams', ...)."""
+    `config.eval.model` (mem_len=..., memory='trams', ...). In one process: the analyses read every
+    stream of the text themselves."""
+    if jax.process_count() > 1:
+        raise errors.UsageError(f'memjax.analysis reads a run in one process, not {jax.process_count()}: load '
+                                f'{workdir} in a single process (a notebook, or python on one host).')
     config = saved_run.saved_config(workdir) if config is None else config.copy_and_resolve_references()
     for name, value in eval_model.items():
         config.eval.model[name] = value
