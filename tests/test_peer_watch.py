@@ -2,6 +2,8 @@
 hand-made tables of what it has heard; tests/test_multihost.py kills real processes."""
 
 import itertools
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -88,3 +90,45 @@ def test_a_live_peer_is_never_judged_silent_and_a_silent_one_is_named_in_bounded
             # wait_for_verdict's bound: the timeout and two periods after the last beat.
             assert silent_from < when <= silent_from + timeout + 2 * period, (when, silent_from)
             assert message.startswith('process 1 of 2 has not been heard from for')
+
+
+class _Store:
+    """The coordination service's key-value store, as the watch calls it."""
+
+    def __init__(self):
+        self.values, self.lock = {}, threading.Lock()
+
+    def key_value_set(self, key, value, allow_overwrite=False):  # pylint: disable=unused-argument
+        with self.lock:
+            self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        with self.lock:
+            return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
+def test_process_0_ends_after_the_others_have_said_they_end(monkeypatch):
+    """Its end takes the coordination service, and with it every other process's JAX client (an
+    abort instead of their own line and status): it waits until they have said they end, at most
+    _LAST_WORDS_S when one does not."""
+    store = _Store()
+    watch = peer_watch._Watch(store, 0, 3, TIMEOUT)  # pylint: disable=protected-access
+    peers_done = threading.Event()
+
+    def peers():
+        store.key_value_set('memjax/peers/ended/1', '2')
+        time.sleep(0.5)
+        store.key_value_set('memjax/peers/ended/2', '2')
+        peers_done.set()
+
+    threading.Thread(target=peers, daemon=True).start()
+    watch.end(2)
+    assert peers_done.is_set() and store.values['memjax/peers/ended/0'] == '2'
+    assert peer_watch.all_ended(store.key_value_dir_get('memjax/peers/'), 0, 3)
+    assert not peer_watch.all_ended([('memjax/peers/ended/1', '0'), ('memjax/peers/beat/2', '7')], 0, 3)
+    # A peer that never says so does not hold the end up beyond the bound.
+    monkeypatch.setattr(peer_watch, '_LAST_WORDS_S', 0.3)
+    alone = _Store()
+    started = time.monotonic()
+    peer_watch._Watch(alone, 0, 2, TIMEOUT).end(0)  # pylint: disable=protected-access
+    assert time.monotonic() - started < 5.0 and 'memjax/peers/ended/0' in alone.values

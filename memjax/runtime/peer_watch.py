@@ -30,6 +30,7 @@ GRACE_S = 10.0
 _PREFIX = 'memjax/peers/'
 # How long the last words (this process's end, the lock's release) may take before exiting anyway.
 _LAST_WORDS_S = 5.0
+_THEIR_EXIT_S = 0.2
 
 _watch: Optional['_Watch'] = None
 _on_loss: list[Callable[[], None]] = []
@@ -93,10 +94,28 @@ class _Watch:
         return verdict(self._me, self._count, self.timeout, now, self._moved, self._answered, self._ended)
 
     def end(self, status: int) -> None:
-        """This process ends by itself with `status`: no more judging, and the others are told."""
+        """This process ends by itself with `status`: no more judging, and the others are told.
+        Process 0 hosts the coordination service, whose end aborts every other process's JAX
+        client: it waits (at most _LAST_WORDS_S) until the others have said they end too, so that
+        a process meeting the same error (data that differ, a NaN loss) exits with its own line
+        and status rather than JAX's abort."""
         self._stop.set()
         _bounded(lambda: self._client.key_value_set(f'{_PREFIX}ended/{self._me}', str(status),
                                                     allow_overwrite=True))
+        if self._me == 0:
+            _bounded(self._until_the_others_end)
+
+    def _until_the_others_end(self) -> None:
+        while not all_ended(self._client.key_value_dir_get(f'{_PREFIX}ended/'), self._me, self._count):
+            time.sleep(0.05)
+        time.sleep(_THEIR_EXIT_S)  # Between a process's last word and its exit.
+
+
+def all_ended(entries, me: int, count: int) -> bool:
+    """Whether the key-value `entries` ((key, value) under _PREFIX) hold an end for every process
+    but `me`."""
+    said = {key[len(_PREFIX):] for key, _ in entries}
+    return all(f'ended/{process}' in said for process in range(count) if process != me)
 
 
 def verdict(me: int, count: int, timeout: float, now: float, moved: dict[int, float], answered: float,
