@@ -1,10 +1,15 @@
 """The layer-stack switches (nn.scan, rematerialisation) change how the model runs, not what it computes."""
 
+import functools
+
+import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from memjax.model import primitives
 from memjax.model import (ModelConfig, build_model, convert_layer_layout, init_memory, init_params, lm_loss,
                           param_logical_axes)
 
@@ -74,6 +79,42 @@ def test_every_parameter_has_logical_axis_names():
         if cfg.scan_layers:
             assert query[0] == 'layers'
         assert flat["['io']['emb_table_0']"] == ('vocab', 'embed')
+
+
+def test_a_given_parameter_is_checked_by_its_shape_without_running_its_initializer_again():
+    """memjax's parameters (primitives.param) are drawn as Flax's own `param` draws them; applying
+    with given parameters calls no initializer (Flax's `param` traces it again at every apply to
+    compare shapes), and a parameter of another shape is still refused by name, in the model too."""
+    calls = []
+
+    def init(key, shape):
+        calls.append(shape)
+        return jax.random.normal(key, shape)
+
+    class Scaled(nn.Module):
+        flax_param: bool = False
+
+        @nn.compact
+        def __call__(self, x):
+            shape = (x.shape[-1],)
+            declare = self.param if self.flax_param else functools.partial(primitives.param, self)
+            return x * declare('scale', init, shape)
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    variables = Scaled().init(jax.random.key(0), x)
+    flax_drawn = Scaled(flax_param=True).init(jax.random.key(0), x)['params']['scale']
+    np.testing.assert_array_equal(variables['params']['scale'], flax_drawn)
+    calls.clear()
+    np.testing.assert_array_equal(Scaled().apply(variables, x), x * variables['params']['scale'])
+    assert calls == []
+    Scaled(flax_param=True).apply(variables, x)
+    assert calls == [(3,)]  # What the helper saves.
+    with pytest.raises(flax.errors.ScopeParamShapeError, match=r'"scale" .* shape \(4,\), .* shape \(3,\)'):
+        Scaled().apply(variables, jnp.ones((2, 4)))
+    cfg = ModelConfig(**BASE)
+    wider = init_params(cfg.replace(d_inner=48), jax.random.key(0))
+    with pytest.raises(flax.errors.ScopeParamShapeError, match='kernel'):
+        build_model(cfg).apply({'params': wider}, jnp.zeros((1, 4), jnp.int32), init_memory(cfg, 1))
 
 
 @pytest.mark.parametrize('scan_layers', [False, True])

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from memjax.kernels import cpu as cpu_kernels
 from memjax.model.config import ModelConfig
-from memjax.model.primitives import BLOCKS, normal
+from memjax.model.primitives import BLOCKS, normal, param
 
 # How many logits a step of a tail cluster's loop may form on accelerators (256 MB in float32): it
 # bounds the chunk of positions scored together, and the memory their logits take.
@@ -158,16 +158,16 @@ class AdaptiveIO(nn.Module):
         n_tables = 1 if single_table else n_clusters
 
         self.emb_tables = [
-            self.param(f'emb_table_{i}', table_init, (bounds[i + 1] - bounds[i] if not single_table
-                                                     else cfg.vocab_size, cfg.cluster_dim(i)))
+            param(self, f'emb_table_{i}', table_init, (bounds[i + 1] - bounds[i] if not single_table
+                                                       else cfg.vocab_size, cfg.cluster_dim(i)))
             for i in range(n_tables)]
         needs_proj = [not single_table or cfg.d_embed != cfg.d_model for _ in range(n_clusters)]
         self.emb_projs = [
-            self.param(f'emb_proj_{i}', proj_init, (cfg.cluster_dim(i), cfg.d_model)) if needs_proj[i] else None
+            param(self, f'emb_proj_{i}', proj_init, (cfg.cluster_dim(i), cfg.d_model)) if needs_proj[i] else None
             for i in range(n_tables)]
 
         self.out_tables = self.emb_tables if cfg.tie_weight else [
-            self.param(f'out_table_{i}', table_init, table.shape) for i, table in enumerate(self.emb_tables)]
+            param(self, f'out_table_{i}', table_init, table.shape) for i, table in enumerate(self.emb_tables)]
         out_projs = []
         for i in range(n_clusters):
             dim = cfg.cluster_dim(0 if single_table else i)
@@ -176,15 +176,15 @@ class AdaptiveIO(nn.Module):
             elif cfg.tie_projs[i]:
                 out_projs.append(self.emb_projs[0 if single_table else i])
             else:
-                out_projs.append(self.param(f'out_proj_{i}', proj_init, (dim, cfg.d_model)))
+                out_projs.append(param(self, f'out_proj_{i}', proj_init, (dim, cfg.d_model)))
         self.out_projs = out_projs
-        self.out_biases = [self.param(f'out_bias_{i}', zeros, (bounds[i + 1] - bounds[i],))
+        self.out_biases = [param(self, f'out_bias_{i}', zeros, (bounds[i + 1] - bounds[i],))
                            for i in range(n_clusters)]
         if n_clusters > 1:
-            self.cluster_kernel = self.param('cluster_kernel', normal(cfg.init_std, ('embed', None)),
-                                             (cfg.d_embed, n_clusters - 1))
-            self.cluster_bias = self.param('cluster_bias', nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
-                                           (n_clusters - 1,))
+            self.cluster_kernel = param(self, 'cluster_kernel', normal(cfg.init_std, ('embed', None)),
+                                        (cfg.d_embed, n_clusters - 1))
+            self.cluster_bias = param(self, 'cluster_bias',
+                                      nn.with_logical_partitioning(nn.initializers.zeros, (None,)), (n_clusters - 1,))
 
     def _cluster_table(self, tables, i: int) -> jax.Array:
         if self.config.div_val == 1:

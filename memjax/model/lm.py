@@ -24,7 +24,7 @@ from memjax.model.adaptive import AdaptiveIO
 from memjax.model.attention import AttentionContext
 from memjax.model.config import ModelConfig
 from memjax.model.positions import POSITIONS
-from memjax.model.primitives import BLOCKS, BTE, Dropout, layer_norm, normal
+from memjax.model.primitives import BLOCKS, BTE, Dropout, layer_norm, normal, param
 from memjax.model.stack import layer_stack
 
 
@@ -113,12 +113,12 @@ class MemoryLM(nn.Module):
         cfg = self.config
         self.io = AdaptiveIO(cfg)
         if self.relative and not cfg.untie_r:
-            bias = lambda name: self.param(name, normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
+            bias = lambda name: param(self, name, normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
             self.u_bias, self.v_bias = bias('u_bias'), bias('v_bias')
             self.kind_biases = {name: bias(name) for name in self.kind.bias_names}
         if not self.relative:
-            self.position_table = self.param('position_embedding', normal(cfg.init_std, (None, 'embed')),
-                                             (cfg.n_positions, cfg.d_model))
+            self.position_table = param(self, 'position_embedding', normal(cfg.init_std, (None, 'embed')),
+                                        (cfg.n_positions, cfg.d_model))
         if BLOCKS[cfg.block].final_norm:
             self.final_norm = layer_norm(cfg, 'final_norm')
         self.dropout = Dropout(cfg.dropout)

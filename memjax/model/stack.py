@@ -18,7 +18,7 @@ from memjax.model.attention import AttentionContext, RelativeAttention, dropout_
 from memjax.model.config import ModelConfig, add_check
 from memjax.model.memories import MemoryKind
 from memjax.model.positions import POSITIONS
-from memjax.model.primitives import BLOCKS, BTE, Dropout, layer_norm, normal, projection
+from memjax.model.primitives import BLOCKS, BTE, Dropout, layer_norm, normal, param, projection
 
 
 class FeedForward(nn.Module):
@@ -81,7 +81,7 @@ class DecoderLayer(nn.Module):
         rows, h = carry
         u_bias, v_bias, biases = ctx.u_bias, ctx.v_bias, ctx.biases
         if cfg.untie_r and POSITIONS[cfg.positions] is not None:
-            bias = lambda name: self.param(name, normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
+            bias = lambda name: param(self, name, normal(cfg.init_std, ('heads', 'kv')), (cfg.n_head, cfg.d_head))
             u_bias, v_bias = bias('u_bias'), bias('v_bias')
             biases = {name: bias(name) for name in self.kind.bias_names}
         memory = self.memory

@@ -59,7 +59,7 @@ from memjax.model.attention import Attended, KeyBlock
 from memjax.model.config import KindFields, ModelConfig, example
 from memjax.model.memories import LayerMemory, MemoryState, Problems, register
 from memjax.model.memories.xl import XLMemory
-from memjax.model.primitives import normal, projection
+from memjax.model.primitives import normal, param, projection
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,8 +233,8 @@ class Gate(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        kernel = self.param('kernel', normal(cfg.init_std, (None, 'embed', 'mlp')), (3, x.shape[-1], cfg.d_model))
-        bias = self.param('bias', nn.with_logical_partitioning(nn.initializers.zeros, ('mlp',)), (cfg.d_model,))
+        kernel = param(self, 'kernel', normal(cfg.init_std, (None, 'embed', 'mlp')), (3, x.shape[-1], cfg.d_model))
+        bias = param(self, 'bias', nn.with_logical_partitioning(nn.initializers.zeros, ('mlp',)), (cfg.d_model,))
         padded = jnp.pad(x, ((0, 0), (1, 1), (0, 0)))
         window = jnp.stack([padded[:, :-2], padded[:, 1:-1], padded[:, 2:]], axis=2)  # [B, S, 3, D]
         return jnp.einsum('bskd,kde->bse', window.astype(cfg.dtype), kernel.astype(cfg.dtype)) + bias.astype(cfg.dtype)
