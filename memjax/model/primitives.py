@@ -54,22 +54,32 @@ def normal(std: float, axes: tuple):
     return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
 
 
-def param(module: nn.Module, name: str, init: Callable, shape: tuple) -> jax.Array:
-    """`module.param(name, init, shape)`, checking a given parameter's shape against `shape` itself.
+def param(module: nn.Module, name: str, init: Callable, shape: tuple, *init_args) -> jax.Array:
+    """`module.param(name, init, shape, *init_args)`, checking a given parameter's shape against
+    `shape` itself.
 
     Flax checks a parameter that the caller gave (every `apply`) by tracing its initializer again
     under `jax.eval_shape`: a Threefry draw per parameter, about a tenth of the time JAX takes to
     trace and lower a small model's train and eval steps, paid again in every compilation. The shape
     is all it compares, and here it is known. Initialising goes through Flax's own `param`."""
     if not module.has_variable('params', name):
-        return module.param(name, init, shape)
+        return nn.Module.param(module, name, init, shape, *init_args)
     value = nn.meta.unbox(module.get_variable('params', name))
     if np.shape(value) != tuple(shape):
         raise flax.errors.ScopeParamShapeError(name, module.scope.path_text, np.shape(value), tuple(shape))
     return value
 
 
-def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
+class LayerNorm(nn.LayerNorm):
+    """Flax's LayerNorm, its scale and bias declared through `param` above: Flax's LayerNorm would
+    trace its gain's initializer (a Threefry draw) again at every apply."""
+
+    @nn.nowrap
+    def param(self, name: str, init_fn: Callable, *init_args) -> jax.Array:
+        return param(self, name, init_fn, *init_args)
+
+
+def layer_norm(cfg: ModelConfig, name: str) -> LayerNorm:
     # The reference initialises the LayerNorm gain from N(1, init_std), not to exactly 1.
     def gain_init(key, shape, dtype=jnp.float32):
         return 1.0 + cfg.init_std * jax.random.normal(key, shape, dtype)
@@ -79,10 +89,10 @@ def layer_norm(cfg: ModelConfig, name: str) -> nn.LayerNorm:
     # such a lower compute dtype, those float32 intermediates ([tokens, d_model] each) are recomputed
     # in the backward pass from the input, which is in the compute dtype, rather than kept for it.
     # (No CSE barrier inside a scanned stack: the scan keeps the recomputation apart already.)
-    norm = nn.LayerNorm if cfg.dtype == jnp.float32 else nn.remat(nn.LayerNorm, prevent_cse=not cfg.scan_layers)
+    norm = LayerNorm if cfg.dtype == jnp.float32 else nn.remat(LayerNorm, prevent_cse=not cfg.scan_layers)
     return norm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.dtype, name=name,
-                        scale_init=nn.with_logical_partitioning(gain_init, ('norm',)),
-                        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)))
+                scale_init=nn.with_logical_partitioning(gain_init, ('norm',)),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('norm',)))
 
 
 class Projection(nn.Module):
